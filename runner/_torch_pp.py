@@ -1,0 +1,81 @@
+"""Every use of torch's private pipelining internals, in one place.
+
+torch.distributed.pipelining keeps its schedule IR (``_Action``), its CSV runtime and its schedule
+validator private; when a torch release moves them, this file is the one to change. Tested with
+torch 2.13.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+from unittest import mock
+
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _PipelineScheduleRuntime,
+    _simulate_comms_compute,
+    _validate_schedule,
+)
+
+__all__ = [
+    "Action",
+    "stage_to_rank_mapping",
+    "stand_in_stages",
+    "read_actions",
+    "check_actions",
+    "csv_schedule",
+]
+
+Action = _Action
+
+
+def stage_to_rank_mapping(pp: int, num_stages: int, *, v_shape: bool) -> dict[int, int]:
+    return generate_stage_to_rank_mapping(pp, num_stages, style="v" if v_shape else "loop")
+
+
+def stand_in_stages(pp: int, num_stages: int, num_local: int) -> list:
+    """Stand-ins for ``PipelineStage`` that let a schedule class be constructed (and so run its
+    own argument checks and compute its action order) without processes or a model, the way
+    torch's own schedule visualizer does."""
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank = 0
+    stage.group_size = pp
+    stage.num_stages = num_stages
+    stage.submod = None
+    return [stage] * num_local
+
+
+def read_actions(path: Path) -> dict[int, list[_Action]]:
+    """Parse a compute-only CSV: one row per rank, one action (``2F0``, ``1B3``, ``0W1``) per cell.
+    Empty cells are idle slots. Raises ``RuntimeError``/``ValueError`` on a malformed cell."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = [row for row in csv.reader(f) if any(cell.strip() for cell in row)]
+    actions = {}
+    for rank, row in enumerate(rows):
+        parsed = [_Action.from_str(cell) for cell in row]
+        actions[rank] = [a for a in parsed if a is not None]
+    return actions
+
+
+def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatches: int) -> dict[int, int]:
+    """torch's validator (every F before its B/I, I before W, counts per stage) followed by a
+    dry run with the communication it implies, which fails on a schedule that would deadlock.
+    Returns the stage-to-rank placement the file implies."""
+    pp = len(actions)
+    stage_to_rank = _validate_schedule(actions, pp, num_stages, microbatches)
+    with_comms = _add_send_recv(actions, stage_to_rank=lambda s: stage_to_rank[s], num_stages=num_stages)
+    _simulate_comms_compute(with_comms, lambda s: stage_to_rank[s], num_stages)
+    return stage_to_rank
+
+
+def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, path: Path):
+    """The schedule runtime that executes the action order of a CSV file."""
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
+    schedule._load_csv(str(path), format="compute_only")
+    return schedule

@@ -1,0 +1,131 @@
+"""Structured-config schemas, registered in Hydra's ConfigStore.
+
+Every YAML file under ``conf/`` extends one of these dataclasses through its defaults list, so a
+misspelt key or a value of the wrong type fails at compose time with Hydra's own message, before
+anything is launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING
+
+__all__ = ["RunConfig", "register_configs"]
+
+
+@dataclass
+class ScheduleConfig:
+    # One of runner.schedule.SCHEDULES (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
+    # interleaved_zb, zbv, dualpipev).
+    name: str = MISSING
+
+
+@dataclass
+class CsvScheduleConfig(ScheduleConfig):
+    name: str = "csv"
+    # Path to a compute-only action CSV (one row per pipeline rank, e.g. "0F0,0F1,2F0,...").
+    csv: str = MISSING
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 2  # pipeline ranks; 1 = the unsplit model in one process (the reference)
+    dp: int = 1  # data-parallel replicas (composition with DDP/FSDP is not built yet: keep 1)
+    microbatches: int = 4  # microbatches per step, per pipeline
+    # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
+    stages_per_rank: Optional[int] = None
+    # Names of top-level model children where a new stage starts; null = balanced automatically.
+    split_points: Optional[List[str]] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    batch_size: int = 16  # global samples per optimizer step
+    seq_len: int = 32  # tokens per sample
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 3  # linear warmup from lr / warmup_steps
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0  # max global gradient norm across all stages; 0 = off
+    seed: int = 0
+
+
+@dataclass
+class LaunchConfig:
+    # Seconds a collective may wait before the job is declared stuck (gloo/nccl timeout).
+    timeout_s: float = 300.0
+    # Intra-op threads per rank; null = this host's cores divided among the ranks it runs.
+    threads_per_rank: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    """Keys every built-in model factory takes. A user factory (``model._target_=pkg.mod.fn``)
+    is called with the keys of the selected model group."""
+
+    _target_: str = MISSING
+    vocab_size: int = II("data.vocab_size")
+    max_seq_len: int = II("train.seq_len")
+    dim: int = 64
+    n_layers: int = 4
+    tie_embeddings: bool = False  # head shares the token embedding's weight
+
+
+@dataclass
+class TransformerConfig(ModelConfig):
+    _target_: str = "runner.models.transformer"
+    n_heads: int = 4
+    ffn_mult: int = 4
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    _target_: str = "runner.models.mlp"
+    ffn_mult: int = 4
+
+
+@dataclass
+class SyntheticDataConfig:
+    _target_: str = "runner.data.SyntheticData"
+    vocab_size: int = 64
+    # Probability that a token follows the hidden bigram rule instead of being uniform noise.
+    signal: float = 0.9
+
+
+@dataclass
+class TextDataConfig:
+    _target_: str = "runner.data.TextData"
+    path: str = MISSING  # any local text file, read as bytes
+    vocab_size: int = 256  # byte-level: fixed
+
+
+@dataclass
+class RunConfig:
+    schedule: ScheduleConfig = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    device: str = "auto"  # auto | cpu | cuda
+    # Also run the unsplit model on the first batch and compare loss and every gradient.
+    verify: bool = False
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
+    cs.store(group="schedule", name="base_csv_schedule", node=CsvScheduleConfig)
+    cs.store(group="model", name="base_transformer", node=TransformerConfig)
+    cs.store(group="model", name="base_mlp", node=MLPConfig)
+    cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
+    cs.store(group="data", name="base_text", node=TextDataConfig)
+
+
+register_configs()

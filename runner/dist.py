@@ -1,0 +1,81 @@
+"""Process group setup and teardown, device choice, and the few collectives the loop needs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "pick_device", "init_distributed", "cleanup", "all_reduce_sum", "gather_to_main"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """``auto`` takes a GPU per rank when there is one, else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            if choice == "cuda":
+                raise RuntimeError(f"rank needs cuda:{local_rank}, only {torch.cuda.device_count()} GPUs")
+            return torch.device("cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    *, rank: int, world_size: int, device: torch.device, timeout_s: float, store: dist.Store | None = None
+) -> DistEnv:
+    """Join the process group: ``store`` for ranks spawned on this host, else torchrun's env://."""
+    if world_size > 1:
+        if store is not None:  # one host: gloo binds to loopback and talks to nobody else
+            interface = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+            if interface:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistEnv(rank=rank, world_size=world_size, device=device)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    if env.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def gather_to_main(obj: Any, env: DistEnv) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order), None elsewhere."""
+    if env.world_size == 1:
+        return [obj]
+    out = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def local_rank_from_env() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))

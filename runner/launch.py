@@ -1,0 +1,135 @@
+"""Launching ranks: spawn ``pp * dp`` processes on this host, or join the ranks ``torchrun``
+started, or (one rank) train right here. Ranks rendezvous through a ``FileStore`` in the run
+directory: no listening socket, so two runs started together cannot collide on a port."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+
+from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device
+from runner.errors import ConfigError, RankFailedError, RunnerError
+from runner.train import train
+from runner.validate import Layout, validate
+
+__all__ = ["launch", "under_torchrun"]
+
+log = logging.getLogger(__name__)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
+    # Ranks on one host share its cores; oversubscribed intra-op threads slow every rank.
+    return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_on_host)
+
+
+def _setup_rank_logging(rank: int, run_dir: Path) -> None:
+    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    for handler in (logging.StreamHandler(), logging.FileHandler(run_dir / "runner.log")):
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir: str,
+                  store_path: str, launch_time: float) -> None:
+    """Entry of each spawned rank process."""
+    cfg = OmegaConf.create(cfg_dict)
+    run_dir_path = Path(run_dir)
+    _setup_rank_logging(rank, run_dir_path)
+    torch.set_num_threads(_threads_per_rank(cfg, world))
+    device = pick_device(cfg.device, local_rank=rank)
+    env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
+                           store=dist.FileStore(store_path, world))
+    try:
+        train(cfg, layout, env, run_dir_path, launch_time=launch_time)
+    finally:
+        cleanup()
+
+
+def _rank_failure(error: Exception) -> RunnerError:
+    """The failing rank's own words: a runner error's message, or the full traceback."""
+    text = getattr(error, "msg", str(error))
+    rank = getattr(error, "error_index", "?")
+    match = re.search(r"^runner\.errors\.\w+: (.*)", text, flags=re.S | re.M)
+    if match:
+        return RunnerError(f"rank {rank}: {match.group(1).strip()}")
+    return RankFailedError(f"rank {rank} failed:\n{text.strip()}")
+
+
+def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
+    world = cfg.parallel.pp * cfg.parallel.dp
+    store_path = run_dir / f".rendezvous-{uuid.uuid4().hex}"
+    context = mp.start_processes(
+        _spawned_rank,
+        args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir),
+              str(store_path), launch_time),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        # join() re-raises the first rank failure and terminates the other ranks.
+        while not context.join(timeout=1.0):
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise _rank_failure(e) from None
+    finally:
+        store_path.unlink(missing_ok=True)
+
+
+def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    expected = cfg.parallel.pp * cfg.parallel.dp
+    if world != expected:
+        raise ConfigError(
+            f"torchrun started {world} ranks but parallel.pp x parallel.dp = {expected}. "
+            f"Fix: --nproc-per-node {expected}, or parallel.pp={world}."
+        )
+    device = pick_device(cfg.device, local_rank=local_rank_from_env())
+    torch.set_num_threads(_threads_per_rank(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
+    try:
+        # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
+        box = [str(run_dir)]
+        dist.broadcast_object_list(box, src=0)
+        train(cfg, layout, env, Path(box[0]), launch_time=launch_time)
+    finally:
+        cleanup()
+
+
+def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) -> dict | None:
+    """Validate, run every rank to the end, and return the run's summary (None on torchrun
+    ranks other than 0). Raises ``RunnerError`` for anything that went wrong."""
+    launch_time = launch_time or time.time()
+    layout = validate(cfg)
+    log.info("run directory: %s\n%s", run_dir, layout.describe())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is not writable. Fix: hydra.run.dir=<writable dir>.")
+    if under_torchrun():
+        _join_torchrun(cfg, layout, run_dir, launch_time)
+        if int(os.environ["RANK"]) != 0:
+            return None
+    elif cfg.parallel.pp * cfg.parallel.dp == 1:
+        env = init_distributed(rank=0, world_size=1, device=pick_device(cfg.device, 0),
+                               timeout_s=cfg.launch.timeout_s)
+        train(cfg, layout, env, run_dir, launch_time=launch_time)
+    else:
+        _spawn(cfg, layout, run_dir, launch_time)
+    return json.loads((run_dir / "summary.json").read_text())

@@ -1,0 +1,132 @@
+"""Schedules: our config names → torch's classes, their stage placement, the pre-spawn check
+that asks torch itself whether it accepts the layout, and construction on each rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from runner import _torch_pp
+from runner.errors import ConfigError
+
+__all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
+           "read_csv_schedule", "build_schedule"]
+
+# Config name → torch.distributed.pipelining class name; "csv" runs a file's action order.
+SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+V_SHAPED = {"zbv", "dualpipev"}  # stages fold back: rank 0 holds the first and the last stage
+
+
+def _schedule_class(name: str):
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"schedule.name={name!r} is not a schedule. "
+            f"Fix: schedule=<one of {', '.join([*SCHEDULES, 'csv'])}>."
+        )
+    return get_schedule_class(SCHEDULES[name])
+
+
+def is_single_stage(name: str) -> bool:
+    return issubclass(_schedule_class(name), PipelineScheduleSingle)
+
+
+def default_stages_per_rank(name: str) -> int:
+    return 1 if is_single_stage(name) else 2
+
+
+def placement(name: str, pp: int, num_stages: int) -> dict[int, int]:
+    """Stage index → pipeline rank: looped, or V-shaped for ZBV/DualPipeV."""
+    return _torch_pp.stage_to_rank_mapping(pp, num_stages, v_shape=name in V_SHAPED)
+
+
+def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """Construct the torch schedule class on stand-in stages, so torch's own rules (which change
+    between releases) reject a layout before any rank starts."""
+    cls = _schedule_class(name)
+    single = issubclass(cls, PipelineScheduleSingle)
+    if single and stages_per_rank != 1:
+        raise ConfigError(
+            f"schedule={name} runs one stage per rank, but parallel.stages_per_rank="
+            f"{stages_per_rank}. Fix: parallel.stages_per_rank=1 (or null), or pick a multi-stage "
+            "schedule (interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev)."
+        )
+    if not single and stages_per_rank < 2:
+        raise ConfigError(
+            f"schedule={name} needs at least 2 stages per rank, but parallel.stages_per_rank="
+            f"{stages_per_rank}. Fix: parallel.stages_per_rank=2 (or null)."
+        )
+    num_stages = pp * stages_per_rank
+    stages = _torch_pp.stand_in_stages(pp, num_stages, stages_per_rank)
+    try:
+        cls(stages[0] if single else stages, microbatches)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise ConfigError(
+            f"torch's {cls.__name__} rejects schedule={name} with parallel.pp={pp}, "
+            f"parallel.stages_per_rank={stages_per_rank}, parallel.microbatches={microbatches} "
+            f"({num_stages} stages): {e}\nFix: change parallel.microbatches (at least the "
+            "number of stages, a multiple of parallel.pp is always safe) or the stage count."
+        ) from e
+
+
+def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microbatches: int):
+    """Lint a compute-only CSV schedule; returns (num_stages, stage → rank placement)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"schedule.csv={path!r}: no such file. Fix: give the path of a CSV file.")
+    try:
+        actions = _torch_pp.read_actions(file)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(
+            f"schedule.csv={path!r} is malformed: {e}\nFix: one row per rank of actions like "
+            "'0F0,0F1,1F0,...' (stage, F/B/I/W, microbatch)."
+        ) from e
+    computes = [a for row in actions.values() for a in row]
+    if not computes or any(not a.is_compute_op or a.microbatch_index is None for a in computes):
+        raise ConfigError(
+            f"schedule.csv={path!r} must hold compute actions only (F, B, I, W with a microbatch), "
+            "e.g. '0F0,0F1,0B0'. Fix: drop communication actions and empty files."
+        )
+    if len(actions) != pp:
+        raise ConfigError(
+            f"schedule.csv={path!r} has {len(actions)} rows (ranks) but parallel.pp={pp}. "
+            f"Fix: parallel.pp={len(actions)}."
+        )
+    file_mbs = 1 + max(a.microbatch_index for a in computes)
+    if file_mbs != microbatches:
+        raise ConfigError(
+            f"schedule.csv={path!r} schedules {file_mbs} microbatches but parallel.microbatches="
+            f"{microbatches}. Fix: parallel.microbatches={file_mbs}."
+        )
+    num_stages = 1 + max(a.stage_index for a in computes)
+    try:
+        stage_to_rank = _torch_pp.check_actions(actions, num_stages, microbatches)
+    except (AssertionError, ValueError, RuntimeError, KeyError) as e:
+        raise ConfigError(f"schedule.csv={path!r} is not a valid schedule: {e}") from e
+    per_rank = {r: sum(1 for owner in stage_to_rank.values() if owner == r) for r in range(pp)}
+    if stages_per_rank is not None and set(per_rank.values()) != {stages_per_rank}:
+        raise ConfigError(
+            f"schedule.csv={path!r} places {per_rank} stages per rank but parallel.stages_per_rank="
+            f"{stages_per_rank}. Fix: parallel.stages_per_rank=null (the file decides)."
+        )
+    return num_stages, stage_to_rank
+
+
+def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable, csv: str | None):
+    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch and
+    ``scale_grads`` divides gradients by the microbatch count: the step's loss and gradients are
+    those of the mean over microbatches, the same quantity as the unsplit model's."""
+    if name == "csv":
+        return _torch_pp.csv_schedule(stages, microbatches, loss_fn, Path(csv))
+    cls = _schedule_class(name)
+    target = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
+    return cls(target, microbatches, loss_fn=loss_fn, scale_grads=True)

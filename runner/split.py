@@ -1,0 +1,177 @@
+"""Model → stages: build the model without memory, choose where stages start, and materialise
+only the stage modules a rank owns, initialised exactly as the unsplit model would be.
+
+Stage modules are ``nn.Sequential`` built from an ordered dict of the full model's own children,
+so every parameter keeps its full name (``block3.attn.qkv.weight``) in every stage: checkpoints,
+``verify`` and reports line up with the unsplit model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict, defaultdict
+from typing import Sequence
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from runner.errors import ConfigError
+
+__all__ = ["build_meta_model", "plan_split", "check_tied_weights", "materialize"]
+
+log = logging.getLogger(__name__)
+
+
+def build_meta_model(model_cfg: DictConfig) -> nn.Sequential:
+    """Instantiate the model factory on the meta device: shapes only, no memory, no init."""
+    try:
+        with torch.device("meta"):
+            model = instantiate(model_cfg)
+    except Exception as e:  # the user's factory can fail in any way
+        raise ConfigError(
+            f"model._target_={model_cfg.get('_target_')!r} could not be built: {e}\n"
+            "Fix: check the model keys; a model factory must accept the keys of its model group."
+        ) from e
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"model._target_={model_cfg.get('_target_')!r} returned {type(model).__name__}, "
+            "not an nn.Sequential. Fix: return an nn.Sequential whose top-level children run in "
+            "order (see README, 'Bring your own model')."
+        )
+    return model
+
+
+def _unit_costs(model: nn.Sequential) -> list[int]:
+    # Parameter count as the cost proxy; +1 so parameter-free children still count.
+    return [1 + sum(p.numel() for p in child.parameters()) for child in model.children()]
+
+
+def _balanced_bounds(costs: Sequence[int], num_stages: int) -> list[int]:
+    """Start index of each stage for contiguous groups that minimise the costliest group."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max-cost of splitting units[:i] into k groups; cut[k][i]: last start.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def plan_split(
+    model: nn.Sequential, num_stages: int, split_points: Sequence[str] | None
+) -> tuple[tuple[str, ...], ...]:
+    """The names of the model's top-level children in each stage, in stage order."""
+    names = list(model._modules)
+    if len(names) < num_stages:
+        raise ConfigError(
+            f"The model has {len(names)} top-level children ({', '.join(names)}) but the layout "
+            f"needs {num_stages} stages. Fix: raise model.n_layers, or lower parallel.pp or "
+            "parallel.stages_per_rank."
+        )
+    if split_points is None:
+        starts = _balanced_bounds(_unit_costs(model), num_stages)
+    else:
+        points = list(split_points)
+        unknown = [p for p in points if p not in names]
+        if unknown:
+            raise ConfigError(
+                f"parallel.split_points={points} names no module: {unknown}. "
+                f"Fix: use top-level children of the model: {names}."
+            )
+        if len(points) != num_stages - 1:
+            raise ConfigError(
+                f"parallel.split_points={points} gives {len(points) + 1} stages but the layout "
+                f"has {num_stages}. Fix: give {num_stages - 1} names, or split_points=null."
+            )
+        starts = [0] + [names.index(p) for p in points]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ConfigError(
+                f"parallel.split_points={points} are out of order or start the first stage. "
+                f"Fix: list names in model order after '{names[0]}': {names[1:]}."
+            )
+    bounds = starts + [len(names)]
+    stages = tuple(tuple(names[a:b]) for a, b in zip(bounds, bounds[1:]))
+    assert sum(len(s) for s in stages) == len(names), "split must cover every child once"
+    return stages
+
+
+def check_tied_weights(model: nn.Sequential, stages: Sequence[Sequence[str]]) -> None:
+    """Parameters shared between children (tied embedding/head) cannot span two stages: each
+    stage would train its own copy. Reject that before launching."""
+    stage_of = {name: i for i, names in enumerate(stages) for name in names}
+    for names in _tied_groups(model):
+        owners = {stage_of[n.split(".", 1)[0]] for n in names}
+        if len(owners) > 1:
+            raise ConfigError(
+                f"Tied parameters {names} fall in different stages {sorted(owners)}; pipelined "
+                "stages cannot share a weight. Fix: model.tie_embeddings=false, or split so "
+                "both owners share a stage (parallel.split_points)."
+            )
+
+
+def _tied_groups(module: nn.Module) -> list[list[str]]:
+    by_id = defaultdict(list)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(owner), leaf, param)
+
+
+def materialize(
+    model: nn.Sequential, names: Sequence[str], *, seed: int, device: torch.device
+) -> nn.Sequential:
+    """A stage module holding the given children of a meta-device ``model``, allocated and
+    initialised on CPU (so every device gets the same numbers), then moved to ``device``.
+
+    Each module's ``reset_parameters()`` runs under a generator seeded from the run seed and the
+    module's full name, so a child initialises identically whichever stage or process builds it.
+    """
+    stage = nn.Sequential(OrderedDict((n, model._modules[n]) for n in names))
+    tied = _tied_groups(stage)
+    stage.to_empty(device="cpu")
+    for first, *others in tied:  # allocation gives each name its own tensor: tie them again
+        for other in others:
+            _set_param(stage, other, stage.get_parameter(first))
+    with torch.no_grad():
+        for name, module in stage.named_modules():
+            owns_state = any(True for _ in module.parameters(recurse=False)) or any(
+                True for _ in module.buffers(recurse=False)
+            )
+            reset = getattr(module, "reset_parameters", None)
+            if reset is None:
+                if owns_state:
+                    raise ConfigError(
+                        f"Module '{name}' ({type(module).__name__}) owns parameters or buffers "
+                        "but has no reset_parameters(), so the runner cannot initialise it "
+                        "from the meta device. Fix: give it a reset_parameters() method."
+                    )
+                continue
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_seed_for(seed, name))
+                reset()
+    return stage.to(device)

@@ -1,0 +1,121 @@
+"""The training loop each rank runs: data → pipelined step → (verify) → global clip → AdamW →
+metrics; rank 0 writes the outputs."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from runner.dist import DistEnv, all_reduce_sum, gather_to_main
+from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
+from runner.pipeline import build_step
+from runner.validate import Layout
+from runner.verify import collect_grads, verify_first_step
+
+__all__ = ["TrainResult", "train", "lr_factor", "clip_grad_norm_global"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    summary: dict | None = None  # rank 0 only
+    # Gradients after the first backward, before clipping (``keep_first_grads``); rank 0 only.
+    first_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps - 1)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, env: DistEnv) -> float:
+    """Clip by the norm over every stage's gradients on every rank (a per-rank clip would use a
+    different scale on each stage). Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=env.device)
+    total = all_reduce_sum(local.pow(2), env).sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.item()
+
+
+def train(
+    cfg: DictConfig,
+    layout: Layout,
+    env: DistEnv,
+    run_dir: Path,
+    *,
+    launch_time: float,
+    keep_first_grads: bool = False,
+) -> TrainResult:
+    t = cfg.train
+    data = instantiate(cfg.data, seed=t.seed)
+    step_fn = build_step(cfg, layout, env)
+    params = [p for m in step_fn.modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),
+    )
+    metrics = MetricsWriter(run_dir) if env.is_main else None
+    result = TrainResult(losses=[])
+    step_times: list[float] = []
+    verify_report = None
+    startup_s = time.time() - launch_time
+    progress = tqdm(total=t.steps, desc="train", disable=not (env.is_main and sys.stderr.isatty() and t.steps >= 50))
+    for step in range(t.steps):
+        inputs, targets = data.batch(step, t.batch_size, t.seq_len)
+        inputs, targets = inputs.to(env.device), targets.to(env.device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        local_loss = step_fn(inputs, targets)
+        # Exactly one rank holds the last stage: the sum over ranks is the step's loss.
+        loss_t = local_loss if local_loss is not None else torch.zeros((), device=env.device)
+        loss = all_reduce_sum(loss_t.float(), env).item()
+        if step == 0 and keep_first_grads:
+            gathered = gather_to_main(collect_grads(step_fn.modules), env)
+            if env.is_main:
+                result.first_grads = {n: g for part in gathered for n, g in part.items()}
+        if step == 0 and cfg.verify:
+            verify_report = verify_first_step(cfg, step_fn.modules, loss, inputs, targets, env)
+        grad_norm = clip_grad_norm_global(params, t.grad_clip, env)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        step_time = time.perf_counter() - start
+        step_times.append(step_time)
+        result.losses.append(loss)
+        progress.update()
+        if metrics:
+            tokens = t.batch_size * t.seq_len
+            metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                           "step_time_s": step_time, "tokens_per_s": tokens / step_time})
+            if step % max(1, t.steps // 10) == 0 or step == t.steps - 1:
+                log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f ms",
+                         step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3)
+    progress.close()
+    peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
+    if env.is_main:
+        metrics.close()
+        result.summary = make_summary(
+            cfg=cfg, layout=layout, losses=result.losses, step_times=step_times,
+            tokens_per_step=t.batch_size * t.seq_len, startup_s=startup_s, peak_mem=peak_mem,
+        )
+        if verify_report is not None:
+            result.summary["verify"] = verify_report
+        write_summary(run_dir, result.summary)
+    return result

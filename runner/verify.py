@@ -1,0 +1,103 @@
+"""``verify=true``: the unsplit model, on rank 0, on the run's first batch; its loss and every
+parameter's gradient against the pipeline's. Catches gradients silently scaled, missing or
+applied to the wrong stage."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+from runner.dist import DistEnv, gather_to_main
+from runner.errors import VerifyError
+from runner.pipeline import UnsplitStep
+from runner.split import build_meta_model, materialize
+
+__all__ = ["RTOL", "ATOL", "collect_grads", "compare", "verify_first_step"]
+
+log = logging.getLogger(__name__)
+
+# The tolerances of torch's own test_schedule_multiproc.py for fp32.
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def collect_grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
+    """Full parameter name → a CPU copy of its gradient (None where backward left none)."""
+    return {
+        name: None if p.grad is None else p.grad.detach().cpu().clone()
+        for module in modules
+        for name, p in module.named_parameters()
+    }
+
+
+def compare(
+    got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None], loss: float, ref_loss: float
+) -> dict:
+    """Largest absolute and relative gradient differences; ``passed`` as ``torch.allclose``
+    with ``RTOL``/``ATOL`` on the loss and on every gradient, and no gradient missing."""
+    problems = [f"{n}: no gradient in the pipeline" for n in ref if got.get(n) is None and ref[n] is not None]
+    problems += [f"{n}: not in the unsplit model" for n in got if n not in ref]
+    max_abs = max_rel = 0.0
+    worst = None
+    for name, r in ref.items():
+        g = got.get(name)
+        if g is None or r is None:
+            continue
+        diff = (g - r).abs()
+        rel = (diff / r.abs().clamp_min(1e-12)).max().item()
+        if diff.max().item() > max_abs:
+            max_abs, worst = diff.max().item(), name
+        max_rel = max(max_rel, rel)
+        if not torch.allclose(g, r, rtol=RTOL, atol=ATOL):
+            problems.append(f"{name}: max abs diff {diff.max().item():.3g}")
+    loss_diff = abs(loss - ref_loss)
+    if loss_diff > ATOL + RTOL * abs(ref_loss):
+        problems.append(f"loss {loss:.6f} vs unsplit {ref_loss:.6f}")
+    return {
+        "passed": not problems,
+        "loss": loss,
+        "ref_loss": ref_loss,
+        "loss_abs_diff": loss_diff,
+        "max_abs_diff": max_abs,
+        "max_rel_diff": max_rel,
+        "worst_param": worst,
+        "rtol": RTOL,
+        "atol": ATOL,
+        "problems": problems[:20],
+    }
+
+
+def verify_first_step(
+    cfg: DictConfig,
+    modules: list[nn.Module],
+    loss: float,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    env: DistEnv,
+) -> dict:
+    """Call after the first step's backward, before clipping and the optimizer. Every rank gets
+    the report; every rank raises ``VerifyError`` together when it failed (none is left waiting)."""
+    gathered = gather_to_main(collect_grads(modules), env)
+    report = None
+    if env.is_main:
+        got = {name: g for part in gathered for name, g in part.items()}
+        meta = build_meta_model(cfg.model)
+        model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
+        ref_loss = UnsplitStep(model, cfg.parallel.microbatches)(inputs.cpu(), targets.cpu()).item()
+        report = compare(got, collect_grads([model]), loss, ref_loss)
+        log.info("verify: max abs diff %.3g, max rel diff %.3g, loss diff %.3g -> %s",
+                 report["max_abs_diff"], report["max_rel_diff"], report["loss_abs_diff"],
+                 "passed" if report["passed"] else "FAILED")
+    if env.world_size > 1:
+        box = [report]
+        dist.broadcast_object_list(box, src=0)
+        report = box[0]
+    if not report["passed"]:
+        raise VerifyError(
+            "verify=true: the pipelined first step differs from the unsplit model's:\n  "
+            + "\n  ".join(report["problems"])
+        )
+    return report

@@ -1,0 +1,28 @@
+"""User-style model factories for tests."""
+
+from collections import OrderedDict
+
+from torch import nn
+
+from runner.models import mlp
+
+
+def dropout_mlp(**kwargs) -> nn.Sequential:
+    """Random in training mode: pipelined and unsplit gradients differ, so verify must fail."""
+    model = mlp(**kwargs)
+    children = list(model.named_children())
+    return nn.Sequential(OrderedDict(children[:2] + [("drop", nn.Dropout(0.5))] + children[2:]))
+
+
+class Explode(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("boom from the user's model")
+
+
+def exploding_mlp(**kwargs) -> nn.Sequential:
+    children = list(mlp(**kwargs).named_children())
+    return nn.Sequential(OrderedDict(children[:-1] + [("explode", Explode())] + children[-1:]))
+
+
+def not_sequential(**kwargs) -> nn.Module:
+    return nn.Linear(2, 2)

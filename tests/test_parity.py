@@ -1,0 +1,93 @@
+"""The bar above all: pipelined training computes what the unsplit model computes.
+
+One spawn per pipeline width runs every schedule (and CSV schedules) on the same process group;
+the unsplit pp=1 reference is computed once, in this process, by the same training loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from _ranks import spawn, train_cases
+from conftest import EXAMPLES, TINY, compose
+from runner.dist import DistEnv
+from runner.train import train
+from runner.validate import validate
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
+# Clipping must bind, or a per-rank clip would pass: gradient norms here are ~1.
+CLIP = ["train.grad_clip=0.05"]
+LOSS_RTOL = 1e-4
+GRAD_RTOL, GRAD_ATOL = 1e-5, 4e-5
+
+
+def _reference(tmp_path: Path, *overrides: str) -> dict:
+    cfg = compose(*TINY, *CLIP, "parallel.pp=1", *overrides)
+    run_dir = tmp_path / "reference"
+    run_dir.mkdir()
+    result = train(cfg, validate(cfg), DistEnv(0, 1, torch.device("cpu")), run_dir,
+                   launch_time=time.time(), keep_first_grads=True)
+    return {"losses": result.losses, "grads": result.first_grads, "summary": result.summary}
+
+
+def _run_cases(tmp_path: Path, world: int, cases: dict[str, list[str]]) -> dict[str, dict]:
+    resolved = {name: OmegaConf.to_container(compose(*TINY, *CLIP, *ov), resolve=True)
+                for name, ov in cases.items()}
+    spawn(world, train_cases, str(tmp_path), resolved)
+    return {name: torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in cases}
+
+
+def _assert_matches(got: dict, ref: dict, case: str) -> None:
+    assert "error" not in got, f"{case}: {got.get('traceback')}"
+    assert len(got["losses"]) == len(ref["losses"]) == 5
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{case} losses: {m}")
+    assert got["grads"].keys() == ref["grads"].keys(), case
+    for name, ref_grad in ref["grads"].items():
+        assert ref_grad is not None and got["grads"][name] is not None, f"{case}: {name} has no grad"
+        torch.testing.assert_close(got["grads"][name], ref_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                   msg=lambda m: f"{case} grad {name}: {m}")
+
+
+def _assert_reference_is_meaningful(ref: dict) -> None:
+    metrics = [float(line.split('"grad_norm": ')[1].split(",")[0])
+               for line in (Path(ref["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert min(metrics) > 0.05 * 4, "clipping must bind in every step for the test to mean anything"
+    assert ref["losses"][-1] < ref["losses"][0] - 0.01, "the reference must learn"
+
+
+@pytest.mark.timeout(240)
+def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
+    cases = {name: [f"schedule={name}", "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+             for name in SCHEDULES}
+    for csv in ("interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv"):
+        cases[f"csv-{csv}"] = ["schedule=csv", f"schedule.csv={EXAMPLES / csv}", "parallel.pp=2",
+                               "parallel.microbatches=4", "train.batch_size=8"]
+    cases["explicit-split"] = ["schedule=1f1b", "parallel.pp=2", "parallel.microbatches=4",
+                               "train.batch_size=8", "parallel.split_points=[block1]"]
+    results = _run_cases(tmp_path / "pp2", 2, cases)
+    ref = _reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8")
+    ref["run_dir"] = tmp_path / "reference"
+    _assert_reference_is_meaningful(ref)
+    for case, got in results.items():
+        _assert_matches(got, ref, case)
+    # Uneven layouts were exercised: 9 children over 2 and 4 stages, and a 2/7 explicit split.
+    assert results["1f1b"]["summary"]["stages"] == {"0": ["embed", "block0", "block1", "block2"],
+                                                    "1": ["block3", "block4", "block5", "norm", "head"]}
+    assert results["explicit-split"]["summary"]["stages"]["0"] == ["embed", "block0"]
+    assert results["zbv"]["summary"]["num_stages"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_every_schedule_at_pp4_matches_the_unsplit_model(tmp_path):
+    cases = {name: [f"schedule={name}", "parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
+             for name in SCHEDULES}
+    results = _run_cases(tmp_path / "pp4", 4, cases)
+    ref = _reference(tmp_path, "parallel.microbatches=8", "train.batch_size=16")
+    for case, got in results.items():
+        _assert_matches(got, ref, case)
+    assert results["interleaved_zb"]["summary"]["num_stages"] == 8
