@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 class TrainResult:
     losses: list[float]
     summary: dict | None = None  # rank 0 only
-    # Gradients after the first backward, before clipping (``keep_first_grads``); rank 0 only.
+    # Gradients after the first backward, before and after clipping (``keep_first_grads``);
+    # rank 0 only, keyed by full parameter name.
     first_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    first_clipped_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -51,6 +53,11 @@ def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, env
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total.item()
+
+
+def _gather_grads(modules: list[torch.nn.Module], env: DistEnv) -> dict:
+    gathered = gather_to_main(collect_grads(modules), env)
+    return {n: g for part in gathered for n, g in part.items()} if env.is_main else {}
 
 
 def train(
@@ -87,12 +94,12 @@ def train(
         loss_t = local_loss if local_loss is not None else torch.zeros((), device=env.device)
         loss = all_reduce_sum(loss_t.float(), env).item()
         if step == 0 and keep_first_grads:
-            gathered = gather_to_main(collect_grads(step_fn.modules), env)
-            if env.is_main:
-                result.first_grads = {n: g for part in gathered for n, g in part.items()}
+            result.first_grads = _gather_grads(step_fn.modules, env)
         if step == 0 and cfg.verify:
             verify_report = verify_first_step(cfg, step_fn.modules, loss, inputs, targets, env)
         grad_norm = clip_grad_norm_global(params, t.grad_clip, env)
+        if step == 0 and keep_first_grads:
+            result.first_clipped_grads = _gather_grads(step_fn.modules, env)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

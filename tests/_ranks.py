@@ -43,7 +43,8 @@ def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
             result = train(cfg, validate(cfg), env, run_dir, launch_time=time.time(), keep_first_grads=True)
-            record = {"losses": result.losses, "grads": result.first_grads, "summary": result.summary}
+            record = {"losses": result.losses, "grads": result.first_grads,
+                      "clipped": result.first_clipped_grads, "summary": result.summary}
         except RunnerError as e:
             record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if env.is_main:

@@ -31,7 +31,8 @@ def _reference(tmp_path: Path, *overrides: str) -> dict:
     run_dir.mkdir()
     result = train(cfg, validate(cfg), DistEnv(0, 1, torch.device("cpu")), run_dir,
                    launch_time=time.time(), keep_first_grads=True)
-    return {"losses": result.losses, "grads": result.first_grads, "summary": result.summary}
+    return {"losses": result.losses, "grads": result.first_grads, "clipped": result.first_clipped_grads,
+            "summary": result.summary}
 
 
 def _run_cases(tmp_path: Path, world: int, cases: dict[str, list[str]]) -> dict[str, dict]:
@@ -46,11 +47,12 @@ def _assert_matches(got: dict, ref: dict, case: str) -> None:
     assert len(got["losses"]) == len(ref["losses"]) == 5
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{case} losses: {m}")
-    assert got["grads"].keys() == ref["grads"].keys(), case
-    for name, ref_grad in ref["grads"].items():
-        assert ref_grad is not None and got["grads"][name] is not None, f"{case}: {name} has no grad"
-        torch.testing.assert_close(got["grads"][name], ref_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL,
-                                   msg=lambda m: f"{case} grad {name}: {m}")
+    for kind in ("grads", "clipped"):  # after the first backward, and after the global clip
+        assert got[kind].keys() == ref[kind].keys(), case
+        for name, ref_grad in ref[kind].items():
+            assert ref_grad is not None and got[kind][name] is not None, f"{case}: {name} has no grad"
+            torch.testing.assert_close(got[kind][name], ref_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                       msg=lambda m: f"{case} {kind} {name}: {m}")
 
 
 def _assert_reference_is_meaningful(ref: dict) -> None:
