@@ -6,10 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
 
 from runner.errors import ConfigError
 
-__all__ = ["SyntheticData", "TextData"]
+__all__ = ["build_dataset", "SyntheticData", "TextData"]
+
+
+def build_dataset(data_cfg: DictConfig, *, seed: int):
+    """Instantiate ``data._target_``; its own config errors surface unwrapped."""
+    try:
+        return instantiate(data_cfg, seed=seed)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise ConfigError(f"data._target_={data_cfg.get('_target_')!r} could not be built: {e}") from e
 
 
 def _generator(seed: int, step: int) -> torch.Generator:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import time
 import uuid
@@ -62,14 +63,28 @@ def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir
         cleanup()
 
 
-def _rank_failure(error: Exception) -> RunnerError:
-    """The failing rank's own words: a runner error's message, or the full traceback."""
-    text = getattr(error, "msg", str(error))
-    rank = getattr(error, "error_index", "?")
+# How gloo/nccl report that a peer went away: a symptom on the survivors, not the root cause.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|NCCL communicator was aborted")
+
+
+def _rank_failure(error: Exception, error_files: list[str]) -> RunnerError:
+    """The root cause among the failed ranks (the first whose traceback is not a peer's
+    disappearance): a runner error's message, or that rank's full traceback."""
+    traces = {}
+    for rank, path in enumerate(error_files):
+        if os.access(path, os.R_OK):
+            with open(path, "rb") as f:
+                traces[rank] = pickle.load(f)
+    root = next((r for r, t in traces.items() if not _PEER_GONE.search(t)), None)
+    if root is None:
+        root = error.error_index
+        if root not in traces:  # killed by a signal or exited without a traceback
+            return RankFailedError(f"rank {root}: {error}")
+    text = traces[root]
     match = re.search(r"^runner\.errors\.\w+: (.*)", text, flags=re.S | re.M)
     if match:
-        return RunnerError(f"rank {rank}: {match.group(1).strip()}")
-    return RankFailedError(f"rank {rank} failed:\n{text.strip()}")
+        return RunnerError(f"rank {root}: {match.group(1).strip()}")
+    return RankFailedError(f"rank {root} failed:\n{text.strip()}")
 
 
 def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
@@ -88,7 +103,7 @@ def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -
         while not context.join(timeout=1.0):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise _rank_failure(e) from None
+        raise _rank_failure(e, context.error_files) from None
     finally:
         store_path.unlink(missing_ok=True)
 

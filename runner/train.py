@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from runner.data import build_dataset
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
 from runner.pipeline import build_step
@@ -70,7 +70,7 @@ def train(
     keep_first_grads: bool = False,
 ) -> TrainResult:
     t = cfg.train
-    data = instantiate(cfg.data, seed=t.seed)
+    data = build_dataset(cfg.data, seed=t.seed)
     step_fn = build_step(cfg, layout, env)
     params = [p for m in step_fn.modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)

@@ -7,10 +7,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import schedule as sched
+from runner.data import build_dataset
 from runner.errors import ConfigError
 from runner.split import build_meta_model, check_tied_weights, plan_split
 
@@ -106,7 +106,7 @@ def validate(cfg: DictConfig) -> Layout:
     _check_missing(cfg)
     _check_numbers(cfg)
     num_stages, stage_to_rank = _schedule_layout(cfg)
-    instantiate(cfg.data, seed=cfg.train.seed)  # e.g. a missing text file fails here
+    build_dataset(cfg.data, seed=cfg.train.seed)  # e.g. a missing text file fails here
     model = build_meta_model(cfg.model)
     stages = plan_split(model, num_stages, cfg.parallel.split_points)
     check_tied_weights(model, stages)

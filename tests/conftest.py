@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 # Small enough for 2 CPU cores, big enough to split into 8 stages (6 blocks + embed, norm, head).
-TINY = ["device=cpu", "model.dim=32", "model.n_layers=6", "model.n_heads=2", "train.seq_len=16",
+TINY = ["device=cpu", "model.dim=32", "model.n_layers=6", "train.seq_len=16",
         "train.steps=5", "data.vocab_size=48"]
 
 

@@ -66,22 +66,31 @@ def _assert_reference_is_meaningful(ref: dict) -> None:
 def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     cases = {name: [f"schedule={name}", "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
              for name in SCHEDULES}
-    for csv in ("interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv"):
+    # CSV files with loop, V and one-stage-per-rank placements, with F/B and with F/I/W actions.
+    for csv in ("interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv", "zbv_pp2_m4.csv", "gpipe_pp2_m4.csv"):
         cases[f"csv-{csv}"] = ["schedule=csv", f"schedule.csv={EXAMPLES / csv}", "parallel.pp=2",
                                "parallel.microbatches=4", "train.batch_size=8"]
     cases["explicit-split"] = ["schedule=1f1b", "parallel.pp=2", "parallel.microbatches=4",
                                "train.batch_size=8", "parallel.split_points=[block1]"]
+    cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
+    # A model that is random in training mode cannot match: verify must fail the run on every rank.
+    cases["verify-catches-dropout"] = ["model=mlp", "model._target_=_models.dropout_mlp", "verify=true",
+                                       "parallel.microbatches=4", "train.batch_size=8"]
     results = _run_cases(tmp_path / "pp2", 2, cases)
+    assert results.pop("verify-catches-dropout")["error"].startswith("VerifyError: verify=true")
     ref = _reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8")
     ref["run_dir"] = tmp_path / "reference"
     _assert_reference_is_meaningful(ref)
     for case, got in results.items():
         _assert_matches(got, ref, case)
+        report = got["summary"]["verify"]
+        assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
     # Uneven layouts were exercised: 9 children over 2 and 4 stages, and a 2/7 explicit split.
     assert results["1f1b"]["summary"]["stages"] == {"0": ["embed", "block0", "block1", "block2"],
                                                     "1": ["block3", "block4", "block5", "norm", "head"]}
     assert results["explicit-split"]["summary"]["stages"]["0"] == ["embed", "block0"]
     assert results["zbv"]["summary"]["num_stages"] == 4
+    assert results["csv-gpipe_pp2_m4.csv"]["summary"]["num_stages"] == 2
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,102 @@
+"""The command line as users run it: a few real jobs, each a real multi-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, compose
+from runner.launch import launch
+
+TESTS = Path(__file__).parent
+
+
+def _runner(*args: str, cwd: Path, module: list[str] | None = None, timeout: int = 120):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.Popen([sys.executable, *(module or ["-m", "runner"]), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: int = 120) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(150)
+def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
+    procs = [_runner("experiment=smoke", "verify=true", cwd=tmp_path) for _ in range(2)]
+    results = [_finish(p) for p in procs]
+    for rc, out, err in results:
+        assert rc == 0, err
+        assert "throughput" in out and "verify" in out
+    run_dirs = sorted(tmp_path.glob("outputs/*/*"))
+    assert len(run_dirs) == 2  # same second, distinct directories, no port to collide on
+    for run_dir in run_dirs:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["schedule"] == "1f1b" and summary["pp"] == 2 and summary["dp"] == 1
+        assert summary["microbatches"] == 4 and summary["steps"] == 4
+        assert len(summary["losses"]) == 4 and summary["final_loss"] == summary["losses"][-1]
+        assert summary["losses"][-1] < summary["losses"][0]
+        assert summary["step_time_s"] > 0 and summary["tokens_per_s"] > 0 and summary["startup_s"] > 0
+        assert len(summary["peak_mem_bytes"]) == 2 and min(summary["peak_mem_bytes"]) > 2**20
+        assert summary["verify"]["passed"] and summary["verify"]["max_abs_diff"] < 4e-5
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines] == [0, 1, 2, 3]
+        assert [m["loss"] for m in lines] == summary["losses"]
+        assert all(m["lr"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0 for m in lines)
+        assert (run_dir / ".hydra" / "config.yaml").is_file()
+        assert "rank 0" in (run_dir / "runner.log").read_text()
+        assert not list(run_dir.glob(".rendezvous*"))
+
+
+@pytest.mark.timeout(60)
+def test_user_errors_exit_non_zero_with_a_message_and_no_traceback(tmp_path):
+    procs = [_runner("train.batch_size=10", cwd=tmp_path), _runner("trian.steps=5", cwd=tmp_path)]
+    (rc, _, err), (rc_typo, _, err_typo) = [_finish(p) for p in procs]
+    assert rc == 2 and "train.batch_size=10" in err and "Fix:" in err
+    assert rc_typo == 1 and "trian" in err_typo
+    assert "Traceback" not in err + err_typo
+
+
+@pytest.mark.timeout(90)
+def test_a_failing_rank_ends_the_job_and_shows_its_traceback(tmp_path):
+    rc, out, err = _finish(_runner("experiment=smoke", "model=mlp", "model._target_=_models.exploding_mlp",
+                                   cwd=tmp_path), timeout=80)
+    assert rc == 2
+    assert "rank 1 failed" in err and "Traceback" in err and "boom from the user's model" in err
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_ranks_share_one_run_directory(tmp_path):
+    proc = _runner("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke",
+                   cwd=tmp_path, module=["-m", "torch.distributed.run"])
+    rc, out, err = _finish(proc, timeout=110)
+    assert rc == 0, err
+    run_dirs = list(tmp_path.glob("outputs/*/*"))
+    assert len(run_dirs) == 1
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    assert summary["pp"] == 2 and len(summary["losses"]) == 4 and len(summary["peak_mem_bytes"]) == 2
+    assert not list(tmp_path.glob("*.log"))  # rank 1 wrote no outputs of its own
+
+
+def test_pp1_trains_the_unsplit_model_in_this_process(tmp_path):
+    summary = launch(compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4"), tmp_path)
+    assert summary["pp"] == 1 and summary["num_stages"] == 1 and len(summary["losses"]) == 5
+    assert (tmp_path / "summary.json").is_file()
+
+
+@pytest.mark.gpu
+def test_cuda_run_matches_cpu(tmp_path):
+    cpu = launch(compose(*TINY, "parallel.pp=1", "train.batch_size=8"), tmp_path / "cpu")
+    cuda_cfg = compose(*TINY, "parallel.pp=1", "train.batch_size=8")
+    cuda_cfg.device = "cuda"
+    cuda = launch(cuda_cfg, tmp_path / "cuda")
+    torch.testing.assert_close(torch.tensor(cuda["losses"]), torch.tensor(cpu["losses"]), rtol=1e-3, atol=1e-3)
+    assert cuda["peak_mem_bytes"][0] > 0

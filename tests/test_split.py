@@ -1,0 +1,74 @@
+"""Splitting: every child lands in exactly one stage, stage modules keep the full model's
+parameter names, and each rank's stage initialises to exactly the unsplit model's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import TINY, compose
+from runner.errors import ConfigError
+from runner.split import build_meta_model, materialize, plan_split
+
+CPU = torch.device("cpu")
+
+
+def _full(cfg, seed=0):
+    meta = build_meta_model(cfg.model)
+    return materialize(meta, list(meta._modules), seed=seed, device=CPU)
+
+
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_stages_rebuild_the_unsplit_model_exactly(model):
+    cfg = compose(*TINY, f"model={model}")
+    full = dict(_full(cfg).named_parameters())
+    meta = build_meta_model(cfg.model)
+    stages = plan_split(meta, 4, None)
+    seen = {}
+    for names in reversed(stages):  # build in another order than the model's: init must not care
+        stage = materialize(build_meta_model(cfg.model), names, seed=0, device=CPU)
+        seen.update(stage.named_parameters())
+    assert seen.keys() == full.keys()  # full names, nothing dropped, nothing renamed
+    for name, p in full.items():
+        assert torch.equal(seen[name], p), name
+    assert not torch.equal(_full(cfg, seed=1).get_parameter("block0.ffn.up.weight"),
+                           full["block0.ffn.up.weight"])
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 5, 9])
+def test_balanced_split_covers_every_child_once_in_order(num_stages):
+    meta = build_meta_model(compose(*TINY).model)
+    stages = plan_split(meta, num_stages, None)
+    assert len(stages) == num_stages and all(stages)
+    assert [n for s in stages for n in s] == list(meta._modules)
+    blocks = [sum(n.startswith("block") for n in s) for s in stages]
+    if num_stages in (2, 3):  # parameter balance puts the 6 blocks evenly
+        assert max(blocks) - min(blocks) <= 1
+
+
+def test_explicit_split_points_are_used_as_given():
+    meta = build_meta_model(compose(*TINY).model)
+    stages = plan_split(meta, 3, ["block2", "norm"])
+    assert stages == (("embed", "block0", "block1"), ("block2", "block3", "block4", "block5"), ("norm", "head"))
+
+
+def test_tied_weights_stay_tied_inside_a_stage():
+    stage = _full(compose(*TINY, "model.tie_embeddings=true"))
+    assert stage.get_parameter("head.weight") is stage.get_parameter("embed.tok.weight")
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_a_parameter_the_runner_cannot_initialise_is_an_error():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _Scale())
+    with pytest.raises(ConfigError, match="'1' .*_Scale.*reset_parameters"):
+        materialize(model, ["0", "1"], seed=0, device=CPU)

@@ -1,0 +1,123 @@
+"""Bad input is rejected in the launching process, before any rank starts, with a message that
+names the key, the value and the fix. Everything here runs in-process in milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from conftest import EXAMPLES, TINY, compose
+from runner.errors import ConfigError
+from runner.validate import validate
+
+PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                                      "interleaved_zb", "zbv", "dualpipev"])
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_every_schedule_and_model_composes_and_validates(schedule, model):
+    layout = validate(compose(*PP2, f"schedule={schedule}", f"model={model}"))
+    assert layout.pp == 2 and layout.microbatches == 4
+    single = schedule in ("gpipe", "1f1b")
+    assert layout.num_stages == (2 if single else 4)
+    children = [n for names in layout.stages for n in names]
+    assert children == ["embed", *[f"block{i}" for i in range(6)], "norm", "head"]
+
+
+def test_v_schedules_fold_stages_back_onto_rank_0():
+    layout = validate(compose(*PP2, "schedule=zbv"))
+    assert layout.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert validate(compose(*PP2, "schedule=interleaved_1f1b")).stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+def test_smoke_experiment_and_text_data_compose(tmp_path):
+    assert validate(compose("experiment=smoke")).num_stages == 2
+    text = tmp_path / "corpus.txt"
+    text.write_text("pipeline parallelism " * 100)
+    cfg = compose("data=text", f"data.path={text}")
+    assert cfg.model.vocab_size == 256
+    validate(cfg)
+
+
+@pytest.mark.parametrize("override", ["trian.steps=5", "train.steps=abc", "parallel.pp=two",
+                                      "schedule.csv=x.csv", "model.dimm=3"])
+def test_typos_and_wrong_types_fail_at_compose_time(override):
+    with pytest.raises(ConfigCompositionException):
+        compose(override)
+
+
+BAD = [
+    # (overrides, substrings the message must contain)
+    (["schedule=csv"], ["schedule.csv", "missing"]),
+    (["schedule.name=zigzag"], ["schedule.name='zigzag'", "gpipe", "dualpipev", "csv"]),
+    (["schedule=1f1b", "parallel.pp=4", "parallel.microbatches=2"], ["Schedule1F1B", "parallel.microbatches=2"]),
+    (["schedule=dualpipev", "parallel.microbatches=2"], ["DualPipeV", "parallel.microbatches=2"]),
+    (["train.batch_size=10"], ["train.batch_size=10", "multiple of 4"]),
+    (["train.batch_size=2"], ["train.batch_size=2", "parallel.microbatches"]),
+    (["schedule=zbv", "parallel.stages_per_rank=3"], ["ZBV", "parallel.stages_per_rank=3"]),
+    (["schedule=interleaved_1f1b", "parallel.stages_per_rank=1"], ["at least 2 stages", "parallel.stages_per_rank=1"]),
+    (["schedule=gpipe", "parallel.stages_per_rank=2"], ["one stage per rank", "parallel.stages_per_rank=2"]),
+    (["parallel.split_points=[block9]"], ["parallel.split_points", "block9"]),
+    (["schedule=interleaved_1f1b", "parallel.split_points=[block4,block2,block5]"], ["out of order"]),
+    (["parallel.split_points=[block1,block3]"], ["3 stages", "has 2"]),
+    (["parallel.split_points=[embed]"], ["out of order or start the first stage"]),
+    (["schedule=interleaved_1f1b", "parallel.pp=4", "model.n_layers=1", "parallel.microbatches=8",
+      "train.batch_size=8"], ["4 top-level children", "8 stages"]),
+    (["model.tie_embeddings=true"], ["Tied parameters", "embed.tok.weight", "head.weight"]),
+    (["parallel.dp=2"], ["parallel.dp=2"]),
+    (["parallel.microbatches=0"], ["parallel.microbatches=0"]),
+    (["device=tpu"], ["device='tpu'"]),
+    (["model._target_=_models.not_sequential"], ["model._target_='_models.not_sequential'", "nn.Sequential"]),
+    (["model._target_=nowhere.factory"], ["model._target_='nowhere.factory'"]),
+    (["data=text", "data.vocab_size=256", "data.path=/no/such/file.txt"], ["data.path='/no/such/file.txt'"]),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*PP2, *overrides))
+    for text in expected:
+        assert text in str(info.value), str(info.value)
+
+
+def test_tied_weights_are_fine_when_they_share_a_stage():
+    layout = validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true"))
+    assert layout.num_stages == 1
+
+
+def _csv(tmp_path, text: str) -> str:
+    path = tmp_path / "schedule.csv"
+    path.write_text(text)
+    return str(path)
+
+
+CSV_BAD = [
+    ("0F0,0X0\n1F0,1B0\n", ["malformed", "0X0"]),
+    ("0F0,0B0\n", ["1 rows", "parallel.pp=1"]),
+    ("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n", ["2 microbatches", "parallel.microbatches=2"]),
+    ("0B0,0F0,0F1,0F2,0F3,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n", ["not a valid schedule", "without first running Forward"]),
+    # Every action in a valid order per stage, but rank 1 waits on backwards never sent: deadlock.
+    ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1B0,1F0,1F1,1F2,1F3,1B1,1B2,1B3\n", ["not a valid schedule"]),
+    ("0F0,0SEND_F0\n1F0\n", ["compute actions only"]),
+    ("", ["compute actions only"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", CSV_BAD, ids=[str(i) for i in range(len(CSV_BAD))])
+def test_bad_csv_schedules_are_linted_before_spawning(tmp_path, text, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*PP2, "schedule=csv", f"schedule.csv={_csv(tmp_path, text)}"))
+    for part in expected:
+        assert part in str(info.value), str(info.value)
+
+
+def test_csv_schedule_gives_stage_count_and_placement():
+    csv = EXAMPLES / "interleaved_1f1b_pp2_m4.csv"
+    layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}"))
+    assert layout.num_stages == 4 and layout.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
+    with pytest.raises(ConfigError, match="parallel.stages_per_rank=3"):
+        validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}", "parallel.stages_per_rank=3"))
+    with pytest.raises(ConfigError, match="no such file"):
+        validate(compose(*PP2, "schedule=csv", "schedule.csv=/nope.csv"))
