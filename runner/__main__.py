@@ -2,18 +2,21 @@
 
 Only this outermost entry turns a ``RunnerError`` into an exit code; inside, errors are raised.
 """
+# ruff: noqa: E402  (the launch clock starts before the heavy imports)
 
 from __future__ import annotations
 
+import time
+
+_START = time.time()  # "launch": before importing torch, so startup_s counts that too
+
 import os
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import hydra
-from hydra.errors import HydraException
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -21,8 +24,6 @@ import runner.config  # noqa: F401  (registers the config schemas)
 from runner.errors import RunnerError
 from runner.launch import launch, under_torchrun
 from runner.outputs import format_table
-
-_START = time.time()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -37,8 +38,7 @@ def main(cfg: DictConfig) -> float | None:
 def cli() -> None:
     if under_torchrun() and os.environ["RANK"] != "0":
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.
-        sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='runner-rank')}",
-                     "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
     # Let our errors reach the handler below instead of Hydra's traceback printer; Hydra's own
     # config errors stay compact.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "pick_device", "init_distributed", "cleanup", "all_reduce_sum", "gather_to_main"]
+__all__ = ["DistEnv", "resolve_device", "pick_device", "init_distributed", "cleanup", "all_reduce_sum", "gather_to_main"]
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,17 @@ class DistEnv:
         return self.rank == 0
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
-    """``auto`` takes a GPU per rank when there is one, else the CPU."""
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if local_rank >= torch.cuda.device_count():
-            if choice == "cuda":
-                raise RuntimeError(f"rank needs cuda:{local_rank}, only {torch.cuda.device_count()} GPUs")
-            return torch.device("cpu")
+def resolve_device(choice: str, ranks_on_host: int) -> str:
+    """``auto`` means CUDA only when this host has a GPU for each of its ranks: every rank must
+    use the same backend, and NCCL cannot put two ranks on one GPU."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.device_count() >= ranks_on_host else "cpu"
+    return choice
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    """This rank's device for a resolved ``kind`` (``cpu`` or ``cuda``)."""
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device
+from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device, resolve_device
 from runner.errors import ConfigError, RankFailedError, RunnerError
 from runner.train import train
 from runner.validate import Layout, validate
@@ -133,7 +133,9 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
     ranks other than 0). Raises ``RunnerError`` for anything that went wrong."""
     launch_time = launch_time or time.time()
     layout = validate(cfg)
-    log.info("run directory: %s\n%s", run_dir, layout.describe())
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.pp * cfg.parallel.dp))
+    cfg.device = resolve_device(cfg.device, ranks_on_host)
+    log.info("run directory: %s (device: %s)\n%s", run_dir, cfg.device, layout.describe())
     run_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is not writable. Fix: hydra.run.dir=<writable dir>.")

@@ -90,12 +90,15 @@ def _check_numbers(cfg: DictConfig) -> None:
 def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
     """(number of stages, stage → rank) as the schedule dictates."""
     p, name = cfg.parallel, cfg.schedule.name
+    if p.pp == 1:  # the unsplit reference: one stage, no schedule
+        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points") if p[k] is not None]
+        if ignored:
+            log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
+        return 1, {0: 0}
     if name == "csv":
         return sched.read_csv_schedule(
             cfg.schedule.csv, pp=p.pp, stages_per_rank=p.stages_per_rank, microbatches=p.microbatches
         )
-    if p.pp == 1:  # the unsplit reference: one stage, no schedule
-        return 1, {0: 0}
     spr = p.stages_per_rank or sched.default_stages_per_rank(name)
     sched.check_schedule(name, pp=p.pp, stages_per_rank=spr, microbatches=p.microbatches)
     return p.pp * spr, sched.placement(name, p.pp, p.pp * spr)
@@ -108,7 +111,7 @@ def validate(cfg: DictConfig) -> Layout:
     num_stages, stage_to_rank = _schedule_layout(cfg)
     build_dataset(cfg.data, seed=cfg.train.seed)  # e.g. a missing text file fails here
     model = build_meta_model(cfg.model)
-    stages = plan_split(model, num_stages, cfg.parallel.split_points)
+    stages = plan_split(model, num_stages, cfg.parallel.split_points if cfg.parallel.pp > 1 else None)
     check_tied_weights(model, stages)
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
