@@ -64,6 +64,21 @@ class LaunchConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # torch.profiler chrome traces per rank, the merged timeline, schedule.png and the simulated
+    # schedule. The executed schedule.csv and the bubble are recorded either way.
+    enabled: bool = True
+    wait: int = 1  # steps skipped before profiling (the first step includes shape inference)
+    warmup: int = 1  # profiler warm-up steps, not recorded
+    active: int = 3  # steps recorded
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False  # rank 0 writes scalars under <run dir>/tensorboard (needs tensorboard)
+
+
+@dataclass
 class ModelConfig:
     """Keys every built-in model factory takes. A user factory (``model._target_=pkg.mod.fn``)
     is called with the keys of the selected model group."""
@@ -112,6 +127,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     device: str = "auto"  # auto | cpu | cuda
     # Also run the unsplit model on the first batch and compare loss and every gradient.
     verify: bool = False

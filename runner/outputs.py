@@ -14,15 +14,32 @@ __all__ = ["MetricsWriter", "peak_memory_bytes", "make_summary", "write_summary"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path):
+    """``metrics.jsonl``, and TensorBoard scalars when asked (``logging.tensorboard=true``)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False):
         self.file = open(run_dir / "metrics.jsonl", "w")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional extra: runner[tensorboard]
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.last_step = 0
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()  # a crashed run keeps every finished step
+        self.last_step = record["step"]
+        if self.tb:
+            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{key}", record[key], record["step"])
 
-    def close(self) -> None:
+    def close(self, bubble: dict | None = None) -> None:
         self.file.close()
+        if self.tb:
+            if bubble:
+                self.tb.add_scalar("pipeline/bubble", bubble["mean"], self.last_step)
+                self.tb.add_scalar("pipeline/bubble_theoretical", bubble["theoretical"], self.last_step)
+            self.tb.close()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -65,6 +82,8 @@ def format_table(summary: dict) -> str:
         ("step time", f"{summary['step_time_s'] * 1e3:.1f} ms (median)"),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
         ("startup", f"{summary['startup_s']:.1f} s"),
+        ("bubble", f"{summary['bubble']['mean']:.3f} measured, {summary['bubble']['theoretical']:.3f} "
+                   f"theoretical ({summary['bubble']['theoretical_source']})"),
         ("peak memory", ", ".join(f"{b / 2**20:.0f} MiB" for b in summary["peak_mem_bytes"])),
     ]
     if "verify" in summary:

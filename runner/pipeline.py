@@ -4,6 +4,7 @@ backward over all microbatches, pipelined or (pp=1) on the unsplit model."""
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from runner.dist import DistEnv
+from runner.record import Recorder
 from runner.schedule import build_schedule
 from runner.split import build_meta_model, materialize
 from runner.validate import Layout
@@ -33,13 +35,20 @@ class UnsplitStep:
     def __init__(self, model: nn.Module, microbatches: int):
         self.modules = [model]
         self.microbatches = microbatches
+        self.recorder: Recorder | None = None
+
+    def attach(self, recorder: Recorder) -> None:
+        self.recorder = recorder
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model, m = self.modules[0], self.microbatches
+        timed = self.recorder.action if self.recorder else lambda *_: nullcontext()
         losses = []
-        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
-            loss = lm_loss(model(x), y)
-            (loss / m).backward()
+        for i, (x, y) in enumerate(zip(inputs.tensor_split(m), targets.tensor_split(m))):
+            with timed(0, "F", i):
+                loss = lm_loss(model(x), y)
+            with timed(0, "B", i):
+                (loss / m).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
@@ -49,11 +58,16 @@ class PipelinedStep:
     targets on the rank with the last; only that rank returns the step's loss."""
 
     def __init__(self, stages: list[PipelineStage], schedule, layout: Layout):
+        self.stages = stages
         self.modules = [s.submod for s in stages]
         self.schedule = schedule
         indices = {s.stage_index for s in stages}
         self.has_first = 0 in indices
         self.has_last = layout.num_stages - 1 in indices
+
+    def attach(self, recorder: Recorder) -> None:
+        for stage in self.stages:
+            recorder.wrap_stage(stage)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []

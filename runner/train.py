@@ -18,6 +18,7 @@ from runner.data import build_dataset
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
 from runner.pipeline import build_step
+from runner.profile import RunProfiler
 from runner.validate import Layout
 from runner.verify import collect_grads, verify_first_step
 
@@ -78,7 +79,9 @@ def train(
         optimizer,
         lambda s: lr_factor(s, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),
     )
-    metrics = MetricsWriter(run_dir) if env.is_main else None
+    profiler = RunProfiler(cfg.profile, steps=t.steps, env=env, run_dir=run_dir)
+    step_fn.attach(profiler.recorder)
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
     result = TrainResult(losses=[])
     step_times: list[float] = []
     verify_report = None
@@ -87,9 +90,11 @@ def train(
     for step in range(t.steps):
         inputs, targets = data.batch(step, t.batch_size, t.seq_len)
         inputs, targets = inputs.to(env.device), targets.to(env.device)
+        profiler.begin_step(step)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        local_loss = step_fn(inputs, targets)
+        with profiler.recorder.pipeline_step(step):
+            local_loss = step_fn(inputs, targets)
         # Exactly one rank holds the last stage: the sum over ranks is the step's loss.
         loss_t = local_loss if local_loss is not None else torch.zeros((), device=env.device)
         loss = all_reduce_sum(loss_t.float(), env).item()
@@ -104,6 +109,7 @@ def train(
         optimizer.step()
         scheduler.step()
         step_time = time.perf_counter() - start
+        profiler.end_step()
         step_times.append(step_time)
         result.losses.append(loss)
         progress.update()
@@ -115,14 +121,16 @@ def train(
                 log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f ms",
                          step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3)
     progress.close()
+    bubble = profiler.finish(layout, layout.schedule)
     peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
     if env.is_main:
-        metrics.close()
         result.summary = make_summary(
             cfg=cfg, layout=layout, losses=result.losses, step_times=step_times,
             tokens_per_step=t.batch_size * t.seq_len, startup_s=startup_s, peak_mem=peak_mem,
         )
+        result.summary["bubble"] = bubble
         if verify_report is not None:
             result.summary["verify"] = verify_report
+        metrics.close(bubble)
         write_summary(run_dir, result.summary)
     return result

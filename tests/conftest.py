@@ -16,7 +16,7 @@ EXAMPLES = ROOT / "examples"
 
 # Small enough for 2 CPU cores, big enough to split into 8 stages (6 blocks + embed, norm, head).
 TINY = ["device=cpu", "model.dim=32", "model.n_layers=6", "train.seq_len=16",
-        "train.steps=5", "data.vocab_size=48"]
+        "train.steps=5", "data.vocab_size=48", "profile.enabled=false"]
 
 
 def compose(*overrides: str) -> DictConfig:

@@ -13,6 +13,7 @@ import torch
 
 from conftest import ROOT, TINY, compose
 from runner.launch import launch
+from test_profile import check_profiled_run
 
 TESTS = Path(__file__).parent
 
@@ -54,6 +55,7 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         assert (run_dir / ".hydra" / "config.yaml").is_file()
         assert "rank 0" in (run_dir / "runner.log").read_text()
         assert not list(run_dir.glob(".rendezvous*"))
+    check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[1, 2, 3])
 
 
 @pytest.mark.timeout(60)
@@ -86,10 +88,17 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
     assert not list(tmp_path.glob("*.log"))  # rank 1 wrote no outputs of its own
 
 
-def test_pp1_trains_the_unsplit_model_in_this_process(tmp_path):
-    summary = launch(compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4"), tmp_path)
+def test_pp1_trains_the_unsplit_model_in_this_process_with_tensorboard_scalars(tmp_path):
+    summary = launch(compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4",
+                             "logging.tensorboard=true"), tmp_path)
     assert summary["pp"] == 1 and summary["num_stages"] == 1 and len(summary["losses"]) == 5
-    assert (tmp_path / "summary.json").is_file()
+    assert summary["bubble"]["theoretical"] == 0 and (tmp_path / "schedule.csv").read_text() == "0F0,0B0,0F1,0B1\n"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(summary["losses"])
+    assert {"train/lr", "train/tokens_per_s", "train/step_time_s", "pipeline/bubble"} <= set(events.Tags()["scalars"])
 
 
 @pytest.mark.gpu

@@ -76,15 +76,27 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
     cases["verify-catches-dropout"] = ["model=mlp", "model._target_=_models.dropout_mlp", "verify=true",
                                        "parallel.microbatches=4", "train.batch_size=8"]
+    # Every run writes the order that ran as schedule.csv; feeding it back must reproduce the run.
+    for name in SCHEDULES:
+        cases[f"replay-{name}"] = ["schedule=csv", f"schedule.csv={tmp_path / 'pp2' / name / 'schedule.csv'}",
+                                   "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
     results = _run_cases(tmp_path / "pp2", 2, cases)
     assert results.pop("verify-catches-dropout")["error"].startswith("VerifyError: verify=true")
+    for name in SCHEDULES:
+        replay = results[f"replay-{name}"]
+        assert "error" not in replay, replay.get("traceback")
+        assert replay["losses"] == pytest.approx(results[name]["losses"], rel=1e-6, abs=0), name
+        assert replay["summary"]["num_stages"] == results[name]["summary"]["num_stages"]
     ref = _reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8")
     ref["run_dir"] = tmp_path / "reference"
     _assert_reference_is_meaningful(ref)
     for case, got in results.items():
         _assert_matches(got, ref, case)
-        report = got["summary"]["verify"]
-        assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
+        if not case.startswith("replay-"):
+            report = got["summary"]["verify"]
+            assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
+        bubble = got["summary"]["bubble"]
+        assert all(0 <= b < 1 for b in bubble["per_rank"]) and 0 <= bubble["theoretical"] < 1, case
     # Uneven layouts were exercised: 9 children over 2 and 4 stages, and a 2/7 explicit split.
     assert results["1f1b"]["summary"]["stages"] == {"0": ["embed", "block0", "block1", "block2"],
                                                     "1": ["block3", "block4", "block5", "norm", "head"]}

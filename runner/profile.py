@@ -1,0 +1,127 @@
+"""Profiling a run: the torch profiler over a window of steady-state steps, the action recorder
+over the same steps, and, at the end, the files that show the schedule as it ran (rank 0).
+
+Steps outside the window pay nothing but a flag check per compute call and ``prof.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.profiler import ProfilerActivity
+
+from runner.dist import DistEnv, gather_to_main
+from runner.record import Recorder
+from runner.simulate import UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
+from runner.timeline import (executed_order, mean_costs, measured_bubble, measured_slices, plot_schedule,
+                             simulated_slices, write_chrome_trace, write_schedule_csv)
+from runner.validate import Layout
+
+__all__ = ["Window", "plan_window", "RunProfiler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Window:
+    wait: int
+    warmup: int
+    active: int
+
+    @property
+    def first(self) -> int:
+        return self.wait + self.warmup
+
+    @property
+    def last(self) -> int:
+        return self.first + self.active - 1
+
+
+def plan_window(wait: int, warmup: int, active: int, steps: int) -> tuple[Window, bool]:
+    """The profiled steps, shrunk to fit a short run: ``active`` first (at least one step), then
+    warm-up, then the steps skipped before it. Returns the window and whether it was clamped."""
+    active_ = max(1, min(active, steps))
+    warmup_ = min(warmup, steps - active_)
+    wait_ = min(wait, steps - active_ - warmup_)
+    window = Window(wait_, warmup_, active_)
+    return window, window != Window(wait, warmup, active)
+
+
+class RunProfiler:
+    def __init__(self, profile_cfg: DictConfig, *, steps: int, env: DistEnv, run_dir: Path):
+        self.enabled = profile_cfg.enabled
+        self.env = env
+        self.run_dir = run_dir
+        self.window, clamped = plan_window(profile_cfg.wait, profile_cfg.warmup, profile_cfg.active, steps)
+        if clamped and env.is_main:
+            log.info("profile window clamped to %d steps: wait=%d warmup=%d active=%d", steps,
+                     self.window.wait, self.window.warmup, self.window.active)
+        if env.world_size > 1:
+            dist.barrier()  # every rank takes its clock origin as the barrier releases
+        self.recorder = Recorder(origin_ns=time.perf_counter_ns())
+        self.torch_profiler = None
+        if self.enabled:
+            activities = [ProfilerActivity.CPU]
+            if env.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            self.torch_profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=self.window.wait, warmup=self.window.warmup,
+                                                 active=self.window.active, repeat=1),
+                on_trace_ready=self._export,
+            )
+            self.torch_profiler.start()
+
+    def _export(self, prof) -> None:
+        traces = self.run_dir / "traces"
+        traces.mkdir(exist_ok=True)
+        prof.export_chrome_trace(str(traces / f"rank{self.env.rank}.json"))
+
+    def begin_step(self, step: int) -> None:
+        self.recorder.active = self.window.first <= step <= self.window.last
+
+    def end_step(self) -> None:
+        if self.torch_profiler is not None:
+            self.torch_profiler.step()
+
+    def finish(self, layout: Layout, schedule_name: str) -> dict | None:
+        """Stop profiling; rank 0 writes the schedule files and returns the bubble summary."""
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+        gathered = gather_to_main((self.recorder.actions, self.recorder.steps), self.env)
+        if not self.env.is_main:
+            return None
+        actions = {rank: acts for rank, (acts, _) in enumerate(gathered)}
+        spans = {rank: steps for rank, (_, steps) in enumerate(gathered)}
+        order = executed_order(actions)
+        write_schedule_csv(self.run_dir / "schedule.csv", order)
+        costs = mean_costs(actions)
+        simulated = simulate(order, costs, num_stages=layout.num_stages)
+        per_rank = measured_bubble(actions, spans)
+        sim_bubble = bubble_fractions(simulated)
+        stages_per_rank = max(1, layout.num_stages // layout.pp)
+        formula = theoretical_bubble(schedule_name, pp=layout.pp, microbatches=layout.microbatches,
+                                     stages_per_rank=stages_per_rank)
+        if self.enabled:
+            ranks = sorted(actions)
+            write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans), ranks=ranks)
+            write_chrome_trace(self.run_dir / "schedule_sim.json", simulated_slices(simulated), ranks=ranks)
+            plot_schedule(self.run_dir / "schedule.png", simulate(order, UNIT_COSTS, num_stages=layout.num_stages),
+                          title=f"{schedule_name}: pp={layout.pp}, {layout.num_stages} stages, "
+                                f"{layout.microbatches} microbatches (order as run)")
+        sim_mean = sum(sim_bubble.values()) / len(sim_bubble)
+        return {
+            "per_rank": per_rank,
+            "mean": sum(per_rank) / len(per_rank),
+            "theoretical": formula if formula is not None else sim_mean,
+            "theoretical_source": "formula" if formula is not None else "simulated with measured costs",
+            "simulated": sim_mean,
+            "steps": [s.step for s in spans[0]],
+            "mean_costs_s": {f"{stage}{kind}": c for (stage, kind), c in sorted(costs.items())},
+        }

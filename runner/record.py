@@ -1,0 +1,93 @@
+"""What ran: every compute action, timed at the stage itself.
+
+The schedules differ in what they annotate (single-stage ones name microbatches, the runtime
+ones wrap compute *and* the wait for its input in ``PP:`` ranges), and the declared
+``pipeline_order`` is not always what executes. So the recorder wraps each ``PipelineStage``'s
+forward, backward and weight-backward calls: whatever the schedule, each action becomes an
+``Action`` with its own start and end, and a ``compute:<stage><F|B|I|W><microbatch>`` range in the
+torch profiler trace. Outside the recorded window a wrapped call costs one flag check.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch.profiler import record_function
+
+__all__ = ["Action", "StepSpan", "Recorder"]
+
+
+@dataclass(frozen=True)
+class Action:
+    step: int
+    stage: int
+    kind: str  # F forward, B full backward, I input-grad backward, W weight-grad backward
+    microbatch: int
+    start_ns: int  # time.perf_counter_ns() minus the rank's origin
+    end_ns: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    step: int
+    start_ns: int
+    end_ns: int
+
+
+class Recorder:
+    """Records this rank's actions and pipeline-step spans while ``active``."""
+
+    def __init__(self, origin_ns: int):
+        self.origin_ns = origin_ns  # taken right after a barrier: ranks share one origin
+        self.active = False
+        self.step = -1
+        self.actions: list[Action] = []
+        self.steps: list[StepSpan] = []
+
+    def _now(self) -> int:
+        return time.perf_counter_ns() - self.origin_ns
+
+    @contextmanager
+    def action(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        with record_function(f"compute:{stage}{kind}{microbatch}"):
+            start = self._now()
+            yield
+            end = self._now()
+        self.actions.append(Action(self.step, stage, kind, microbatch, start, end))
+
+    @contextmanager
+    def pipeline_step(self, step: int) -> Iterator[None]:
+        self.step = step
+        start = self._now()
+        yield
+        if self.active:
+            self.steps.append(StepSpan(step, start, self._now()))
+
+    def wrap_stage(self, stage) -> None:
+        """Time a ``PipelineStage``'s compute calls (its methods are replaced on the instance)."""
+        index = stage.stage_index
+
+        def timed(method, kind_of):
+            @functools.wraps(method)
+            def call(chunk_id, *args, **kwargs):
+                with self.action(index, kind_of(kwargs), chunk_id):
+                    return method(chunk_id, *args, **kwargs)
+
+            return call
+
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = timed(
+            stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I"
+        )
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, lambda kw: "W")

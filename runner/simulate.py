@@ -1,0 +1,120 @@
+"""A pipeline schedule as a weighted event simulation.
+
+Each rank runs its actions in the given order; an action starts when its rank is free and its
+inputs exist: ``F`` of stage s after ``F`` of stage s-1 (the activation), ``B``/``I`` of stage s
+after its own ``F`` and the ``B``/``I`` of stage s+1 (the gradient), ``W`` after its ``I``. A
+message between ranks adds ``comm_s``. The result is a per-rank timeline, from which the bubble
+and the step time follow. Used with measured costs (the predicted timeline next to the measured
+one) and with unit costs (a readable picture of the order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
+
+__all__ = ["Op", "SimAction", "simulate", "bubble_fractions", "theoretical_bubble", "UNIT_COSTS"]
+
+# Relative costs for pictures: a full backward costs about two forwards; I and W split it.
+UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+class Op(NamedTuple):
+    stage: int
+    kind: str  # F, B, I or W
+    microbatch: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class SimAction:
+    rank: int
+    op: Op
+    start: float
+    end: float
+
+
+def _inputs(op: Op, num_stages: int, done: Mapping[Op, SimAction]) -> list[Op] | None:
+    """The actions whose outputs ``op`` consumes; None while one of them has not run yet."""
+    s, kind, mb = op
+    if kind == "F":
+        needed = [Op(s - 1, "F", mb)] if s > 0 else []
+    elif kind == "W":
+        needed = [Op(s, "I", mb)]
+    else:  # B or I: the stage's own forward, and the gradient from the next stage
+        needed = [Op(s, "F", mb)]
+        if s < num_stages - 1:
+            grad = next((o for o in (Op(s + 1, "B", mb), Op(s + 1, "I", mb)) if o in done), None)
+            if grad is None:
+                return None
+            needed.append(grad)
+    return needed if all(o in done for o in needed) else None
+
+
+def simulate(
+    order: Mapping[int, Sequence[Op]],
+    costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+    *,
+    num_stages: int,
+    comm_s: float = 0.0,
+) -> list[SimAction]:
+    """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds."""
+
+    def cost(op: Op) -> float:
+        return costs.get((op.stage, op.kind), costs.get(op.kind, 0.0))  # type: ignore[call-overload]
+
+    rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
+    position = {rank: 0 for rank in order}
+    free_at = {rank: 0.0 for rank in order}
+    done: dict[Op, SimAction] = {}
+    remaining = sum(len(ops) for ops in order.values())
+    while remaining:
+        progressed = False
+        for rank, ops in order.items():
+            while position[rank] < len(ops):
+                op = ops[position[rank]]
+                inputs = _inputs(op, num_stages, done)
+                if inputs is None:
+                    break
+                ready = max((done[i].end + (comm_s if rank_of[i.stage] != rank else 0.0) for i in inputs),
+                            default=0.0)
+                start = max(free_at[rank], ready)
+                done[op] = SimAction(rank, op, start, start + cost(op))
+                free_at[rank] = done[op].end
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: ops[position[r]].name for r, ops in order.items() if position[r] < len(ops)}
+            raise ValueError(f"the schedule cannot progress: ranks wait at {stuck}")
+    return sorted(done.values(), key=lambda a: (a.rank, a.start))
+
+
+def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:
+    """Per rank: the fraction of the step (first start to last end, over all ranks) not computing."""
+    makespan = max(a.end for a in actions) - min(a.start for a in actions)
+    busy: dict[int, float] = {}
+    for a in actions:
+        busy[a.rank] = busy.get(a.rank, 0.0) + a.end - a.start
+    return {rank: 1.0 - b / makespan for rank, b in sorted(busy.items())}
+
+
+def theoretical_bubble(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
+    """The closed-form idle fraction of the step, assuming equal stages; None where the ideal
+    depends on the F/B/W cost ratio (zero-bubble, DualPipeV, custom CSV: simulate those).
+
+    - GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021): p-1 idle
+      slots of m+p-1, i.e. (p-1)/(m+p-1).
+    - Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+      GPU Clusters") and looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"):
+      stages v times smaller shrink the ramp, (p-1)/(v*m+p-1).
+    """
+    p, m, v = pp, microbatches, stages_per_rank
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (p - 1) / (v * m + p - 1)
+    return None

@@ -1,0 +1,147 @@
+"""Turning recorded actions into files: the executed ``schedule.csv``, the merged chrome trace
+``timeline.json`` (one process per rank, flow arrows along every send → receive), the simulated
+``schedule_sim.json``, the ``schedule.png`` picture, and the bubble."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from runner.record import Action, StepSpan
+from runner.simulate import Op, SimAction
+
+__all__ = ["executed_order", "write_schedule_csv", "mean_costs", "measured_bubble",
+           "write_chrome_trace", "measured_slices", "simulated_slices", "plot_schedule"]
+
+COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#88D27A", "W": "#F58518"}
+
+
+def _op(a: Action) -> Op:
+    return Op(a.stage, a.kind, a.microbatch)
+
+
+def executed_order(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[Op]]:
+    """Each rank's actions in the order they ran, in the first recorded step."""
+    first = min(a.step for acts in actions.values() for a in acts)
+    return {rank: [_op(a) for a in sorted(acts, key=lambda a: a.start_ns) if a.step == first]
+            for rank, acts in sorted(actions.items())}
+
+
+def write_schedule_csv(path: Path, order: Mapping[int, Sequence[Op]]) -> None:
+    """torch's compute-only CSV: one row per rank; ``schedule=csv`` runs it back."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        for rank in sorted(order):
+            writer.writerow([op.name for op in order[rank]])
+
+
+def mean_costs(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int, str], float]:
+    """Mean seconds of each (stage, kind) over the recorded steps."""
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for acts in actions.values():
+        for a in acts:
+            samples[(a.stage, a.kind)].append((a.end_ns - a.start_ns) / 1e9)
+    return {key: statistics.fmean(v) for key, v in samples.items()}
+
+
+def measured_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]) -> list[float]:
+    """Per rank: 1 - (time in the stage's own compute calls) / (wall time of its pipeline steps),
+    over the recorded steps. Waiting for a neighbour's tensor counts as idle."""
+    out = []
+    for rank in sorted(steps):
+        wall = sum(s.end_ns - s.start_ns for s in steps[rank])
+        busy = sum(a.end_ns - a.start_ns for a in actions.get(rank, []))
+        out.append(1.0 - busy / wall if wall else 0.0)
+    return out
+
+
+def _flows(slices: Sequence[dict]) -> list[dict]:
+    """Arrows from each producing action to the action on another rank that consumes it:
+    activations F(s) → F(s+1), gradients B/I(s+1) → B/I(s), per microbatch and step."""
+
+    def key(e: dict, stage: int) -> tuple:
+        a = e["args"]
+        return a["step"], stage, "F" if a["kind"] == "F" else "BI", a["microbatch"]
+
+    producers = {key(e, e["args"]["stage"]): e for e in slices if e["args"]["kind"] != "W"}
+    flows = []
+    for dst in slices:
+        kind, stage = dst["args"]["kind"], dst["args"]["stage"]
+        if kind == "W":
+            continue
+        src = producers.get(key(dst, stage - 1 if kind == "F" else stage + 1))
+        if src is None or src["pid"] == dst["pid"]:
+            continue
+        common = {"name": "activation" if kind == "F" else "gradient", "cat": "p2p", "id": len(flows) // 2, "tid": 0}
+        flows.append({**common, "ph": "s", "pid": src["pid"], "ts": src["ts"] + src["dur"] * 0.999})
+        flows.append({**common, "ph": "f", "bp": "e", "pid": dst["pid"], "ts": dst["ts"]})
+    return flows
+
+
+def _slice(pid: int, tid: int, name: str, start_us: float, dur_us: float, args: dict) -> dict:
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start_us, "dur": dur_us, "args": args}
+
+
+def measured_slices(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]) -> list[dict]:
+    out = []
+    for rank, acts in actions.items():
+        for a in acts:
+            out.append(_slice(rank, 0, f"compute:{a.name}", a.start_ns / 1e3, (a.end_ns - a.start_ns) / 1e3,
+                              {"step": a.step, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch}))
+    for rank, spans in steps.items():
+        for s in spans:
+            out.append(_slice(rank, 1, f"step {s.step}", s.start_ns / 1e3, (s.end_ns - s.start_ns) / 1e3,
+                              {"step": s.step}))
+    return out
+
+
+def simulated_slices(actions: Sequence[SimAction]) -> list[dict]:
+    return [_slice(a.rank, 0, f"compute:{a.op.name}", a.start * 1e6, (a.end - a.start) * 1e6,
+                   {"step": 0, "stage": a.op.stage, "kind": a.op.kind, "microbatch": a.op.microbatch})
+            for a in actions]
+
+
+def write_chrome_trace(path: Path, slices: list[dict], *, ranks: Sequence[int]) -> None:
+    """A chrome trace (Perfetto, chrome://tracing): a process per rank, compute on thread 0,
+    pipeline steps on thread 1, flow arrows for the messages between ranks."""
+    meta = []
+    for rank in ranks:
+        meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "pipeline step"}})
+    compute = [s for s in slices if s["tid"] == 0]
+    trace = {"traceEvents": meta + slices + _flows(compute), "displayTimeUnit": "ms"}
+    path.write_text(json.dumps(trace))
+
+
+def plot_schedule(path: Path, actions: Sequence[SimAction], *, title: str) -> None:
+    """Ranks as rows, actions as boxes coloured by kind and labelled with stage and microbatch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted({a.rank for a in actions})
+    end = max(a.end for a in actions)
+    fig, ax = plt.subplots(figsize=(max(6.0, min(40.0, end * 0.45)), 0.7 * len(ranks) + 1.4))
+    for a in actions:
+        ax.barh(a.rank, a.end - a.start, left=a.start, height=0.8, color=COLORS[a.op.kind], edgecolor="white")
+        ax.text((a.start + a.end) / 2, a.rank, f"{a.op.stage}{a.op.kind}{a.op.microbatch}",
+                ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time (units: F=1, B=2, I=1, W=1)")
+    ax.set_title(title)
+    kinds = sorted({a.op.kind for a in actions}, key="FBIW".index)
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

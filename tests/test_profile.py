@@ -1,0 +1,98 @@
+"""Profiles, timelines and bubbles: the window, the simulator and the formulas in-process; the
+files of a real profiled run in test_cli (which already runs one)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from runner import _torch_pp
+from runner.profile import Window, plan_window
+from runner.schedule import SCHEDULES
+from runner.simulate import Op, UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+
+def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():
+    assert plan_window(1, 1, 3, 30) == (Window(1, 1, 3), False)
+    assert plan_window(1, 1, 3, 4) == (Window(0, 1, 3), True)
+    assert plan_window(2, 2, 3, 1) == (Window(0, 0, 1), True)
+    window, _ = plan_window(1, 1, 3, 5)
+    assert (window.first, window.last) == (2, 4)
+
+
+@pytest.mark.parametrize("p,m,v,expected", [(2, 4, 1, 1 / 5), (4, 8, 1, 3 / 11), (2, 4, 2, 1 / 9), (4, 8, 2, 3 / 19)])
+def test_theoretical_bubble_formulas(p, m, v, expected):
+    schedule = "1f1b" if v == 1 else "interleaved_1f1b"
+    assert theoretical_bubble(schedule, pp=p, microbatches=m, stages_per_rank=v) == pytest.approx(expected)
+    assert theoretical_bubble("zbv", pp=p, microbatches=m, stages_per_rank=2) is None
+
+
+def _declared_order(name: str, pp: int, m: int, spr: int) -> dict[int, list[Op]]:
+    stages = _torch_pp.stand_in_stages(pp, pp * spr, spr)
+    schedule = get_schedule_class(SCHEDULES[name])(stages[0] if spr == 1 else stages, m)
+    return {r: [Op(a.stage_index, a.computation_type.value, a.microbatch_index)
+                for a in schedule.pipeline_order[r] if a is not None and a.is_compute_op]
+            for r in range(pp)}
+
+
+@pytest.mark.parametrize("name,pp,m,spr", [("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1),
+                                           ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2),
+                                           ("looped_bfs", 2, 4, 2)])
+def test_simulator_reproduces_the_closed_form_bubble_for_equal_stages(name, pp, m, spr):
+    order = _declared_order(name, pp, m, spr)
+    bubbles = bubble_fractions(simulate(order, {"F": 1.0, "B": 2.0}, num_stages=pp * spr))
+    expected = theoretical_bubble(name, pp=pp, microbatches=m, stages_per_rank=spr)
+    assert list(bubbles.values()) == pytest.approx([expected] * pp)
+
+
+def test_zero_bubble_beats_1f1b_in_simulation_and_messages_cost_time():
+    zb = bubble_fractions(simulate(_declared_order("interleaved_zb", 2, 4, 2), UNIT_COSTS, num_stages=4))
+    interleaved = bubble_fractions(simulate(_declared_order("interleaved_1f1b", 2, 4, 2), UNIT_COSTS, num_stages=4))
+    assert max(zb.values()) < min(interleaved.values())
+    order = _declared_order("gpipe", 2, 4, 1)
+    fast, slow = (max(a.end for a in simulate(order, UNIT_COSTS, num_stages=2, comm_s=c)) for c in (0.0, 0.5))
+    assert slow == fast + 2 * 0.5  # one activation and one gradient message on the critical path
+
+
+def test_simulator_refuses_an_order_that_cannot_progress():
+    order = {0: [Op(0, "B", 0), Op(0, "F", 0)], 1: [Op(1, "F", 0), Op(1, "B", 0)]}
+    with pytest.raises(ValueError, match="cannot progress"):
+        simulate(order, UNIT_COSTS, num_stages=2)
+
+
+def check_profiled_run(run_dir: Path, *, pp: int, microbatches: int, active_steps: list[int]) -> None:
+    """Contents of a profiled 1F1B run's files (called by the CLI test on a real run)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    bubble = summary["bubble"]
+    assert bubble["steps"] == active_steps
+    assert len(bubble["per_rank"]) == pp and all(0 <= b < 1 for b in bubble["per_rank"])
+    assert bubble["theoretical"] == pytest.approx((pp - 1) / (microbatches + pp - 1))
+    # Per-rank torch traces: our compute ranges, m F and m B per stage per recorded step.
+    for rank in range(pp):
+        trace = json.loads((run_dir / "traces" / f"rank{rank}.json").read_text())
+        assert trace["distributedInfo"]["rank"] == rank and trace["distributedInfo"]["world_size"] == pp
+        names = Counter(e["name"][len("compute:"):][:2] for e in trace["traceEvents"]
+                        if e.get("ph") == "X" and e.get("name", "").startswith("compute:"))
+        assert names == {f"{rank}F": microbatches * len(active_steps), f"{rank}B": microbatches * len(active_steps)}
+    # The merged timeline: a process per rank, every compute action, a flow per message.
+    events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {f"rank {r}" for r in range(pp)}
+    computes = [e for e in events if e["ph"] == "X" and e["name"].startswith("compute:")]
+    assert len(computes) == 2 * microbatches * pp * len(active_steps)
+    starts = Counter(e["name"] for e in events if e["ph"] == "s")
+    assert starts == {"activation": microbatches * (pp - 1) * len(active_steps),
+                      "gradient": microbatches * (pp - 1) * len(active_steps)}
+    assert sum(e["ph"] == "f" for e in events) == sum(starts.values())
+    sim = json.loads((run_dir / "schedule_sim.json").read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in sim) == 2 * microbatches * pp
+    assert (run_dir / "schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = (run_dir / "schedule.csv").read_text().splitlines()
+    assert rows[-1] == ",".join(f"{pp - 1}{k}{i}" for i in range(microbatches) for k in "FB")  # last rank: F,B,...
+    from hta.trace_analysis import TraceAnalysis
+
+    analysis = TraceAnalysis(trace_dir=str(run_dir / "traces"))
+    assert sorted(analysis.t.traces) == list(range(pp))
