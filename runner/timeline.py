@@ -119,8 +119,16 @@ def write_chrome_trace(path: Path, slices: list[dict], *, ranks: Sequence[int]) 
     path.write_text(json.dumps(trace))
 
 
-def plot_schedule(path: Path, actions: Sequence[SimAction], *, title: str) -> None:
-    """Ranks as rows, actions as boxes coloured by kind and labelled with stage and microbatch."""
+def plot_schedule(
+    path: Path,
+    actions: Sequence[SimAction],
+    *,
+    title: str,
+    xlabel: str = "time (units: F=1, B=2, I=1, W=1)",
+    arrows: Sequence[tuple[float, int, float, int]] = (),
+) -> None:
+    """Ranks as rows, actions as boxes coloured by kind and labelled with stage and microbatch;
+    ``arrows`` (x0, rank0, x1, rank1) draw messages between ranks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,15 +137,19 @@ def plot_schedule(path: Path, actions: Sequence[SimAction], *, title: str) -> No
 
     ranks = sorted({a.rank for a in actions})
     end = max(a.end for a in actions)
-    fig, ax = plt.subplots(figsize=(max(6.0, min(40.0, end * 0.45)), 0.7 * len(ranks) + 1.4))
+    per_rank = max(sum(a.rank == r for a in actions) for r in ranks)
+    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.6 * per_rank + 2)), 0.7 * len(ranks) + 1.4))
     for a in actions:
         ax.barh(a.rank, a.end - a.start, left=a.start, height=0.8, color=COLORS[a.op.kind], edgecolor="white")
         ax.text((a.start + a.end) / 2, a.rank, f"{a.op.stage}{a.op.kind}{a.op.microbatch}",
                 ha="center", va="center", fontsize=7, color="white")
+    for x0, r0, x1, r1 in arrows:
+        ax.annotate("", xy=(x1, r1), xytext=(x0, r0),
+                    arrowprops={"arrowstyle": "->", "color": "0.35", "lw": 0.6, "shrinkA": 0, "shrinkB": 0})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
-    ax.set_xlabel("time (units: F=1, B=2, I=1, W=1)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
     kinds = sorted({a.op.kind for a in actions}, key="FBIW".index)
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper left",

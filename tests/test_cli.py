@@ -56,6 +56,10 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         assert "rank 0" in (run_dir / "runner.log").read_text()
         assert not list(run_dir.glob(".rendezvous*"))
     check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[1, 2, 3])
+    plot = tmp_path / "timeline.png"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_timeline.py"), str(run_dirs[0]), "-o", str(plot)],
+                   check=True, timeout=60)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.timeout(60)
