@@ -28,6 +28,7 @@ __all__ = [
     "read_actions",
     "check_actions",
     "csv_schedule",
+    "replicate",
 ]
 
 Action = _Action
@@ -79,3 +80,11 @@ def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, path: Path)
     schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     schedule._load_csv(str(path), format="compute_only")
     return schedule
+
+
+def replicate(module, *, mesh):
+    """torch's FSDP-based replicate (DDP semantics). Unlike ``DistributedDataParallel`` it also
+    reduces the gradients that zero-bubble schedules' weight-backward sets directly."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+
+    return _replicate(module, mesh=mesh)

@@ -33,7 +33,10 @@ class CsvScheduleConfig(ScheduleConfig):
 @dataclass
 class ParallelConfig:
     pp: int = 2  # pipeline ranks; 1 = the unsplit model in one process (the reference)
-    dp: int = 1  # data-parallel replicas (composition with DDP/FSDP is not built yet: keep 1)
+    dp: int = 1  # data-parallel replicas of the whole pipeline (ranks = pp * dp)
+    # How each stage is replicated over dp: none (dp must be 1), ddp (torch's FSDP-based
+    # replicate: gradients all-reduced, correct for every schedule), fsdp (FSDP2 fully_shard).
+    dp_mode: str = "none"
     microbatches: int = 4  # microbatches per step, per pipeline
     # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
     stages_per_rank: Optional[int] = None
@@ -76,6 +79,15 @@ class ProfileConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = False  # rank 0 writes scalars under <run dir>/tensorboard (needs tensorboard)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every K optimizer steps into <run dir>/checkpoints/step-N; 0 = never
+    keep: int = 2  # complete checkpoints kept (the newest)
+    # Continue from: a checkpoint directory, a run directory (its newest checkpoint), or "latest"
+    # (the newest checkpoint of any run under the same outputs directory).
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -127,6 +139,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     device: str = "auto"  # auto | cpu | cuda

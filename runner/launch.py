@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
+from runner.checkpoint import checkpoint_step, find_checkpoint
 from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device, resolve_device
 from runner.errors import ConfigError, RankFailedError, RunnerError
 from runner.train import train
@@ -135,6 +136,12 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
     layout = validate(cfg)
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.pp * cfg.parallel.dp))
     cfg.device = resolve_device(cfg.device, ranks_on_host)
+    if cfg.checkpoint.resume:
+        path = find_checkpoint(cfg.checkpoint.resume, run_dir)
+        if checkpoint_step(path) >= cfg.train.steps:
+            raise ConfigError(f"checkpoint.resume: {path} is at step {checkpoint_step(path)}, already "
+                              f"train.steps={cfg.train.steps}. Fix: a larger train.steps.")
+        cfg.checkpoint.resume = str(path)
     log.info("run directory: %s (device: %s)\n%s", run_dir, cfg.device, layout.describe())
     run_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(run_dir, os.W_OK):

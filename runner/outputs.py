@@ -49,7 +49,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def make_summary(*, cfg, layout, losses, step_times, tokens_per_step, startup_s, peak_mem) -> dict:
+def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step, startup_s, peak_mem) -> dict:
     steady = step_times[1:] or step_times  # the first step includes shape inference and warm-up
     step_time = statistics.median(steady)
     return {
@@ -60,6 +60,7 @@ def make_summary(*, cfg, layout, losses, step_times, tokens_per_step, startup_s,
         "num_stages": layout.num_stages,
         "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
         "steps": len(losses),
+        "first_step": first_step,  # > 0 when resumed from a checkpoint
         "losses": losses,
         "final_loss": losses[-1],
         "step_time_s": step_time,

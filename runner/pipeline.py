@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
+from runner import _torch_pp
 from runner.dist import DistEnv
+from runner.mesh import Mesh
 from runner.record import Recorder
 from runner.schedule import build_schedule
 from runner.split import build_meta_model, materialize
@@ -45,6 +48,8 @@ class UnsplitStep:
         timed = self.recorder.action if self.recorder else lambda *_: nullcontext()
         losses = []
         for i, (x, y) in enumerate(zip(inputs.tensor_split(m), targets.tensor_split(m))):
+            if isinstance(model, FSDPModule):  # reduce across replicas once, after the last microbatch
+                model.set_requires_gradient_sync(i == m - 1)
             with timed(0, "F", i):
                 loss = lm_loss(model(x), y)
             with timed(0, "B", i):
@@ -79,18 +84,34 @@ class PipelinedStep:
         return None
 
 
-def build_step(cfg: DictConfig, layout: Layout, env: DistEnv) -> UnsplitStep | PipelinedStep:
-    """Materialise only this rank's stage modules and wrap them for the schedule."""
+def data_parallel(module: nn.Module, mode: str, mesh: Mesh) -> nn.Module:
+    """Replicate a stage module over the dp mesh dimension. Parameter names do not change."""
+    if mode == "none" or mesh.dp_mesh is None:
+        return module
+    if mode == "ddp":
+        return _torch_pp.replicate(module, mesh=mesh.dp_mesh)
+    # FSDP2: a unit per child that owns parameters, then the stage root. Parameters stay
+    # gathered between microbatches (reshard_after_forward=False): pipelining runs many forwards
+    # per step, and re-gathering for each would multiply the all-gathers by the microbatch count.
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh.dp_mesh, reshard_after_forward=False)
+    return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
+
+
+def build_step(cfg: DictConfig, layout: Layout, env: DistEnv, mesh: Mesh) -> UnsplitStep | PipelinedStep:
+    """Materialise only this rank's stage modules, replicate them over dp, wrap for the schedule."""
     model = build_meta_model(cfg.model)
-    seed = cfg.train.seed
+    seed, mode = cfg.train.seed, cfg.parallel.dp_mode
     if layout.pp == 1:
         full = materialize(model, list(model._modules), seed=seed, device=env.device)
-        return UnsplitStep(full, layout.microbatches)
+        return UnsplitStep(data_parallel(full, mode, mesh), layout.microbatches)
     stages = []
-    for index in layout.stages_on(env.rank):
+    for index in layout.stages_on(mesh.pp_rank):
         module = materialize(model, layout.stages[index], seed=seed, device=env.device)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, ", ".join(layout.stages[index]), n_params)
-        stages.append(PipelineStage(module, index, layout.num_stages, env.device))
+        module = data_parallel(module, mode, mesh)
+        stages.append(PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group))
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, lm_loss, layout.csv)
     return PipelinedStep(stages, schedule, layout)

@@ -90,15 +90,16 @@ class RunProfiler:
         if self.torch_profiler is not None:
             self.torch_profiler.step()
 
-    def finish(self, layout: Layout, schedule_name: str) -> dict | None:
-        """Stop profiling; rank 0 writes the schedule files and returns the bubble summary."""
+    def finish(self, layout: Layout, schedule_name: str, *, pp: int) -> dict | None:
+        """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
+        the first data-parallel replica (ranks 0..pp-1: its pipeline ranks)."""
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps), self.env)
         if not self.env.is_main:
             return None
-        actions = {rank: acts for rank, (acts, _) in enumerate(gathered)}
-        spans = {rank: steps for rank, (_, steps) in enumerate(gathered)}
+        actions = {rank: acts for rank, (acts, _) in enumerate(gathered[:pp])}
+        spans = {rank: steps for rank, (_, steps) in enumerate(gathered[:pp])}
         order = executed_order(actions)
         write_schedule_csv(self.run_dir / "schedule.csv", order)
         costs = mean_costs(actions)

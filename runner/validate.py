@@ -61,10 +61,17 @@ def _check_numbers(cfg: DictConfig) -> None:
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1.")
-    if p.dp != 1:
+    if p.dp_mode not in ("none", "ddp", "fsdp"):
+        raise ConfigError(f"parallel.dp_mode={p.dp_mode!r} is not one of none, ddp, fsdp.")
+    if p.dp > 1 and p.dp_mode == "none":
         raise ConfigError(
-            f"parallel.dp={p.dp}: data parallelism around the pipeline is not built yet. "
-            "Fix: parallel.dp=1."
+            f"parallel.dp={p.dp} with parallel.dp_mode=none: replicas would train apart. "
+            "Fix: parallel.dp_mode=ddp or parallel.dp_mode=fsdp."
+        )
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(
+            f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
+            "every must be >= 0 and keep >= 1."
         )
     if t.batch_size < p.microbatches * p.dp:
         raise ConfigError(

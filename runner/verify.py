@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from runner.dist import DistEnv, gather_to_main
 from runner.errors import VerifyError
@@ -25,9 +26,14 @@ RTOL, ATOL = 1e-5, 4e-5
 
 
 def collect_grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
-    """Full parameter name → a CPU copy of its gradient (None where backward left none)."""
+    """Full parameter name → a CPU copy of its whole gradient (None where backward left none).
+    Sharded (FSDP) gradients are gathered: a collective over the dp group."""
+
+    def whole(g: torch.Tensor) -> torch.Tensor:
+        return (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+
     return {
-        name: None if p.grad is None else p.grad.detach().cpu().clone()
+        name: None if p.grad is None else whole(p.grad)
         for module in modules
         for name, p in module.named_parameters()
     }
