@@ -40,6 +40,8 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
     cases = {f"{mode}-{name}": _resolved(f"schedule={name}", "parallel.pp=2", "parallel.dp=2",
                                          f"parallel.dp_mode={mode}")
              for mode in ("ddp", "fsdp") for name in SCHEDULES}
+    for mode in ("ddp", "fsdp"):  # pp=1: plain data parallelism over 4 replicas
+        cases[f"dp-only-{mode}"] = _resolved("parallel.pp=1", "parallel.dp=4", f"parallel.dp_mode={mode}")
     saved = out / "save" / "checkpoints" / "step-3"
     cases["save"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
                               "train.steps=6", "checkpoint.every=3")
@@ -60,6 +62,7 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
         for name in SCHEDULES:
             _assert_matches(results[f"{mode}-{name}"], ref, f"{mode}-{name}")
             assert results[f"{mode}-{name}"]["summary"]["dp"] == 2
+        _assert_matches(results[f"dp-only-{mode}"], ref, f"dp-only-{mode}")
 
     full = results["save"]["losses"]
     assert "error" not in results["save"] and len(full) == 6
