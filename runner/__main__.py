@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import time
 
-_START = time.time()  # "launch": before importing torch, so startup_s counts that too
+# "launch" of the first job: before importing torch, so startup_s counts that too. Later jobs of
+# a sweep in this process start their own clock.
+_FIRST_LAUNCH = [time.time()]
 
 import os
 import sys
@@ -22,35 +24,56 @@ from omegaconf.errors import OmegaConfBaseException
 
 import runner.config  # noqa: F401  (registers the config schemas)
 from runner.errors import RunnerError
-from runner.launch import launch, under_torchrun
+from runner.launch import adopt_slurm_ranks, launch, under_torchrun
 from runner.outputs import format_table
+from runner.report import ERROR_FILE, write_report
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    summary = launch(cfg, Path(HydraConfig.get().runtime.output_dir), launch_time=_START)
+    """The Hydra task: returns tokens/s, the objective of ``hparams_search=optuna``."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else time.time())
+    except Exception as e:  # leave the reason in the job directory for the sweep report
+        (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
+        raise
     if summary is None:
         return None
     print(format_table(summary))
     return summary["tokens_per_s"]
 
 
+def _failed_jobs() -> str:
+    sweep_dir = os.environ.get("RUNNER_SWEEP_DIR")
+    if not sweep_dir:
+        return ""
+    rows = write_report(Path(sweep_dir))
+    failed = [f"  job {r['job']} ({r['overrides']}): {r.get('error', '')}" for r in rows if r["status"] == "failed"]
+    return f"{len(failed)} of {len(rows)} jobs failed (report: {sweep_dir}/sweep.md):\n" + "\n".join(failed)
+
+
 def cli() -> None:
+    adopt_slurm_ranks()  # `srun python -m runner`: one task per rank
     if under_torchrun() and os.environ["RANK"] != "0":
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
+                     "hydra.job_logging.root.level=WARNING"]
     # Let our errors reach the handler below instead of Hydra's traceback printer; Hydra's own
     # config errors stay compact.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
     except RunnerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(_failed_jobs() or f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except (HydraException, OmegaConfBaseException) as e:  # a typo or a wrong type
         cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
         print(f"{e}{cause}", file=sys.stderr)
         sys.exit(1)
+    except Exception:  # a crash: its traceback, after the sweep's list of failed jobs if any
+        print(_failed_jobs(), file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ anything is launched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING
+from omegaconf import II, MISSING, OmegaConf
 
 __all__ = ["RunConfig", "register_configs"]
 
@@ -148,6 +149,8 @@ class RunConfig:
 
 
 def register_configs() -> None:
+    if not OmegaConf.has_resolver("mul"):  # ${mul:${parallel.pp},${parallel.dp}}: ranks per job
+        OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)

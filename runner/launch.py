@@ -12,10 +12,12 @@ import re
 import time
 import uuid
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.checkpoint import checkpoint_step, find_checkpoint
@@ -24,18 +26,56 @@ from runner.errors import ConfigError, RankFailedError, RunnerError
 from runner.train import train
 from runner.validate import Layout, validate
 
-__all__ = ["launch", "under_torchrun"]
+__all__ = ["launch", "under_torchrun", "slurm_rank_env", "adopt_slurm_ranks"]
 
 log = logging.getLogger(__name__)
 
 
 def under_torchrun() -> bool:
+    """Ranks were started by someone else: torchrun, or SLURM tasks adopted by ``adopt_slurm_ranks``."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[03-05,09],cpu1`` → ``gpu03``."""
+    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def slurm_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """torch's rank variables for a SLURM job step with one task per rank (``srun`` or
+    ``hydra/launcher=runner_slurm``); empty when this is not one, or torch's are set already."""
+    if "RANK" in environ or int(environ.get("SLURM_NTASKS", "1")) < 2 or "SLURM_PROCID" not in environ:
+        return {}
+    per_node = re.match(r"\d+", environ.get("SLURM_TASKS_PER_NODE", environ["SLURM_NTASKS"])).group(0)
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": per_node,
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or _first_host(environ["SLURM_JOB_NODELIST"]),
+        # One port per job: steps of different jobs may share the first node.
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000),
+    }
+
+
+def adopt_slurm_ranks() -> None:
+    os.environ.update(slurm_rank_env(os.environ))
+
+
+def _concurrent_jobs() -> int:
+    """Jobs a Hydra launcher runs at once on this host (joblib's n_jobs; -1 = one per core)."""
+    n_jobs = HydraConfig.get().launcher.get("n_jobs") if HydraConfig.initialized() else None
+    if not n_jobs:
+        return 1
+    return n_jobs if n_jobs > 0 else os.cpu_count() or 1
+
+
 def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
-    # Ranks on one host share its cores; oversubscribed intra-op threads slow every rank.
-    return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks_on_host)
+    """Ranks on one host, of every job running at once, share its cores: oversubscribed
+    intra-op threads slow every rank down."""
+    return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // (ranks_on_host * _concurrent_jobs()))
 
 
 def _setup_rank_logging(rank: int, run_dir: Path) -> None:
@@ -54,7 +94,7 @@ def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir
     cfg = OmegaConf.create(cfg_dict)
     run_dir_path = Path(run_dir)
     _setup_rank_logging(rank, run_dir_path)
-    torch.set_num_threads(_threads_per_rank(cfg, world))
+    torch.set_num_threads(cfg.launch.threads_per_rank)
     device = pick_device(cfg.device, local_rank=rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
                            store=dist.FileStore(store_path, world))
@@ -90,6 +130,9 @@ def _rank_failure(error: Exception, error_files: list[str]) -> RunnerError:
 
 def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
     world = cfg.parallel.pp * cfg.parallel.dp
+    if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
+        # Inside a joblib (loky) worker: spawned children would re-apply "loky" and fail.
+        mp.set_start_method("spawn", force=True)
     store_path = run_dir / f".rendezvous-{uuid.uuid4().hex}"
     context = mp.start_processes(
         _spawned_rank,
@@ -118,7 +161,7 @@ def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: 
             f"Fix: --nproc-per-node {expected}, or parallel.pp={world}."
         )
     device = pick_device(cfg.device, local_rank=local_rank_from_env())
-    torch.set_num_threads(_threads_per_rank(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    torch.set_num_threads(cfg.launch.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
     try:
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
@@ -133,9 +176,11 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
     """Validate, run every rank to the end, and return the run's summary (None on torchrun
     ranks other than 0). Raises ``RunnerError`` for anything that went wrong."""
     launch_time = launch_time or time.time()
+    adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     layout = validate(cfg)
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.pp * cfg.parallel.dp))
     cfg.device = resolve_device(cfg.device, ranks_on_host)
+    cfg.launch.threads_per_rank = _threads_per_rank(cfg, ranks_on_host)
     if cfg.checkpoint.resume:
         path = find_checkpoint(cfg.checkpoint.resume, run_dir)
         if checkpoint_step(path) >= cfg.train.steps:
@@ -151,6 +196,7 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
         if int(os.environ["RANK"]) != 0:
             return None
     elif cfg.parallel.pp * cfg.parallel.dp == 1:
+        torch.set_num_threads(cfg.launch.threads_per_rank)
         env = init_distributed(rank=0, world_size=1, device=pick_device(cfg.device, 0),
                                timeout_s=cfg.launch.timeout_s)
         train(cfg, layout, env, run_dir, launch_time=launch_time)

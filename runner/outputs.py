@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import resource
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +50,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step, startup_s, peak_mem) -> dict:
+def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step, launch_time, startup_s,
+                 peak_mem) -> dict:
     steady = step_times[1:] or step_times  # the first step includes shape inference and warm-up
     step_time = statistics.median(steady)
     return {
@@ -66,6 +68,8 @@ def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step
         "step_time_s": step_time,
         "tokens_per_s": tokens_per_step / step_time,
         "startup_s": startup_s,
+        "started_at": launch_time,  # epoch seconds: when this job was launched, and when it ended
+        "finished_at": time.time(),
         "peak_mem_bytes": peak_mem,
         "torch_version": torch.__version__,
     }

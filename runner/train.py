@@ -143,7 +143,7 @@ def train(
     if env.is_main:
         result.summary = make_summary(
             cfg=cfg, layout=layout, first_step=first_step, losses=result.losses, step_times=step_times,
-            tokens_per_step=t.batch_size * t.seq_len, startup_s=startup_s, peak_mem=peak_mem,
+            tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s, peak_mem=peak_mem,
         )
         result.summary["bubble"] = bubble
         if verify_report is not None:
