@@ -66,7 +66,9 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
-    labels = [r["overrides"] or r["job"] for r in ok]
+    # Label jobs by what varies between them (the swept values), not the overrides they share.
+    shared = set.intersection(*(set(r["overrides"].split()) for r in ok)) if len(ok) > 1 else set()
+    labels = [" ".join(o for o in r["overrides"].split() if o not in shared) or f"job {r['job']}" for r in ok]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(ok) + 2), 6), sharex=True)
     xs = range(len(ok))
     top.bar(xs, [r["tokens_per_s"] for r in ok], color="#4C78A8")
@@ -78,7 +80,9 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     bottom.legend(fontsize=8)
     bottom.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=7)
     failed = len(rows) - len(ok)
-    fig.suptitle(f"{len(ok)} jobs" + (f" ({failed} failed, not shown)" if failed else ""))
+    common = " ".join(sorted(shared))
+    fig.suptitle(f"{len(ok)} jobs" + (f" ({failed} failed, not shown)" if failed else "") + (f"\n{common}" if common else ""),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
