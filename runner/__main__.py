@@ -67,6 +67,13 @@ def cli() -> None:
     except RunnerError as e:
         print(_failed_jobs() or f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:
+        if not _FIRST_LAUNCH:  # raised by the job, after launching: a crash, with its traceback
+            raise
+        # Hydra creates the run directory (and .hydra/) before the job starts.
+        print(f"error: cannot write the run directory: {e}\nFix: hydra.run.dir=<a writable directory>.",
+              file=sys.stderr)
+        sys.exit(2)
     except (HydraException, OmegaConfBaseException) as e:  # a typo or a wrong type
         cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
         print(f"{e}{cause}", file=sys.stderr)

@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import uuid
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError
+from runner.faults import fault_point
 
 __all__ = ["CheckpointError", "find_checkpoint", "checkpoint_step", "Checkpointer"]
 
@@ -86,13 +86,6 @@ def checkpoint_step(path: Path) -> int:
     return json.loads((path / "train_state.json").read_text())["step"]
 
 
-def _fault_point(name: str, env: DistEnv) -> None:
-    """A real crash for tests: RUNNER_FAULT=<name> kills rank 0 here with SIGKILL, e.g.
-    ``checkpoint-commit-step-4``: between the shard writes and the commit of step 4's save."""
-    if os.environ.get("RUNNER_FAULT") == name and env.is_main:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class _Named(nn.Module):
     """This rank's stage modules seen as one module whose children carry the full model's names,
     so state-dict keys are the unsplit model's (``block3.attn.qkv.weight``) on every rank."""
@@ -136,7 +129,7 @@ class Checkpointer:
         if self.env.is_main:
             (partial / "train_state.json").write_text(json.dumps(
                 {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict()}))
-            _fault_point(f"checkpoint-commit-step-{steps_done}", self.env)
+            fault_point(f"checkpoint-commit-step-{steps_done}", self.env.rank)
             final = self.dir / f"step-{steps_done}"
             if final.exists():
                 shutil.rmtree(final)

@@ -65,6 +65,10 @@ class LaunchConfig:
     timeout_s: float = 300.0
     # Intra-op threads per rank; null = this host's cores divided among the ranks it runs.
     threads_per_rank: Optional[int] = None
+    # Rendezvous: null = a file in the run directory (no port, no collisions); N = a TCP store on
+    # 127.0.0.1:N hosted by the launcher (torch's store listens on every interface).
+    port: Optional[int] = None
+    grace_s: float = 10.0  # after SIGINT/SIGTERM, how long ranks get to exit before SIGKILL
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The runner's exceptions. Code raises them; only the outermost entry turns them into exit codes."""
 
-__all__ = ["RunnerError", "ConfigError", "RankFailedError", "VerifyError"]
+__all__ = ["RunnerError", "ConfigError", "RankFailedError", "VerifyError", "NonFiniteLossError"]
 
 
 class RunnerError(Exception):
@@ -17,3 +17,7 @@ class RankFailedError(RunnerError):
 
 class VerifyError(RunnerError):
     """``verify=true`` found the pipelined gradients differ from the unsplit model's."""
+
+
+class NonFiniteLossError(RunnerError):
+    """The step's loss is NaN or infinite; every rank stops at the same step."""

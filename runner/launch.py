@@ -4,15 +4,19 @@ directory: no listening socket, so two runs started together cannot collide on a
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import pickle
 import re
+import signal
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -88,8 +92,28 @@ def _setup_rank_logging(rank: int, run_dir: Path) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
+def _rendezvous(cfg: DictConfig, run_dir: Path) -> tuple[str, str, dist.Store | None]:
+    """(kind, address, the launcher's own store if it hosts one). Checked before spawning."""
+    if cfg.launch.port is None:
+        return "file", str(run_dir / f".rendezvous-{uuid.uuid4().hex}"), None
+    try:
+        server = dist.TCPStore("127.0.0.1", cfg.launch.port, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(f"launch.port={cfg.launch.port} cannot be used ({e}); it is probably taken. "
+                          "Fix: another launch.port, or launch.port=null (the default opens no port).") from e
+    return "tcp", str(cfg.launch.port), server
+
+
+def _connect(kind: str, address: str, world: int, timeout_s: float) -> dist.Store:
+    if kind == "file":
+        return dist.FileStore(address, world)
+    return dist.TCPStore("127.0.0.1", int(address), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir: str,
-                  store_path: str, launch_time: float) -> None:
+                  rendezvous: tuple[str, str], launch_time: float) -> None:
     """Entry of each spawned rank process."""
     cfg = OmegaConf.create(cfg_dict)
     run_dir_path = Path(run_dir)
@@ -97,7 +121,7 @@ def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir
     torch.set_num_threads(cfg.launch.threads_per_rank)
     device = pick_device(cfg.device, local_rank=rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
-                           store=dist.FileStore(store_path, world))
+                           store=_connect(*rendezvous, world, cfg.launch.timeout_s))
     try:
         train(cfg, layout, env, run_dir_path, launch_time=launch_time)
     finally:
@@ -128,28 +152,61 @@ def _rank_failure(error: Exception, error_files: list[str]) -> RunnerError:
     return RankFailedError(f"rank {root} failed:\n{text.strip()}")
 
 
+@contextmanager
+def _forward_signals(processes: list, grace_s: float) -> Iterator[None]:
+    """SIGINT/SIGTERM to the launcher go to every rank; ranks still alive after ``grace_s`` are
+    killed; the launcher then exits with 128 + the signal (130, 143)."""
+
+    def handler(signum, frame):
+        log.warning("%s: stopping %d ranks", signal.Signals(signum).name, len(processes))
+        for p in processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+        deadline = time.monotonic() + grace_s
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
     world = cfg.parallel.pp * cfg.parallel.dp
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside a joblib (loky) worker: spawned children would re-apply "loky" and fail.
         mp.set_start_method("spawn", force=True)
-    store_path = run_dir / f".rendezvous-{uuid.uuid4().hex}"
+    kind, address, server = _rendezvous(cfg, run_dir)
+    os.environ["RUNNER_RUN_DIR"] = str(run_dir)  # marks this job's rank processes (tests find orphans by it)
     context = mp.start_processes(
         _spawned_rank,
-        args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir),
-              str(store_path), launch_time),
+        args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir), (kind, address), launch_time),
         nprocs=world,
         join=False,
         start_method="spawn",
     )
     try:
-        # join() re-raises the first rank failure and terminates the other ranks.
-        while not context.join(timeout=1.0):
-            pass
+        with _forward_signals(context.processes, cfg.launch.grace_s):
+            # join() re-raises the first rank failure and terminates the other ranks.
+            while not context.join(timeout=1.0, grace_period=cfg.launch.grace_s):
+                pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         raise _rank_failure(e, context.error_files) from None
     finally:
-        store_path.unlink(missing_ok=True)
+        del server  # the TCP store (if any) closes with the launcher's last reference
+        if kind == "file":
+            Path(address).unlink(missing_ok=True)
 
 
 def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:

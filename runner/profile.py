@@ -7,6 +7,7 @@ Steps outside the window pay nothing but a flag check per compute call and ``pro
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,9 @@ class RunProfiler:
     def _export(self, prof) -> None:
         traces = self.run_dir / "traces"
         traces.mkdir(exist_ok=True)
-        prof.export_chrome_trace(str(traces / f"rank{self.env.rank}.json"))
+        partial = traces / f".rank{self.env.rank}.json.partial"
+        prof.export_chrome_trace(str(partial))
+        os.replace(partial, traces / f"rank{self.env.rank}.json")  # a killed run leaves no half trace
 
     def begin_step(self, step: int) -> None:
         self.recorder.active = self.window.first <= step <= self.window.last

@@ -81,8 +81,13 @@ class Recorder:
         def timed(method, kind_of):
             @functools.wraps(method)
             def call(chunk_id, *args, **kwargs):
-                with self.action(index, kind_of(kwargs), chunk_id):
-                    return method(chunk_id, *args, **kwargs)
+                kind = kind_of(kwargs)
+                try:
+                    with self.action(index, kind, chunk_id):
+                        return method(chunk_id, *args, **kwargs)
+                except Exception as e:  # say where in the pipeline it happened
+                    e.add_note(f"runner: in pipeline stage {index}, action {index}{kind}{chunk_id}")
+                    raise
 
             return call
 

@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from runner.checkpoint import Checkpointer
 from runner.data import build_dataset
+from runner.errors import NonFiniteLossError
+from runner.faults import train_fault
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
 from runner.mesh import Mesh, build_mesh
@@ -108,11 +110,17 @@ def train(
         profiler.begin_step(step - first_step)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        fault = train_fault(step - first_step, env.rank)
         with profiler.recorder.pipeline_step(step):
             local_loss = step_fn(inputs, targets)
+        if fault == "nan" and local_loss is not None:
+            local_loss = local_loss * float("nan")
         # One rank per replica holds the last stage: the sum over ranks / dp is the step's loss.
         loss_t = local_loss if local_loss is not None else torch.zeros((), device=env.device)
         loss = all_reduce_sum(loss_t.float(), env).item() / mesh.dp
+        if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
+            raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
+                                     "tighter train.grad_clip; checkpoints before this step are intact.")
         if step == first_step and keep_first_grads:
             result.first_grads = _gather_grads(step_fn.modules, env)
         if step == first_step and cfg.verify:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import schedule as sched
 from runner.data import build_dataset
 from runner.errors import ConfigError
-from runner.split import build_meta_model, check_tied_weights, plan_split
+from runner.split import build_meta_model, check_shapes, check_tied_weights, plan_split
 
 __all__ = ["Layout", "validate"]
 
@@ -120,6 +120,8 @@ def validate(cfg: DictConfig) -> Layout:
     model = build_meta_model(cfg.model)
     stages = plan_split(model, num_stages, cfg.parallel.split_points if cfg.parallel.pp > 1 else None)
     check_tied_weights(model, stages)
+    check_shapes(model, stages, microbatch=cfg.train.batch_size // (cfg.parallel.dp * cfg.parallel.microbatches),
+                 seq_len=cfg.train.seq_len, vocab_size=cfg.data.vocab_size)
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (children per stage): %s", sizes)

@@ -26,3 +26,10 @@ def exploding_mlp(**kwargs) -> nn.Sequential:
 
 def not_sequential(**kwargs) -> nn.Module:
     return nn.Linear(2, 2)
+
+
+def mismatched_mlp(**kwargs) -> nn.Sequential:
+    """block0 widens the activations; block1 still expects the model width."""
+    children = list(mlp(**kwargs).named_children())
+    dim = kwargs["dim"]
+    return nn.Sequential(OrderedDict(children[:1] + [("widen", nn.Linear(dim, 2 * dim))] + children[1:]))

@@ -5,6 +5,7 @@ the unsplit pp=1 reference is computed once, in this process, by the same traini
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -55,6 +56,19 @@ def _assert_matches(got: dict, ref: dict, case: str) -> None:
                                        msg=lambda m: f"{case} {kind} {name}: {m}")
 
 
+def _add_long_runs(cases: dict, *overrides: str) -> None:
+    """Every schedule for 20 steps on the same ranks (the test's timeout is the watchdog)."""
+    for name in SCHEDULES:
+        cases[f"20-steps-{name}"] = [f"schedule={name}", *overrides, "train.steps=20"]
+
+
+def _assert_long_runs_completed(results: dict) -> None:
+    for name in SCHEDULES:
+        got = results.pop(f"20-steps-{name}")
+        assert "error" not in got, got.get("traceback")
+        assert len(got["losses"]) == 20 and all(math.isfinite(x) for x in got["losses"]), name
+
+
 def _assert_reference_is_meaningful(ref: dict) -> None:
     metrics = [float(line.split('"grad_norm": ')[1].split(",")[0])
                for line in (Path(ref["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -80,7 +94,9 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     for name in SCHEDULES:
         cases[f"replay-{name}"] = ["schedule=csv", f"schedule.csv={tmp_path / 'pp2' / name / 'schedule.csv'}",
                                    "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+    _add_long_runs(cases, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8")
     results = _run_cases(tmp_path / "pp2", 2, cases)
+    _assert_long_runs_completed(results)
     assert results.pop("verify-catches-dropout")["error"].startswith("VerifyError: verify=true")
     for name in SCHEDULES:
         replay = results[f"replay-{name}"]
@@ -109,7 +125,9 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
 def test_every_schedule_at_pp4_matches_the_unsplit_model(tmp_path):
     cases = {name: [f"schedule={name}", "parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
              for name in SCHEDULES}
+    _add_long_runs(cases, "parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16")
     results = _run_cases(tmp_path / "pp4", 4, cases)
+    _assert_long_runs_completed(results)
     ref = _reference(tmp_path, "parallel.microbatches=8", "train.batch_size=16")
     for case, got in results.items():
         _assert_matches(got, ref, case)

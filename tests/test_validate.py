@@ -71,6 +71,7 @@ BAD = [
     (["device=tpu"], ["device='tpu'"]),
     (["model._target_=_models.not_sequential"], ["model._target_='_models.not_sequential'", "nn.Sequential"]),
     (["model._target_=nowhere.factory"], ["model._target_='nowhere.factory'"]),
+    (["model=mlp", "model._target_=_models.mismatched_mlp"], ["'block0' (stage 0)", "(2, 16, 64)"]),
     (["data=text", "data.vocab_size=256", "data.path=/no/such/file.txt"], ["data.path='/no/such/file.txt'"]),
 ]
 

@@ -1,0 +1,36 @@
+"""Fault points, for the reliability tests: real failures at chosen places, switched on by the
+``RUNNER_FAULT`` environment variable and inert otherwise.
+
+``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
+(SIGKILL), ``stall`` (sleep far past the collective timeout) or ``nan`` (a non-finite loss), on
+that rank at the start of that step. ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0
+between the shard writes and the commit of step N's checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+__all__ = ["fault_point", "train_fault"]
+
+
+def fault_point(name: str, rank: int) -> None:
+    if os.environ.get("RUNNER_FAULT") == name and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_fault(step: int, rank: int) -> str | None:
+    """Act on a ``<what>:<rank>:<step>`` fault due here; returns ``"nan"`` for the loop to apply."""
+    spec = os.environ.get("RUNNER_FAULT", "").split(":")
+    if len(spec) != 3 or (int(spec[1]), int(spec[2])) != (rank, step):
+        return None
+    what = spec[0]
+    if what == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "stall":
+        time.sleep(3600)
+    return what

@@ -1,0 +1,135 @@
+"""What happens when things go wrong at run time: every fault ends the whole job in bounded time,
+names the rank, shows the root cause, and leaves no process and no half-written file behind."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, TINY
+
+TESTS = Path(__file__).parent
+RUN = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8", "launch.timeout_s=10",
+       "launch.grace_s=5"]
+
+
+def _start(*args: str, run_dir: Path, fault: str | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    env.pop("RUNNER_FAULT", None)
+    if fault:
+        env["RUNNER_FAULT"] = fault
+    return subprocess.Popen([sys.executable, "-m", "runner", *RUN, *args, f"hydra.run.dir={run_dir}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rank_processes(run_dir: Path) -> list[psutil.Process]:
+    """Live rank processes of this job (spawned children carry the launcher's RUNNER_RUN_DIR)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.environ().get("RUNNER_RUN_DIR") == str(run_dir) and proc.status() != psutil.STATUS_ZOMBIE
+                    and "spawn_main" in " ".join(proc.cmdline())):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault,failing_rank,symptom", [
+    ("raise:1:2", 1, "injected fault on rank 1 at step 2"),
+    ("kill:1:2", 1, "SIGKILL"),
+    ("stall:1:2", 0, "timed out|Timeout|timeout"),  # rank 1 sleeps: rank 0's collective times out
+])
+def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_rank, symptom):
+    run_dir = tmp_path / "run"
+    proc = _start("train.steps=50", run_dir=run_dir, fault=fault)
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 2, err
+    assert f"rank {failing_rank}" in err and re.search(symptom, err), err
+    if fault.startswith("raise"):
+        assert "Traceback" in err  # the root cause, with its traceback
+    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    deadline = time.monotonic() + 10
+    while _rank_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _rank_processes(run_dir), "no rank may outlive the job"
+
+
+@pytest.mark.timeout(120)
+def test_non_finite_loss_stops_every_rank_at_the_same_step_without_a_later_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", run_dir=run_dir, fault="nan:1:2")
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 2 and "non-finite loss at step 2" in err, err
+    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_rank_and_leaves_whole_files(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    proc = _start("train.steps=100000", "profile.enabled=true", run_dir=run_dir)
+    try:
+        deadline = time.monotonic() + 90
+        while len(_metrics(run_dir)) < 8 and time.monotonic() < deadline:  # past the profiled steps
+            time.sleep(0.2)
+        ranks = _rank_processes(run_dir)
+        assert len(ranks) == 2
+        # A single-host job listens on loopback only (no TCP store; gloo bound to lo).
+        listening = [c.laddr for r in ranks for c in r.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert all(ipaddress.ip_address(a.ip).is_loopback for a in listening), listening
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+    finally:  # a failed assertion must not leave a 100000-step job running
+        if proc.poll() is None:
+            proc.kill()
+        for rank in _rank_processes(run_dir):
+            rank.kill()
+    assert proc.returncode == 128 + sig
+    assert time.monotonic() - sent < 5 + 10  # launch.grace_s plus slack
+    assert not _rank_processes(run_dir)
+    assert len(_metrics(run_dir)) >= 8  # every line parses
+    for trace in (run_dir / "traces").glob("*.json"):
+        json.loads(trace.read_text())  # whole, or not there at all
+    assert not list((run_dir / "traces").glob("*.partial"))
+
+
+@pytest.mark.timeout(60)
+def test_bad_output_dir_and_taken_port_are_refused_before_any_rank_starts(tmp_path):
+    proc = _start(run_dir=Path("/proc/runner-test/run"))
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == 2 and "hydra.run.dir" in err and "Traceback" not in err
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _start(f"launch.port={port}", run_dir=tmp_path / "run")
+        _, err = proc.communicate(timeout=50)
+    assert proc.returncode == 2 and f"launch.port={port}" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_every_torch_load_is_weights_only():
+    for path in (ROOT / "runner").glob("*.py"):
+        for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
+            assert "weights_only=True" in call, f"{path.name}: {call}"
