@@ -77,11 +77,16 @@ class PipelinedStep:
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        if self.has_last:
-            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-            return torch.stack([loss.detach() for loss in losses]).mean()
-        self.schedule.step(*args, return_outputs=False)
-        return None
+        try:
+            if self.has_last:
+                self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+                return torch.stack([loss.detach() for loss in losses]).mean()
+            self.schedule.step(*args, return_outputs=False)
+            return None
+        except Exception as e:  # shape inference runs the stage outside the recorded actions
+            if not any(note.startswith("runner:") for note in getattr(e, "__notes__", [])):
+                e.add_note(f"runner: in pipeline stage(s) {[s.stage_index for s in self.stages]} on this rank")
+            raise
 
 
 def data_parallel(module: nn.Module, mode: str, mesh: Mesh) -> nn.Module:

@@ -77,6 +77,7 @@ def test_a_failing_rank_ends_the_job_and_shows_its_traceback(tmp_path):
                                    cwd=tmp_path), timeout=80)
     assert rc == 2
     assert "rank 1 failed" in err and "Traceback" in err and "boom from the user's model" in err
+    assert "runner: in pipeline stage(s) [1]" in err  # where in the pipeline it happened
 
 
 @pytest.mark.timeout(120)
