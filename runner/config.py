@@ -96,6 +96,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``python -m runner.plan``: candidates, costs and limits (ignored by training runs)."""
+
+    microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
+    costs: Optional[str] = None  # a previous run's summary.json: its measured per-stage costs
+    memory_limit: Optional[int] = None  # bytes of in-flight activations per rank; null = no limit
+    comm_latency_s: float = 2e-4  # per message between ranks
+    comm_bandwidth: float = 1e9  # bytes/s between ranks
+    repeats: int = 3  # timings per child; the median is used
+
+
+@dataclass
 class ModelConfig:
     """Keys every built-in model factory takes. A user factory (``model._target_=pkg.mod.fn``)
     is called with the keys of the selected model group."""
@@ -145,6 +157,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     device: str = "auto"  # auto | cpu | cuda

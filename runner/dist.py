@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "resolve_device", "pick_device", "init_distributed", "cleanup", "all_reduce_sum", "gather_to_main"]
+__all__ = ["DistEnv", "resolve_device", "pick_device", "init_distributed", "cleanup", "all_reduce_sum",
+           "gather_to_main"]
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir
 
 
 # How gloo/nccl report that a peer went away: a symptom on the survivors, not the root cause.
-_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|NCCL communicator was aborted")
+_PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|NCCL communicator was aborted")
 
 
 def _rank_failure(error: Exception, error_files: list[str]) -> RunnerError:
@@ -191,7 +192,8 @@ def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -
     os.environ["RUNNER_RUN_DIR"] = str(run_dir)  # marks this job's rank processes (tests find orphans by it)
     context = mp.start_processes(
         _spawned_rank,
-        args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir), (kind, address), launch_time),
+        args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir), (kind, address),
+              launch_time),
         nprocs=world,
         join=False,
         start_method="spawn",

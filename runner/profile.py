@@ -20,8 +20,16 @@ from torch.profiler import ProfilerActivity
 from runner.dist import DistEnv, gather_to_main
 from runner.record import Recorder
 from runner.simulate import UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
-from runner.timeline import (executed_order, mean_costs, measured_bubble, measured_slices, plot_schedule,
-                             simulated_slices, write_chrome_trace, write_schedule_csv)
+from runner.timeline import (
+    executed_order,
+    mean_costs,
+    measured_bubble,
+    measured_slices,
+    plot_schedule,
+    simulated_slices,
+    write_chrome_trace,
+    write_schedule_csv,
+)
 from runner.validate import Layout
 
 __all__ = ["Window", "plan_window", "RunProfiler"]
@@ -93,7 +101,7 @@ class RunProfiler:
         if self.torch_profiler is not None:
             self.torch_profiler.step()
 
-    def finish(self, layout: Layout, schedule_name: str, *, pp: int) -> dict | None:
+    def finish(self, layout: Layout) -> dict | None:
         """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
         the first data-parallel replica (ranks 0..pp-1: its pipeline ranks)."""
         if self.torch_profiler is not None:
@@ -101,8 +109,8 @@ class RunProfiler:
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps), self.env)
         if not self.env.is_main:
             return None
-        actions = {rank: acts for rank, (acts, _) in enumerate(gathered[:pp])}
-        spans = {rank: steps for rank, (_, steps) in enumerate(gathered[:pp])}
+        actions = {rank: acts for rank, (acts, _) in enumerate(gathered[:layout.pp])}
+        spans = {rank: steps for rank, (_, steps) in enumerate(gathered[:layout.pp])}
         order = executed_order(actions)
         write_schedule_csv(self.run_dir / "schedule.csv", order)
         costs = mean_costs(actions)
@@ -110,14 +118,14 @@ class RunProfiler:
         per_rank = measured_bubble(actions, spans)
         sim_bubble = bubble_fractions(simulated)
         stages_per_rank = max(1, layout.num_stages // layout.pp)
-        formula = theoretical_bubble(schedule_name, pp=layout.pp, microbatches=layout.microbatches,
+        formula = theoretical_bubble(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
                                      stages_per_rank=stages_per_rank)
         if self.enabled:
             ranks = sorted(actions)
             write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans), ranks=ranks)
             write_chrome_trace(self.run_dir / "schedule_sim.json", simulated_slices(simulated), ranks=ranks)
             plot_schedule(self.run_dir / "schedule.png", simulate(order, UNIT_COSTS, num_stages=layout.num_stages),
-                          title=f"{schedule_name}: pp={layout.pp}, {layout.num_stages} stages, "
+                          title=f"{layout.schedule}: pp={layout.pp}, {layout.num_stages} stages, "
                                 f"{layout.microbatches} microbatches (order as run)")
         sim_mean = sum(sim_bubble.values()) / len(sim_bubble)
         return {

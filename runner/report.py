@@ -81,8 +81,8 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     bottom.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=7)
     failed = len(rows) - len(ok)
     common = " ".join(sorted(shared))
-    fig.suptitle(f"{len(ok)} jobs" + (f" ({failed} failed, not shown)" if failed else "") + (f"\n{common}" if common else ""),
-                 fontsize=9)
+    title = f"{len(ok)} jobs" + (f" ({failed} failed, not shown)" if failed else "")
+    fig.suptitle(title + (f"\n{common}" if common else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

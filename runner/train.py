@@ -12,17 +12,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from runner.checkpoint import Checkpointer
 from runner.data import build_dataset
+from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.errors import NonFiniteLossError
 from runner.faults import train_fault
-from runner.dist import DistEnv, all_reduce_sum, gather_to_main
-from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
 from runner.mesh import Mesh, build_mesh
+from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
 from runner.pipeline import build_step
 from runner.profile import RunProfiler
 from runner.validate import Layout
@@ -101,7 +101,8 @@ def train(
     step_times: list[float] = []
     verify_report = None
     startup_s = time.time() - launch_time
-    progress = tqdm(total=t.steps - first_step, desc="train", disable=not (env.is_main and sys.stderr.isatty() and t.steps >= 50))
+    show_progress = env.is_main and sys.stderr.isatty() and t.steps >= 50
+    progress = tqdm(total=t.steps - first_step, desc="train", disable=not show_progress)
     for step in range(first_step, t.steps):
         # The global batch is the same whatever the layout; each dp replica takes its rows.
         inputs, targets = data.batch(step, t.batch_size, t.seq_len)
@@ -146,7 +147,7 @@ def train(
                          step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3)
         checkpointer.maybe_save(step + 1)
     progress.close()
-    bubble = profiler.finish(layout, layout.schedule, pp=mesh.pp)
+    bubble = profiler.finish(layout)
     peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
     if env.is_main:
         result.summary = make_summary(

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, compose
 from runner.launch import launch
+
+from conftest import ROOT, TINY, compose
 from test_profile import check_profiled_run
 
 TESTS = Path(__file__).parent

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from _ranks import spawn, train_cases
-from conftest import ROOT, TINY, compose
 from runner.checkpoint import find_checkpoint
 from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError
 from runner.train import train
 from runner.validate import validate
+
+from _ranks import spawn, train_cases
+from conftest import ROOT, TINY, compose
 from test_parity import CLIP, SCHEDULES, _assert_matches, _reference
 
 TESTS = Path(__file__).parent

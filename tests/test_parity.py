@@ -13,11 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from _ranks import spawn, train_cases
-from conftest import EXAMPLES, TINY, compose
 from runner.dist import DistEnv
+from runner.plan import schedule_order
 from runner.train import train
 from runner.validate import validate
+
+from _ranks import spawn, train_cases
+from conftest import EXAMPLES, TINY, compose
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 # Clipping must bind, or a per-rank clip would pass: gradient norms here are ~1.
@@ -53,7 +55,7 @@ def _assert_matches(got: dict, ref: dict, case: str) -> None:
         for name, ref_grad in ref[kind].items():
             assert ref_grad is not None and got[kind][name] is not None, f"{case}: {name} has no grad"
             torch.testing.assert_close(got[kind][name], ref_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL,
-                                       msg=lambda m: f"{case} {kind} {name}: {m}")
+                                       msg=lambda m, kind=kind, name=name: f"{case} {kind} {name}: {m}")
 
 
 def _add_long_runs(cases: dict, *overrides: str) -> None:
@@ -119,6 +121,11 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     assert results["explicit-split"]["summary"]["stages"]["0"] == ["embed", "block0"]
     assert results["zbv"]["summary"]["num_stages"] == 4
     assert results["csv-gpipe_pp2_m4.csv"]["summary"]["num_stages"] == 2
+    # The planner's reading of torch's declared orders is what actually ran, for every schedule.
+    for name in SCHEDULES:
+        spr = results[name]["summary"]["num_stages"] // 2
+        ran = (tmp_path / "pp2" / name / "schedule.csv").read_text().split()
+        assert [",".join(op.name for op in ops) for ops in schedule_order(name, 2, 4, spr).values()] == ran, name
 
 
 @pytest.mark.timeout(300)

@@ -8,12 +8,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 from runner import _torch_pp
 from runner.profile import Window, plan_window
 from runner.schedule import SCHEDULES
-from runner.simulate import Op, UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
-from torch.distributed.pipelining.schedules import get_schedule_class
+from runner.simulate import UNIT_COSTS, Op, bubble_fractions, simulate, theoretical_bubble
 
 
 def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY, compose
 from runner.errors import ConfigError
 from runner.split import build_meta_model, materialize, plan_split
+
+from conftest import TINY, compose
 
 CPU = torch.device("cpu")
 

@@ -15,9 +15,10 @@ import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
-from conftest import ROOT
 from runner import report
 from runner.launch import slurm_rank_env
+
+from conftest import ROOT
 
 QUIET = ["profile.enabled=false", "hydra.sweep.dir=sweep"]
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from conftest import EXAMPLES, TINY, compose
 from runner.errors import ConfigError
 from runner.validate import validate
+
+from conftest import EXAMPLES, TINY, compose
 
 PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 
@@ -99,7 +100,8 @@ CSV_BAD = [
     ("0F0,0X0\n1F0,1B0\n", ["malformed", "0X0"]),
     ("0F0,0B0\n", ["1 rows", "parallel.pp=1"]),
     ("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n", ["2 microbatches", "parallel.microbatches=2"]),
-    ("0B0,0F0,0F1,0F2,0F3,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n", ["not a valid schedule", "without first running Forward"]),
+    ("0B0,0F0,0F1,0F2,0F3,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n",
+     ["not a valid schedule", "without first running Forward"]),
     # Every action in a valid order per stage, but rank 1 waits on backwards never sent: deadlock.
     ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1B0,1F0,1F1,1F2,1F3,1B1,1B2,1B3\n", ["not a valid schedule"]),
     ("0F0,0SEND_F0\n1F0\n", ["compute actions only"]),

@@ -1,0 +1,265 @@
+"""``python -m runner.plan``: predict each candidate layout's step time, bubble and activation
+memory before running it, and recommend one.
+
+    python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
+    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2e9
+
+Candidates are schedule x microbatches x stages per rank (balanced split). Each is checked with
+every check a run makes before spawning; the valid ones are simulated (``runner.simulate``) with
+per-stage F/B/I/W costs measured here, child by child on one microbatch in this process (or taken
+from a previous run's summary when its stages match), plus a message cost per send. Writes
+``plan.json`` (best first) and ``plan_timeline.json`` (the best candidate's predicted timeline).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import runner.config  # noqa: F401  (registers the config schemas)
+from runner import _torch_pp
+from runner.errors import ConfigError
+from runner.pipeline import lm_loss
+from runner.schedule import SCHEDULES, is_single_stage
+from runner.simulate import Op, bubble_fractions, simulate
+from runner.split import build_meta_model, materialize
+from runner.timeline import simulated_slices, write_chrome_trace
+from runner.validate import Layout, validate
+
+__all__ = ["Candidate", "schedule_order", "measure_child_costs", "peak_in_flight", "plan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Candidate:
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    overrides: list[str]
+    valid: bool
+    reason: str = ""
+    predicted_step_time_s: float | None = None
+    bubble: float | None = None
+    peak_activations: list[int] = field(default_factory=list)  # microbatches in flight, per rank
+    peak_activation_bytes: list[int] = field(default_factory=list)
+    fits_memory: bool = True
+
+
+@dataclass(frozen=True)
+class ChildCost:
+    forward_s: float
+    backward_s: float  # full backward
+    input_backward_s: float  # gradient w.r.t. the input only
+    saved_bytes: int  # tensors autograd keeps from forward to backward
+    output_bytes: int  # what the child sends on
+
+
+def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[Op]]:
+    """The per-rank compute order a torch schedule runs, from its declared ``pipeline_order``
+    (overlapped F;B actions expanded). torch 2.13 declares ``Schedule1F1B``'s last rank with
+    forwards numbered 1..m instead of 0..m-1 (it runs 0..m-1): renumbered here, and the test
+    suite compares every schedule's order with what a real run recorded."""
+    stages = _torch_pp.stand_in_stages(pp, pp * stages_per_rank, stages_per_rank)
+    cls = torch.distributed.pipelining.schedules.get_schedule_class(SCHEDULES[name])
+    schedule = cls(stages[0] if stages_per_rank == 1 else stages, microbatches)
+    order = {}
+    for rank in range(pp):
+        ops = []
+        for action in schedule.pipeline_order[rank]:
+            for a in (action.sub_actions or (action,)) if action is not None else ():
+                if a.is_compute_op and a.microbatch_index is not None:
+                    ops.append(Op(a.stage_index, a.computation_type.value, a.microbatch_index))
+        forwards = {op.microbatch for op in ops if op.kind == "F"}
+        if forwards == set(range(1, microbatches + 1)):
+            ops = [op._replace(microbatch=op.microbatch - 1) if op.kind == "F" else op for op in ops]
+        order[rank] = ops
+    return order
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, *, last: bool,
+                   repeats: int) -> ChildCost:
+    inp = x.detach().requires_grad_(x.is_floating_point())
+
+    def forward() -> torch.Tensor:
+        out = child(inp)
+        return lm_loss(out, targets) if last else out
+
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    grad = None if last else torch.ones_like(out)
+    backward_s = _timed(lambda: forward().backward(grad), repeats)
+    input_s = _timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats) if inp.requires_grad else 0.0
+    child.zero_grad(set_to_none=True)
+    return ChildCost(_timed(forward, repeats), backward_s, input_s, saved[0], out.numel() * out.element_size())
+
+
+def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int) -> dict[str, ChildCost]:
+    """Time every top-level child's forward, backward and input-only backward on one microbatch."""
+    meta = build_meta_model(cfg.model)
+    model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
+    x = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len))
+    targets = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len))
+    costs = {}
+    names = list(model._modules)
+    for i, name in enumerate(names):
+        child = model._modules[name]
+        costs[name] = _measure_child(child, x, targets, last=i == len(names) - 1, repeats=repeats)
+        with torch.no_grad():
+            x = child(x)
+    return costs
+
+
+def _stage_costs(layout: Layout, child: dict[str, ChildCost]) -> dict[tuple[int, str], float]:
+    costs = {}
+    for s, names in enumerate(layout.stages):
+        f = sum(child[n].forward_s for n in names)
+        b = sum(child[n].backward_s for n in names)
+        i = sum(child[n].input_backward_s for n in names)
+        costs.update({(s, "F"): f, (s, "B"): b, (s, "I"): i, (s, "W"): max(0.0, b - i)})
+    return costs
+
+
+def _costs_from_summary(path: str, layout: Layout) -> dict[tuple[int, str], float] | None:
+    """Measured per-stage costs of an earlier run, usable when its stages were the same."""
+    summary = json.loads(Path(path).read_text())
+    if [tuple(v) for v in summary["stages"].values()] != list(layout.stages):
+        return None
+    return {(int(k[:-1]), k[-1]): v for k, v in summary["bubble"]["mean_costs_s"].items()}
+
+
+def peak_in_flight(order: dict[int, list[Op]]) -> dict[int, dict[int, int]]:
+    """Per rank, per stage: the most microbatches whose forward activations are held at once
+    (from the forward until the backward that frees them: B, or W after an I)."""
+    peaks: dict[int, dict[int, int]] = {}
+    for rank, ops in order.items():
+        held: dict[int, int] = {}
+        peak_total, at_peak = 0, {}
+        for op in ops:
+            if op.kind == "F":
+                held[op.stage] = held.get(op.stage, 0) + 1
+            elif op.kind in "BW":
+                held[op.stage] -= 1
+            if sum(held.values()) > peak_total:
+                peak_total, at_peak = sum(held.values()), dict(held)
+        peaks[rank] = at_peak
+    return peaks
+
+
+def _candidates(cfg: DictConfig) -> list[tuple[str, int, int]]:
+    replica_batch = cfg.train.batch_size // cfg.parallel.dp
+    out = []
+    for name in SCHEDULES:
+        for m in cfg.plan.microbatches:
+            if replica_batch % m == 0:
+                for spr in [1] if is_single_stage(name) else [2, 3, 4]:
+                    out.append((name, m, spr))
+    return out
+
+
+def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list]]:
+    """Every candidate, best (fastest within the memory limit) first, and the predicted timeline
+    of each valid one (keyed by ``id(candidate)``)."""
+    child_costs: dict[int, dict[str, ChildCost]] = {}
+    results, timelines = [], {}
+    for name, m, spr in _candidates(cfg):
+        overrides = [f"schedule={name}", f"parallel.microbatches={m}", f"parallel.stages_per_rank={spr}"]
+        candidate = Candidate(name, m, spr, overrides, valid=False)
+        results.append(candidate)
+        trial = copy.deepcopy(cfg)
+        trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
+        try:
+            layout = validate(trial)
+        except ConfigError as e:
+            candidate.reason = str(e).splitlines()[0]
+            continue
+        order = schedule_order(name, layout.pp, m, spr)
+        mb_size = cfg.train.batch_size // (cfg.parallel.dp * m)
+        costs = _costs_from_summary(cfg.plan.costs, layout) if cfg.plan.costs else None
+        if costs is None:
+            if mb_size not in child_costs:
+                child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats)
+            costs = _stage_costs(layout, child_costs[mb_size])
+        sent = max(sum(c.output_bytes for n, c in child_costs.get(mb_size, {}).items() if n in names)
+                   for names in layout.stages) if mb_size in child_costs else 0
+        comm_s = cfg.plan.comm_latency_s + sent / cfg.plan.comm_bandwidth
+        try:
+            timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
+        except ValueError as e:
+            candidate.reason = f"the order cannot run: {e}"
+            continue
+        peaks = peak_in_flight(order)
+        saved = {s: sum(child_costs[mb_size][n].saved_bytes for n in names) if mb_size in child_costs else 0
+                 for s, names in enumerate(layout.stages)}
+        bubbles = bubble_fractions(timeline)
+        candidate.valid = True
+        candidate.predicted_step_time_s = max(a.end for a in timeline)
+        candidate.bubble = sum(bubbles.values()) / len(bubbles)
+        candidate.peak_activations = [sum(peaks[r].values()) for r in sorted(peaks)]
+        candidate.peak_activation_bytes = [sum(n * saved[s] for s, n in peaks[r].items()) for r in sorted(peaks)]
+        limit = cfg.plan.memory_limit
+        candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
+        timelines[id(candidate)] = timeline
+    ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
+    return ranked, timelines
+
+
+def _table(candidates: list[Candidate]) -> str:
+    rows = ["schedule          m  v  step (ms)  bubble  peak act (mb)  peak act (MiB)"]
+    for c in candidates:
+        if c.valid:
+            rows.append(f"{c.schedule:<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
+                        f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  {max(c.peak_activations):13d}  "
+                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}{'' if c.fits_memory else '  over limit'}")
+    invalid = [c for c in candidates if not c.valid]
+    if invalid:
+        rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
+    return "\n".join(rows)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
+    logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
+    candidates, timelines = plan(cfg)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
+    print(_table(candidates))
+    best = next((c for c in candidates if c.valid and c.fits_memory), None)
+    if best is None:
+        print("no valid candidate fits; see the reasons above")
+        return
+    timeline = timelines[id(best)]
+    write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("plan.")]
+    print(f"\nbest: python -m runner {' '.join(overrides + best.overrides)}")
+
+
+if __name__ == "__main__":
+    main()
