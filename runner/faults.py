@@ -9,6 +9,7 @@ between the shard writes and the commit of step N's checkpoint.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -21,10 +22,16 @@ def fault_point(name: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@functools.cache
+def _train_fault_spec() -> tuple[str, int, int] | None:
+    spec = os.environ.get("RUNNER_FAULT", "").split(":")
+    return (spec[0], int(spec[1]), int(spec[2])) if len(spec) == 3 else None
+
+
 def train_fault(step: int, rank: int) -> str | None:
     """Act on a ``<what>:<rank>:<step>`` fault due here; returns ``"nan"`` for the loop to apply."""
-    spec = os.environ.get("RUNNER_FAULT", "").split(":")
-    if len(spec) != 3 or (int(spec[1]), int(spec[2])) != (rank, step):
+    spec = _train_fault_spec()
+    if spec is None or spec[1:] != (rank, step):
         return None
     what = spec[0]
     if what == "raise":

@@ -18,21 +18,17 @@ from typing import Iterator
 
 from torch.profiler import record_function
 
+from runner.simulate import Op
+
 __all__ = ["Action", "StepSpan", "Recorder"]
 
 
 @dataclass(frozen=True)
 class Action:
     step: int
-    stage: int
-    kind: str  # F forward, B full backward, I input-grad backward, W weight-grad backward
-    microbatch: int
+    op: Op  # stage, kind (F, B, I or W) and microbatch
     start_ns: int  # time.perf_counter_ns() minus the rank's origin
     end_ns: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,7 @@ class Recorder:
             start = self._now()
             yield
             end = self._now()
-        self.actions.append(Action(self.step, stage, kind, microbatch, start, end))
+        self.actions.append(Action(self.step, Op(stage, kind, microbatch), start, end))
 
     @contextmanager
     def pipeline_step(self, step: int) -> Iterator[None]:

@@ -20,14 +20,10 @@ __all__ = ["executed_order", "write_schedule_csv", "mean_costs", "measured_bubbl
 COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#88D27A", "W": "#F58518"}
 
 
-def _op(a: Action) -> Op:
-    return Op(a.stage, a.kind, a.microbatch)
-
-
 def executed_order(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[Op]]:
     """Each rank's actions in the order they ran, in the first recorded step."""
     first = min(a.step for acts in actions.values() for a in acts)
-    return {rank: [_op(a) for a in sorted(acts, key=lambda a: a.start_ns) if a.step == first]
+    return {rank: [a.op for a in sorted(acts, key=lambda a: a.start_ns) if a.step == first]
             for rank, acts in sorted(actions.items())}
 
 
@@ -44,7 +40,7 @@ def mean_costs(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int, str],
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
     for acts in actions.values():
         for a in acts:
-            samples[(a.stage, a.kind)].append((a.end_ns - a.start_ns) / 1e9)
+            samples[(a.op.stage, a.op.kind)].append((a.end_ns - a.start_ns) / 1e9)
     return {key: statistics.fmean(v) for key, v in samples.items()}
 
 
@@ -90,8 +86,8 @@ def measured_slices(actions: Mapping[int, Sequence[Action]], steps: Mapping[int,
     out = []
     for rank, acts in actions.items():
         for a in acts:
-            out.append(_slice(rank, 0, f"compute:{a.name}", a.start_ns / 1e3, (a.end_ns - a.start_ns) / 1e3,
-                              {"step": a.step, "stage": a.stage, "kind": a.kind, "microbatch": a.microbatch}))
+            out.append(_slice(rank, 0, f"compute:{a.op.name}", a.start_ns / 1e3, (a.end_ns - a.start_ns) / 1e3,
+                              {"step": a.step, "stage": a.op.stage, "kind": a.op.kind, "microbatch": a.op.microbatch}))
     for rank, spans in steps.items():
         for s in spans:
             out.append(_slice(rank, 1, f"step {s.step}", s.start_ns / 1e3, (s.end_ns - s.start_ns) / 1e3,

@@ -26,7 +26,7 @@ from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write
 from runner.pipeline import build_step
 from runner.profile import RunProfiler
 from runner.validate import Layout
-from runner.verify import collect_grads, verify_first_step
+from runner.verify import gather_grads, verify_first_step
 
 __all__ = ["TrainResult", "train", "lr_factor", "clip_grad_norm_global"]
 
@@ -65,11 +65,6 @@ def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, env
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total.item()
-
-
-def _gather_grads(modules: list[torch.nn.Module], env: DistEnv) -> dict:
-    gathered = gather_to_main(collect_grads(modules), env)
-    return {n: g for part in gathered for n, g in part.items()} if env.is_main else {}
 
 
 def train(
@@ -123,13 +118,13 @@ def train(
             raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
                                      "tighter train.grad_clip; checkpoints before this step are intact.")
         if step == first_step and keep_first_grads:
-            result.first_grads = _gather_grads(step_fn.modules, env)
+            result.first_grads = gather_grads(step_fn.modules, env)
         if step == first_step and cfg.verify:
             full_inputs, full_targets = data.batch(step, t.batch_size, t.seq_len)
             verify_report = verify_first_step(cfg, step_fn.modules, loss, full_inputs, full_targets, env)
         grad_norm = clip_grad_norm_global(params, t.grad_clip, env, mesh)
         if step == first_step and keep_first_grads:
-            result.first_clipped_grads = _gather_grads(step_fn.modules, env)
+            result.first_clipped_grads = gather_grads(step_fn.modules, env)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

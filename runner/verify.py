@@ -17,7 +17,7 @@ from runner.errors import VerifyError
 from runner.pipeline import UnsplitStep
 from runner.split import build_meta_model, materialize
 
-__all__ = ["RTOL", "ATOL", "collect_grads", "compare", "verify_first_step"]
+__all__ = ["RTOL", "ATOL", "collect_grads", "gather_grads", "compare", "verify_first_step"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,12 @@ def collect_grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
         for module in modules
         for name, p in module.named_parameters()
     }
+
+
+def gather_grads(modules: list[nn.Module], env: DistEnv) -> dict[str, torch.Tensor | None]:
+    """Every rank's gradients, by full name, on rank 0 (empty elsewhere). Collective."""
+    gathered = gather_to_main(collect_grads(modules), env)
+    return {name: g for part in gathered for name, g in part.items()} if env.is_main else {}
 
 
 def compare(
@@ -86,10 +92,9 @@ def verify_first_step(
 ) -> dict:
     """Call after the first step's backward, before clipping and the optimizer. Every rank gets
     the report; every rank raises ``VerifyError`` together when it failed (none is left waiting)."""
-    gathered = gather_to_main(collect_grads(modules), env)
+    got = gather_grads(modules, env)
     report = None
     if env.is_main:
-        got = {name: g for part in gathered for name, g in part.items()}
         meta = build_meta_model(cfg.model)
         model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
         ref_loss = UnsplitStep(model, cfg.parallel.microbatches)(inputs.cpu(), targets.cpu()).item()

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from runner.plan import peak_in_flight, plan, schedule_order
+from runner.validate import validate
 
 from conftest import ROOT, TINY, compose
 
@@ -61,3 +62,18 @@ def test_plan_cli_writes_its_files_and_its_best_candidate_runs_near_the_predicti
     # the prediction is judged. The ratio is in the test output (-rA) for the record.
     print(f"predicted / measured step time: {ratio:.2f}")
     assert 0.1 < ratio < 10
+
+
+def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
+    cfg = compose(*TINY, "parallel.pp=2", "train.batch_size=8", "schedule=1f1b", "parallel.microbatches=4")
+    layout = validate(cfg)
+    # A "previous run" of the 1F1B layout whose stages took 1 s per forward and 2 s per backward.
+    summary = {"stages": {str(i): list(s) for i, s in enumerate(layout.stages)},
+               "bubble": {"mean_costs_s": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    candidates, _ = plan(compose(*TINY, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+                                 "plan.repeats=1", f"plan.costs={tmp_path / 'summary.json'}"))
+    by_name = {c.schedule: c for c in candidates if c.valid}
+    # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus 2 messages; the rest is measured (ms).
+    assert by_name["1f1b"].predicted_step_time_s == pytest.approx(15.0, abs=0.01)
+    assert by_name["interleaved_1f1b"].predicted_step_time_s < 1.0
