@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 from unittest import mock
 
+import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
@@ -29,6 +30,7 @@ __all__ = [
     "check_actions",
     "csv_schedule",
     "replicate",
+    "allow_eval",
 ]
 
 Action = _Action
@@ -38,15 +40,16 @@ def stage_to_rank_mapping(pp: int, num_stages: int, *, v_shape: bool) -> dict[in
     return generate_stage_to_rank_mapping(pp, num_stages, style="v" if v_shape else "loop")
 
 
-def stand_in_stages(pp: int, num_stages: int, num_local: int) -> list:
+def stand_in_stages(pp: int, num_stages: int, num_local: int, *, compiled: bool = False) -> list:
     """Stand-ins for ``PipelineStage`` that let a schedule class be constructed (and so run its
     own argument checks and compute its action order) without processes or a model, the way
-    torch's own schedule visualizer does."""
+    torch's own schedule visualizer does. ``compiled`` gives them a ``torch.compile``d module
+    (never called, so nothing compiles), for the schedules' own compile check."""
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank = 0
     stage.group_size = pp
     stage.num_stages = num_stages
-    stage.submod = None
+    stage.submod = torch.nn.Sequential(torch.compile(torch.nn.Identity())) if compiled else None
     return [stage] * num_local
 
 
@@ -80,6 +83,16 @@ def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, path: Path)
     schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     schedule._load_csv(str(path), format="compute_only")
     return schedule
+
+
+def allow_eval(stage: PipelineStage) -> None:
+    """Let ``schedule.eval()`` run V-shaped schedules (ZBV, DualPipeV). In torch 2.13 the runtime
+    still performs the backward actions in eval (each a no-op without backward), but then hands
+    the absent input gradient to the same-rank previous stage, which asserts. Without backward,
+    that hand-off becomes a no-op too; with backward nothing changes."""
+    get, put = stage.get_local_bwd_output, stage.set_local_bwd_input
+    stage.get_local_bwd_output = lambda mb_index: get(mb_index) if stage.has_backward else ()
+    stage.set_local_bwd_input = lambda grads, mb_index: put(grads, mb_index) if stage.has_backward else None
 
 
 def replicate(module, *, mesh):

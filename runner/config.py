@@ -51,12 +51,35 @@ class TrainConfig:
     batch_size: int = 16  # global samples per optimizer step
     seq_len: int = 32  # tokens per sample
     lr: float = 3e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # After warmup: cosine or linear decay to lr * min_lr_ratio at the last step, or constant.
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 3  # linear warmup from lr / warmup_steps
-    weight_decay: float = 0.0
+    weight_decay: float = 0.1
+    # Parameter kinds AdamW does not decay: bias, norm (LayerNorm/RMSNorm/... weights), embedding.
+    # Decaying them pulls gains and lookup rows towards zero for no regularisation benefit.
+    no_decay: List[str] = field(default_factory=lambda: ["bias", "norm", "embedding"])
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global gradient norm across all stages; 0 = off
     seed: int = 0
+    # fp32 | bf16. bf16 autocasts each stage's forward (parameters, gradients and the optimizer
+    # stay fp32); with parallel.dp_mode=fsdp it is FSDP's mixed-precision policy instead.
+    precision: str = "fp32"
+    # Recompute activations in backward instead of keeping them: none | full (every block) |
+    # every_n (every ac_every-th block). Blocks are the model's children between the first and
+    # the last (the embedding and the head are never recomputed).
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
+    # torch.compile each child of every stage (in place: parameter names do not change).
+    # Schedules that split backward into input and weight parts (interleaved_zb, zbv, dualpipev,
+    # F/I/W CSVs) cannot run compiled stages and are rejected before launch.
+    compile: bool = False
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # forward-only evaluation on held-out data every K optimizer steps (and after the last); 0 = off
+    steps: int = 2  # held-out batches (of train.batch_size) per evaluation
 
 
 @dataclass
@@ -84,6 +107,16 @@ class ProfileConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = False  # rank 0 writes scalars under <run dir>/tensorboard (needs tensorboard)
+    # Weights & Biases (needs runner[wandb]). Offline by default so a run needs no network or
+    # account; `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
+    wandb: bool = False
+    wandb_project: str = "runner"  # groups runs in the W&B UI
+    wandb_mode: str = "offline"  # offline | online (needs `wandb login`) | disabled (keep config, log nothing)
+    # MLflow (needs runner[mlflow]): a per-run database, or a shared store to compare runs in one UI.
+    mlflow: bool = False
+    # null = sqlite:///<run dir>/mlflow.db (no server); or a shared store, e.g. http://host:5000.
+    mlflow_tracking_uri: Optional[str] = None
+    mlflow_experiment: str = "runner"  # groups runs in the MLflow UI
 
 
 @dataclass
@@ -139,6 +172,9 @@ class SyntheticDataConfig:
     vocab_size: int = 64
     # Probability that a token follows the hidden bigram rule instead of being uniform noise.
     signal: float = 0.9
+    # Left-pad each sample by a random length and pass attention_mask=(batch, seq) bool to every
+    # child whose forward takes it (padded targets are ignored by the loss).
+    padding: bool = False
 
 
 @dataclass
@@ -146,6 +182,7 @@ class TextDataConfig:
     _target_: str = "runner.data.TextData"
     path: str = MISSING  # any local text file, read as bytes
     vocab_size: int = 256  # byte-level: fixed
+    val_fraction: float = 0.1  # the file's tail held out for evaluation
 
 
 @dataclass
@@ -153,8 +190,12 @@ class RunConfig:
     schedule: ScheduleConfig = MISSING
     model: Any = MISSING
     data: Any = MISSING
+    # The loss of one microbatch: a function (logits, targets) -> scalar mean, instantiated with
+    # _partial_: true, so loss._target_=pkg.module.fn plugs in your own.
+    loss: Any = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

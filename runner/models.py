@@ -1,7 +1,8 @@
 """Built-in models. Both meet the contract every model must meet to be split into stages:
 
 * the factory returns an ``nn.Sequential`` whose top-level children run one after another, each
-  taking the previous child's single output tensor;
+  taking the previous child's single output tensor (and any keyword inputs of the batch, such as
+  ``attention_mask``, that its forward names);
 * the first child takes the token ids ``(batch, seq)`` (int64), the last returns logits
   ``(batch, seq, vocab_size)``;
 * every parameter belongs to a module with ``reset_parameters()`` (all of ``torch.nn``'s layers
@@ -52,12 +53,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if attention_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # causal and not a padded key; a padded query attends to itself (no empty softmax row)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            allowed = causal & attention_mask[:, None, None, :]
+            allowed = allowed | torch.eye(t, dtype=torch.bool, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -71,8 +77,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(dim)
         self.ffn = FeedForward(dim, ffn_mult)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), attention_mask)
         return x + self.ffn(self.ffn_norm(x))
 
 

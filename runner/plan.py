@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 import runner.config  # noqa: F401  (registers the config schemas)
 from runner import _torch_pp
 from runner.errors import ConfigError
-from runner.pipeline import lm_loss
+from runner.losses import build_loss
 from runner.schedule import SCHEDULES, is_single_stage
 from runner.simulate import Op, bubble_fractions, simulate
 from runner.split import build_meta_model, materialize
@@ -97,13 +97,13 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, *, last: bool,
+def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, *, loss_fn, last: bool,
                    repeats: int) -> ChildCost:
     inp = x.detach().requires_grad_(x.is_floating_point())
 
     def forward() -> torch.Tensor:
         out = child(inp)
-        return lm_loss(out, targets) if last else out
+        return loss_fn(out, targets) if last else out
 
     saved = [0]
 
@@ -126,11 +126,11 @@ def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int) -> 
     model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
     x = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len))
     targets = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len))
-    costs = {}
+    costs, loss_fn = {}, build_loss(cfg.loss)
     names = list(model._modules)
     for i, name in enumerate(names):
         child = model._modules[name]
-        costs[name] = _measure_child(child, x, targets, last=i == len(names) - 1, repeats=repeats)
+        costs[name] = _measure_child(child, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
         with torch.no_grad():
             x = child(x)
     return costs

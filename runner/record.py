@@ -63,6 +63,15 @@ class Recorder:
         self.actions.append(Action(self.step, Op(stage, kind, microbatch), start, end))
 
     @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Calls made meanwhile (evaluation's forwards) are not part of the recorded schedule."""
+        active, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = active
+
+    @contextmanager
     def pipeline_step(self, step: int) -> Iterator[None]:
         self.step = step
         start = self._now()

@@ -49,9 +49,14 @@ def placement(name: str, pp: int, num_stages: int) -> dict[int, int]:
     return _torch_pp.stage_to_rank_mapping(pp, num_stages, v_shape=name in V_SHAPED)
 
 
-def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: int) -> None:
+COMPILE_FIX = ("Fix: train.compile=false, or a schedule with whole backward steps "
+               "(gpipe, 1f1b, interleaved_1f1b, looped_bfs).")
+
+
+def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False) -> None:
     """Construct the torch schedule class on stand-in stages, so torch's own rules (which change
-    between releases) reject a layout before any rank starts."""
+    between releases) reject a layout before any rank starts; with ``compiled``, on stand-ins
+    holding a compiled module, so torch's compile check speaks too."""
     cls = _schedule_class(name)
     single = issubclass(cls, PipelineScheduleSingle)
     if single and stages_per_rank != 1:
@@ -66,9 +71,12 @@ def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: in
             f"{stages_per_rank}. Fix: parallel.stages_per_rank=2 (or null)."
         )
     num_stages = pp * stages_per_rank
-    stages = _torch_pp.stand_in_stages(pp, num_stages, stages_per_rank)
-    try:
+    def construct(compiled: bool) -> None:
+        stages = _torch_pp.stand_in_stages(pp, num_stages, stages_per_rank, compiled=compiled)
         cls(stages[0] if single else stages, microbatches)
+
+    try:
+        construct(compiled=False)
     except (ValueError, AssertionError, RuntimeError) as e:
         raise ConfigError(
             f"torch's {cls.__name__} rejects schedule={name} with parallel.pp={pp}, "
@@ -76,9 +84,15 @@ def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: in
             f"({num_stages} stages): {e}\nFix: change parallel.microbatches (at least the "
             "number of stages, a multiple of parallel.pp is always safe) or the stage count."
         ) from e
+    if compiled:
+        try:
+            construct(compiled=True)
+        except RuntimeError as e:
+            raise ConfigError(f"train.compile=true with schedule={name}: torch says: {e}\n{COMPILE_FIX}") from e
 
 
-def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microbatches: int):
+def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microbatches: int,
+                      compiled: bool = False):
     """Lint a compute-only CSV schedule; returns (num_stages, stage → rank placement)."""
     file = Path(path)
     if not file.is_file():
@@ -95,6 +109,12 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
         raise ConfigError(
             f"schedule.csv={path!r} must hold compute actions only (F, B, I, W with a microbatch), "
             "e.g. '0F0,0F1,0B0'. Fix: drop communication actions and empty files."
+        )
+    if compiled and any(a.computation_type.value in ("I", "W") for a in computes):
+        raise ConfigError(
+            f"train.compile=true with schedule.csv={path!r}: its I/W actions split backward into input "
+            "and weight parts, which torch does not support for compiled stage modules (its zero-bubble "
+            f"schedules refuse them). {COMPILE_FIX.replace('a schedule', 'B actions or a schedule')}"
         )
     if len(actions) != pp:
         raise ConfigError(

@@ -1,17 +1,19 @@
 """Model → stages: build the model without memory, choose where stages start, and materialise
 only the stage modules a rank owns, initialised exactly as the unsplit model would be.
 
-Stage modules are ``nn.Sequential`` built from an ordered dict of the full model's own children,
-so every parameter keeps its full name (``block3.attn.qkv.weight``) in every stage: checkpoints,
-``verify`` and reports line up with the unsplit model.
+Stage modules are ``StageModule``s (an ``nn.Sequential``) built from an ordered dict of the full
+model's own children, so every parameter keeps its full name (``block3.attn.qkv.weight``) in every
+stage: checkpoints, ``verify`` and reports line up with the unsplit model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 from collections import OrderedDict, defaultdict
-from typing import Sequence
+from contextlib import nullcontext
+from typing import Any, Sequence
 
 import torch
 from hydra.utils import instantiate
@@ -20,9 +22,41 @@ from torch import nn
 
 from runner.errors import ConfigError
 
-__all__ = ["build_meta_model", "plan_split", "check_tied_weights", "check_shapes", "materialize"]
+__all__ = ["StageModule", "build_meta_model", "plan_split", "check_tied_weights", "check_shapes", "materialize"]
 
 log = logging.getLogger(__name__)
+
+
+def _keyword_filter(module: nn.Module):
+    """Which keyword inputs ``module``'s forward takes: all (it has ``**kwargs``) or those it names."""
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return lambda kwargs: kwargs
+    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return lambda kwargs: {k: v for k, v in kwargs.items() if k in names}
+
+
+class StageModule(nn.Sequential):
+    """Some of a model's top-level children, run in order, as ``nn.Sequential`` does, and also:
+
+    * keyword inputs (e.g. ``attention_mask``) go to every child whose forward takes them: torch's
+      schedules hand each stage the step's keyword inputs, so every stage sees them;
+    * ``autocast_dtype`` (set for ``train.precision=bf16``) autocasts the forward only: backward
+      runs in the dtypes the forward chose, and recomputation under activation checkpointing
+      restores the same autocast state.
+    """
+
+    autocast_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if kwargs and not hasattr(self, "_filters"):
+            self._filters = {name: _keyword_filter(child) for name, child in self.named_children()}
+        cast = (torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                else nullcontext())
+        with cast:
+            for name, child in self.named_children():
+                x = child(x, **self._filters[name](kwargs)) if kwargs else child(x)
+        return x
 
 
 def build_meta_model(model_cfg: DictConfig) -> nn.Sequential:
@@ -126,16 +160,19 @@ def check_tied_weights(model: nn.Sequential, stages: Sequence[Sequence[str]]) ->
 
 
 def check_shapes(
-    model: nn.Sequential, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int, vocab_size: int
+    model: nn.Sequential, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int, vocab_size: int,
+    kwargs: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Run one microbatch through the meta model, child by child: a child that cannot take its
     predecessor's output (so one stage cannot take the previous stage's) fails here, named, in
-    milliseconds and without memory, instead of inside a rank."""
+    milliseconds and without memory, instead of inside a rank. ``kwargs`` are one microbatch's
+    keyword inputs, given to the children that take them."""
     stage_of = {name: i for i, names in enumerate(stages) for name in names}
     x = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
+    kwargs = {k: v.to("meta") for k, v in (kwargs or {}).items()}
     for name, child in model.named_children():
         try:
-            x = child(x)
+            x = child(x, **_keyword_filter(child)(kwargs))
         except Exception as e:
             raise ConfigError(
                 f"Model child '{name}' (stage {stage_of[name]}) cannot take the output of the child "
@@ -169,14 +206,14 @@ def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
 
 def materialize(
     model: nn.Sequential, names: Sequence[str], *, seed: int, device: torch.device
-) -> nn.Sequential:
+) -> StageModule:
     """A stage module holding the given children of a meta-device ``model``, allocated and
     initialised on CPU (so every device gets the same numbers), then moved to ``device``.
 
     Each module's ``reset_parameters()`` runs under a generator seeded from the run seed and the
     module's full name, so a child initialises identically whichever stage or process builds it.
     """
-    stage = nn.Sequential(OrderedDict((n, model._modules[n]) for n in names))
+    stage = StageModule(OrderedDict((n, model._modules[n]) for n in names))
     tied = _tied_groups(stage)
     stage.to_empty(device="cpu")
     for first, *others in tied:  # allocation gives each name its own tensor: tie them again

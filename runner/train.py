@@ -1,5 +1,5 @@
 """The training loop each rank runs: data → pipelined step → (verify) → global clip → AdamW →
-metrics; rank 0 writes the outputs."""
+(evaluation) → metrics; rank 0 writes the outputs."""
 
 from __future__ import annotations
 
@@ -17,18 +17,19 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from runner.checkpoint import Checkpointer
-from runner.data import build_dataset
+from runner.data import build_dataset, get_batch
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.errors import NonFiniteLossError
 from runner.faults import train_fault
 from runner.mesh import Mesh, build_mesh
+from runner.optim import build_optimizer
 from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
-from runner.pipeline import build_step
+from runner.pipeline import Batch, PipelinedStep, UnsplitStep, build_step
 from runner.profile import RunProfiler
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
 
-__all__ = ["TrainResult", "train", "lr_factor", "clip_grad_norm_global"]
+__all__ = ["TrainResult", "train", "clip_grad_norm_global", "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,6 @@ class TrainResult:
     # rank 0 only, keyed by full parameter name.
     first_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     first_clipped_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
-
-
-def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, steps - warmup_steps - 1)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, env: DistEnv, mesh: Mesh) -> float:
@@ -67,6 +60,31 @@ def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, env
     return total.item()
 
 
+def _replica_share(batch: Batch, mesh: Mesh, device: torch.device) -> Batch:
+    """This dp replica's rows of the global batch (the same global batch whatever the layout)."""
+    rows = len(batch[0]) // mesh.dp
+    take = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+    inputs, targets, kwargs = batch
+    return inputs[take].to(device), targets[take].to(device), {k: v[take].to(device) for k, v in kwargs.items()}
+
+
+def _step_loss(local_loss: torch.Tensor | None, env: DistEnv, mesh: Mesh) -> float:
+    """One rank per replica holds the last stage: the sum over ranks / dp is the step's loss."""
+    loss_t = local_loss if local_loss is not None else torch.zeros((), device=env.device)
+    return all_reduce_sum(loss_t.float(), env).item() / mesh.dp
+
+
+def evaluate(step_fn: UnsplitStep | PipelinedStep, data, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> float:
+    """Mean loss over the first ``eval.steps`` held-out batches (the same ones at every
+    evaluation, so values are comparable along the run), forward only."""
+    t = cfg.train
+    total = 0.0
+    for i in range(cfg.eval.steps):
+        inputs, targets, kwargs = _replica_share(get_batch(data, i, t.batch_size, t.seq_len, "val"), mesh, env.device)
+        total += _step_loss(step_fn.evaluate(inputs, targets, **kwargs), env, mesh)
+    return total / cfg.eval.steps
+
+
 def train(
     cfg: DictConfig,
     layout: Layout,
@@ -80,67 +98,68 @@ def train(
     data = build_dataset(cfg.data, seed=t.seed)
     mesh = build_mesh(env, pp=layout.pp, dp=cfg.parallel.dp)
     step_fn = build_step(cfg, layout, env, mesh)
-    replica_batch = t.batch_size // mesh.dp
     params = [p for m in step_fn.modules for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),
-    )
+    optimizer, scheduler = build_optimizer(step_fn.modules, t)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler)
     first_step = checkpointer.load(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else 0
     profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir)
     step_fn.attach(profiler.recorder)
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
+    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg) if env.is_main else None
     result = TrainResult(losses=[])
     step_times: list[float] = []
+    val_losses: list[tuple[int, float]] = []
     verify_report = None
     startup_s = time.time() - launch_time
     show_progress = env.is_main and sys.stderr.isatty() and t.steps >= 50
     progress = tqdm(total=t.steps - first_step, desc="train", disable=not show_progress)
-    for step in range(first_step, t.steps):
-        # The global batch is the same whatever the layout; each dp replica takes its rows.
-        inputs, targets = data.batch(step, t.batch_size, t.seq_len)
-        rows = slice(mesh.dp_rank * replica_batch, (mesh.dp_rank + 1) * replica_batch)
-        inputs, targets = inputs[rows].to(env.device), targets[rows].to(env.device)
-        profiler.begin_step(step - first_step)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        fault = train_fault(step - first_step, env.rank)
-        with profiler.recorder.pipeline_step(step):
-            local_loss = step_fn(inputs, targets)
-        if fault == "nan" and local_loss is not None:
-            local_loss = local_loss * float("nan")
-        # One rank per replica holds the last stage: the sum over ranks / dp is the step's loss.
-        loss_t = local_loss if local_loss is not None else torch.zeros((), device=env.device)
-        loss = all_reduce_sum(loss_t.float(), env).item() / mesh.dp
-        if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
-            raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
-                                     "tighter train.grad_clip; checkpoints before this step are intact.")
-        if step == first_step and keep_first_grads:
-            result.first_grads = gather_grads(step_fn.modules, env)
-        if step == first_step and cfg.verify:
-            full_inputs, full_targets = data.batch(step, t.batch_size, t.seq_len)
-            verify_report = verify_first_step(cfg, step_fn.modules, loss, full_inputs, full_targets, env)
-        grad_norm = clip_grad_norm_global(params, t.grad_clip, env, mesh)
-        if step == first_step and keep_first_grads:
-            result.first_clipped_grads = gather_grads(step_fn.modules, env)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        step_time = time.perf_counter() - start
-        profiler.end_step()
-        step_times.append(step_time)
-        result.losses.append(loss)
-        progress.update()
+    try:
+        for step in range(first_step, t.steps):
+            batch = get_batch(data, step, t.batch_size, t.seq_len)
+            inputs, targets, kwargs = _replica_share(batch, mesh, env.device)
+            profiler.begin_step(step - first_step)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            fault = train_fault(step - first_step, env.rank)
+            with profiler.recorder.pipeline_step(step):
+                local_loss = step_fn(inputs, targets, **kwargs)
+            if fault == "nan" and local_loss is not None:
+                local_loss = local_loss * float("nan")
+            loss = _step_loss(local_loss, env, mesh)
+            if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
+                raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
+                                         "tighter train.grad_clip; checkpoints before this step are intact.")
+            if step == first_step and keep_first_grads:
+                result.first_grads = gather_grads(step_fn.modules, env)
+            if step == first_step and cfg.verify:
+                verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env)
+            grad_norm = clip_grad_norm_global(params, t.grad_clip, env, mesh)
+            if step == first_step and keep_first_grads:
+                result.first_clipped_grads = gather_grads(step_fn.modules, env)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step_time = time.perf_counter() - start
+            profiler.end_step()
+            step_times.append(step_time)
+            result.losses.append(loss)
+            progress.update()
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+                      "tokens_per_s": t.batch_size * t.seq_len / step_time}
+            if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step == t.steps - 1):
+                with profiler.recorder.paused():  # not part of the training schedule's timeline
+                    record["val_loss"] = evaluate(step_fn, data, cfg, env, mesh)
+                val_losses.append((step, record["val_loss"]))
+            if metrics:
+                metrics.write(record)
+                if step % max(1, t.steps // 10) == 0 or step == t.steps - 1:
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f ms%s",
+                             step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3,
+                             f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
+            checkpointer.maybe_save(step + 1)
+    except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
         if metrics:
-            tokens = t.batch_size * t.seq_len
-            metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                           "step_time_s": step_time, "tokens_per_s": tokens / step_time})
-            if step % max(1, t.steps // 10) == 0 or step == t.steps - 1:
-                log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f ms",
-                         step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3)
-        checkpointer.maybe_save(step + 1)
+            metrics.close(failed=True)
+        raise
     progress.close()
     bubble = profiler.finish(layout)
     peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
@@ -150,6 +169,9 @@ def train(
             tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s, peak_mem=peak_mem,
         )
         result.summary["bubble"] = bubble
+        if val_losses:
+            result.summary["val_loss"] = val_losses[-1][1]
+            result.summary["val_losses"] = [{"step": st, "val_loss": v} for st, v in val_losses]
         if verify_report is not None:
             result.summary["verify"] = verify_report
         metrics.close(bubble)

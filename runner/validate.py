@@ -4,14 +4,20 @@ launching process, and produces the ``Layout`` every rank then follows."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import schedule as sched
-from runner.data import build_dataset
+from runner.data import build_dataset, get_batch
 from runner.errors import ConfigError
+from runner.losses import build_loss
+from runner.optim import LR_SCHEDULES, NO_DECAY_KINDS
+from runner.outputs import check_loggers
+from runner.parallelize import AC_MODES, PRECISIONS
 from runner.split import build_meta_model, check_shapes, check_tied_weights, plan_split
 
 __all__ = ["Layout", "validate"]
@@ -86,12 +92,78 @@ def _check_numbers(cfg: DictConfig) -> None:
         )
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={cfg.device!r} is not one of auto, cpu, cuda.")
+    if cfg.eval.every < 0 or cfg.eval.steps < 1:
+        raise ConfigError(f"eval.every={cfg.eval.every}, eval.steps={cfg.eval.steps}: every must be >= 0 "
+                          "(0 = no evaluation) and steps >= 1.")
     ranks = p.pp * p.dp
     if cfg.device == "cuda" and torch.cuda.device_count() < ranks:
         raise ConfigError(
             f"device=cuda needs one GPU per rank ({ranks}) but this host has "
             f"{torch.cuda.device_count()}. Fix: device=cpu, or fewer ranks."
         )
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}. "
+                          f"Fix: {key}=<one of them>.")
+
+
+def _check_training_options(cfg: DictConfig) -> None:
+    t = cfg.train
+    _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
+    _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    unknown = [k for k in t.no_decay if k not in NO_DECAY_KINDS]
+    if unknown:
+        raise ConfigError(f"train.no_decay={list(t.no_decay)} has unknown kinds {unknown}. "
+                          f"Fix: a subset of {list(NO_DECAY_KINDS)} ([] decays everything).")
+    if t.ac_every < 1:
+        raise ConfigError(f"train.ac_every={t.ac_every} must be at least 1.")
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if t.precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision=bf16: this GPU has no bf16 support. Fix: train.precision=fp32.")
+    if t.compile and not on_gpu and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+        raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor, and none was found "
+                          "(g++, clang++ or $CXX). Fix: install one, or train.compile=false.")
+
+
+def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
+    """Draw the first batch of each split the run uses; returns one microbatch's keyword inputs."""
+    t, p = cfg.train, cfg.parallel
+    data = build_dataset(cfg.data, seed=t.seed)  # e.g. a missing text file fails here
+    kwargs = {}
+    for split in ("train", "val") if cfg.eval.every else ("train",):
+        try:
+            inputs, targets, kwargs = get_batch(data, 0, t.batch_size, t.seq_len, split)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"data._target_={cfg.data.get('_target_')!r}: batch(step, batch_size, seq_len, split={split!r}) "
+                f"failed: {e}\nFix: return (inputs, targets) or (inputs, targets, keyword_inputs); see README."
+            ) from e
+        bad = [k for k, v in kwargs.items() if not isinstance(v, torch.Tensor) or v.shape[:1] != (t.batch_size,)]
+        if bad or inputs.shape != (t.batch_size, t.seq_len) or targets.shape != inputs.shape:
+            raise ConfigError(
+                f"data._target_={cfg.data.get('_target_')!r} returned inputs {tuple(inputs.shape)}, targets "
+                f"{tuple(targets.shape)}, keyword inputs {bad or 'ok'}: expected (batch_size, seq_len) = "
+                f"{(t.batch_size, t.seq_len)} and batch-first tensors. Fix: the dataset's batch()."
+            )
+    microbatch = t.batch_size // (p.dp * p.microbatches)
+    return {k: v[:microbatch] for k, v in kwargs.items()}
+
+
+def _check_loss(cfg: DictConfig) -> None:
+    """Call the loss on a tiny real microbatch: a wrong target or signature fails here."""
+    target = cfg.loss.get("_target_")
+    try:
+        loss = build_loss(cfg.loss)(torch.randn(1, 2, cfg.data.vocab_size), torch.zeros(1, 2, dtype=torch.long))
+    except Exception as e:
+        raise ConfigError(f"loss._target_={target!r} could not be built or called as loss(logits, targets): {e}\n"
+                          "Fix: a function (logits (batch, seq, vocab), targets (batch, seq)) -> scalar tensor; "
+                          "keep loss._partial_=true.") from e
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ConfigError(f"loss._target_={target!r} returned {type(loss).__name__} "
+                          f"{tuple(getattr(loss, 'shape', ()))}, not a scalar tensor. Fix: return the mean loss.")
 
 
 def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
@@ -102,12 +174,14 @@ def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
         if ignored:
             log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
         return 1, {0: 0}
+    compiled = cfg.train.compile
     if name == "csv":
         return sched.read_csv_schedule(
-            cfg.schedule.csv, pp=p.pp, stages_per_rank=p.stages_per_rank, microbatches=p.microbatches
+            cfg.schedule.csv, pp=p.pp, stages_per_rank=p.stages_per_rank, microbatches=p.microbatches,
+            compiled=compiled,
         )
     spr = p.stages_per_rank or sched.default_stages_per_rank(name)
-    sched.check_schedule(name, pp=p.pp, stages_per_rank=spr, microbatches=p.microbatches)
+    sched.check_schedule(name, pp=p.pp, stages_per_rank=spr, microbatches=p.microbatches, compiled=compiled)
     return p.pp * spr, sched.placement(name, p.pp, p.pp * spr)
 
 
@@ -115,13 +189,16 @@ def validate(cfg: DictConfig) -> Layout:
     """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
     _check_missing(cfg)
     _check_numbers(cfg)
+    check_loggers(cfg.logging)  # enabled loggers' packages are importable; wandb_mode is known
+    _check_training_options(cfg)
     num_stages, stage_to_rank = _schedule_layout(cfg)
-    build_dataset(cfg.data, seed=cfg.train.seed)  # e.g. a missing text file fails here
+    kwargs = _check_batches(cfg)
+    _check_loss(cfg)
     model = build_meta_model(cfg.model)
     stages = plan_split(model, num_stages, cfg.parallel.split_points if cfg.parallel.pp > 1 else None)
     check_tied_weights(model, stages)
     check_shapes(model, stages, microbatch=cfg.train.batch_size // (cfg.parallel.dp * cfg.parallel.microbatches),
-                 seq_len=cfg.train.seq_len, vocab_size=cfg.data.vocab_size)
+                 seq_len=cfg.train.seq_len, vocab_size=cfg.data.vocab_size, kwargs=kwargs)
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (children per stage): %s", sizes)

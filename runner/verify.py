@@ -14,15 +14,18 @@ from torch.distributed.tensor import DTensor
 
 from runner.dist import DistEnv, gather_to_main
 from runner.errors import VerifyError
-from runner.pipeline import UnsplitStep
+from runner.losses import build_loss
+from runner.parallelize import PRECISIONS
+from runner.pipeline import Batch, UnsplitStep
 from runner.split import build_meta_model, materialize
 
-__all__ = ["RTOL", "ATOL", "collect_grads", "gather_grads", "compare", "verify_first_step"]
+__all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step"]
 
 log = logging.getLogger(__name__)
 
-# The tolerances of torch's own test_schedule_multiproc.py for fp32.
-RTOL, ATOL = 1e-5, 4e-5
+# (rtol, atol) per train.precision. fp32: those of torch's own test_schedule_multiproc.py. bf16:
+# an 8-bit mantissa (relative step 2**-8) and reductions in another order per layout.
+TOLERANCES = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 2e-3)}
 
 
 def collect_grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
@@ -46,10 +49,11 @@ def gather_grads(modules: list[nn.Module], env: DistEnv) -> dict[str, torch.Tens
 
 
 def compare(
-    got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None], loss: float, ref_loss: float
+    got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None], loss: float, ref_loss: float,
+    *, rtol: float = TOLERANCES["fp32"][0], atol: float = TOLERANCES["fp32"][1],
 ) -> dict:
     """Largest absolute and relative gradient differences; ``passed`` as ``torch.allclose``
-    with ``RTOL``/``ATOL`` on the loss and on every gradient, and no gradient missing."""
+    with ``rtol``/``atol`` on the loss and on every gradient, and no gradient missing."""
     problems = [f"{n}: no gradient in the pipeline" for n in ref if got.get(n) is None and ref[n] is not None]
     problems += [f"{n}: not in the unsplit model" for n in got if n not in ref]
     max_abs = max_rel = 0.0
@@ -63,10 +67,10 @@ def compare(
         if diff.max().item() > max_abs:
             max_abs, worst = diff.max().item(), name
         max_rel = max(max_rel, rel)
-        if not torch.allclose(g, r, rtol=RTOL, atol=ATOL):
+        if not torch.allclose(g, r, rtol=rtol, atol=atol):
             problems.append(f"{name}: max abs diff {diff.max().item():.3g}")
     loss_diff = abs(loss - ref_loss)
-    if loss_diff > ATOL + RTOL * abs(ref_loss):
+    if loss_diff > atol + rtol * abs(ref_loss):
         problems.append(f"loss {loss:.6f} vs unsplit {ref_loss:.6f}")
     return {
         "passed": not problems,
@@ -76,8 +80,8 @@ def compare(
         "max_abs_diff": max_abs,
         "max_rel_diff": max_rel,
         "worst_param": worst,
-        "rtol": RTOL,
-        "atol": ATOL,
+        "rtol": rtol,
+        "atol": atol,
         "problems": problems[:20],
     }
 
@@ -86,19 +90,23 @@ def verify_first_step(
     cfg: DictConfig,
     modules: list[nn.Module],
     loss: float,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    batch: Batch,
     env: DistEnv,
 ) -> dict:
-    """Call after the first step's backward, before clipping and the optimizer. Every rank gets
-    the report; every rank raises ``VerifyError`` together when it failed (none is left waiting)."""
+    """Call after the first step's backward, before clipping and the optimizer, with the step's
+    global batch. The reference runs in the run's precision (autocast for bf16) on CPU. Every
+    rank gets the report; every rank raises ``VerifyError`` together when it failed (none is left
+    waiting)."""
     got = gather_grads(modules, env)
     report = None
     if env.is_main:
         meta = build_meta_model(cfg.model)
         model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
-        ref_loss = UnsplitStep(model, cfg.parallel.microbatches)(inputs.cpu(), targets.cpu()).item()
-        report = compare(got, collect_grads([model]), loss, ref_loss)
+        model.autocast_dtype = PRECISIONS[cfg.train.precision]
+        inputs, targets, kwargs = batch
+        ref_loss = UnsplitStep(model, cfg.parallel.microbatches, build_loss(cfg.loss))(inputs, targets, **kwargs)
+        rtol, atol = TOLERANCES[cfg.train.precision]
+        report = compare(got, collect_grads([model]), loss, ref_loss.item(), rtol=rtol, atol=atol)
         log.info("verify: max abs diff %.3g, max rel diff %.3g, loss diff %.3g -> %s",
                  report["max_abs_diff"], report["max_rel_diff"], report["loss_abs_diff"],
                  "passed" if report["passed"] else "FAILED")

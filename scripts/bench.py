@@ -107,7 +107,7 @@ import json, os, sys, time, torch, torch.distributed as dist, torch.multiprocess
 from omegaconf import OmegaConf
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from runner.data import SyntheticData
-from runner.pipeline import lm_loss
+from runner.losses import cross_entropy
 from runner.split import build_meta_model, materialize, plan_split
 
 def rank(r, cfg, store, out):
@@ -118,7 +118,7 @@ def rank(r, cfg, store, out):
     t, m = cfg.train, cfg.parallel.microbatches
     meta = build_meta_model(cfg.model)
     module = materialize(meta, plan_split(meta, 2, None)[r], seed=t.seed, device=torch.device("cpu"))
-    schedule = Schedule1F1B(PipelineStage(module, r, 2, torch.device("cpu")), m, loss_fn=lm_loss)
+    schedule = Schedule1F1B(PipelineStage(module, r, 2, torch.device("cpu")), m, loss_fn=cross_entropy)
     optimizer = torch.optim.AdamW(module.parameters(), lr=t.lr)
     data = SyntheticData(vocab_size=cfg.data.vocab_size, signal=cfg.data.signal, seed=t.seed)
     times = []

@@ -37,3 +37,32 @@ def mismatched_mlp(**kwargs) -> nn.Sequential:
     children = list(mlp(**kwargs).named_children())
     dim = kwargs["dim"]
     return nn.Sequential(OrderedDict(children[:1] + [("widen", nn.Linear(dim, 2 * dim))] + children[1:]))
+
+
+def z_loss_cross_entropy(logits, targets):
+    """A user loss: cross-entropy plus PaLM's z-loss on the softmax normaliser."""
+    import torch.nn.functional as F
+
+    logits = logits.float()
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return ce + 0.1 * logits.logsumexp(-1).pow(2).mean()
+
+
+def per_token_loss(logits, targets):
+    """Wrong on purpose: not reduced to a scalar."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+
+
+class ShortBatches:
+    """A user dataset that returns the wrong sequence length."""
+
+    def __init__(self, *, vocab_size: int, seed: int, **unused):
+        self.vocab_size = vocab_size
+
+    def batch(self, step, batch_size, seq_len, *, split="train"):
+        import torch
+
+        x = torch.zeros(batch_size, seq_len - 1, dtype=torch.long)
+        return x, x

@@ -1,4 +1,5 @@
-"""Datasets, the LR schedule and the verify comparison: the pieces of the loop that need no ranks."""
+"""Datasets, the optimizer's groups and LR schedules, and the verify comparison: the pieces of the
+loop that need no ranks."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 import pytest
 import torch
 
-from runner.data import SyntheticData, TextData
+from runner.data import SyntheticData, TextData, get_batch
 from runner.errors import ConfigError
-from runner.train import lr_factor
+from runner.models import transformer
+from runner.optim import lr_factor, param_groups
 from runner.verify import compare
 
 
@@ -24,6 +26,24 @@ def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
 
 
+def test_held_out_batches_never_repeat_training_batches():
+    data = SyntheticData(vocab_size=32, signal=0.9, seed=0)
+    train = {tuple(data.batch(s, 4, 8)[0].flatten().tolist()) for s in range(50)}
+    val = {tuple(data.batch(s, 4, 8, split="val")[0].flatten().tolist()) for s in range(50)}
+    assert not train & val
+    assert torch.equal(data.batch(2, 4, 8, split="val")[0], data.batch(2, 4, 8, split="val")[0])
+
+
+def test_padded_synthetic_batches_mask_the_pad_and_ignore_its_targets():
+    inputs, targets, kwargs = get_batch(SyntheticData(vocab_size=32, signal=0.9, seed=0, padding=True), 0, 64, 16)
+    mask = kwargs["attention_mask"]
+    assert mask.shape == (64, 16) and mask.dtype == torch.bool
+    pad = (~mask).sum(1)
+    assert pad.min() == 0 and pad.max() == 8 and (pad > 0).float().mean() > 0.5  # 0..seq/2, left
+    assert torch.equal(mask, torch.arange(16) >= pad[:, None])
+    assert torch.equal(targets == -100, ~mask) and (inputs[~mask] == 0).all()
+
+
 def test_synthetic_data_follows_its_rule_at_the_signal_rate():
     data = SyntheticData(vocab_size=64, signal=0.9, seed=0)
     x, y = data.batch(0, 256, 32)
@@ -34,19 +54,43 @@ def test_synthetic_data_follows_its_rule_at_the_signal_rate():
 def test_text_data_reads_byte_windows_of_the_file(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_bytes(bytes(range(200)))
-    x, y = TextData(path=str(path), vocab_size=256, seed=0).batch(0, 4, 10)
+    data = TextData(path=str(path), vocab_size=256, seed=0, val_fraction=0.25)
+    x, y = data.batch(0, 4, 10)
     assert torch.equal(y[:, :-1], x[:, 1:])
     assert torch.equal(x[:, 1] - x[:, 0], torch.ones(4, dtype=torch.long))  # contiguous bytes
+    assert y.max() < 150 and data.batch(0, 4, 10, split="val")[0].min() >= 150  # the last quarter is held out
     path.write_bytes(b"tiny")
     with pytest.raises(ConfigError, match="train.seq_len"):
         TextData(path=str(path), vocab_size=256, seed=0).batch(0, 4, 10)
 
 
-def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
-    f = [lr_factor(s, steps=20, warmup_steps=4, min_lr_ratio=0.1) for s in range(20)]
-    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(f[4:], f[5:]))
-    assert math.isclose(f[-1], 0.1)
+def test_lr_warms_up_linearly_then_follows_the_chosen_schedule_to_the_floor():
+    curves = {name: [lr_factor(s, steps=20, warmup_steps=4, min_lr_ratio=0.1, schedule=name) for s in range(20)]
+              for name in ("cosine", "linear", "constant")}
+    for f in curves.values():
+        assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+        assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert math.isclose(curves["cosine"][-1], 0.1) and math.isclose(curves["linear"][-1], 0.1)
+    assert curves["constant"][4:] == [1.0] * 16
+    linear_steps = [a - b for a, b in zip(curves["linear"][4:], curves["linear"][5:])]
+    assert max(linear_steps) == pytest.approx(min(linear_steps)) == pytest.approx(0.9 / 15)
+    cosine = curves["cosine"][4:]  # symmetric about the midpoint 0.55, above linear before it
+    assert all(a + b == pytest.approx(1.1) for a, b in zip(cosine, cosine[::-1]))
+    assert all(c > lin for c, lin in zip(cosine[1:7], curves["linear"][5:11]))
+
+
+def test_weight_decay_skips_biases_norms_and_embeddings_by_default():
+    model = transformer(vocab_size=16, max_seq_len=8, dim=8, n_layers=2, n_heads=2, ffn_mult=2, tie_embeddings=True)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    decayed, exempt = ({name_of[id(p)] for p in g["params"]} for g in param_groups([model], 0.1, ["bias", "norm",
+                                                                                                  "embedding"]))
+    assert decayed == {n for n in name_of.values() if n.endswith(("qkv.weight", "proj.weight", "up.weight",
+                                                                 "down.weight"))}
+    assert {"embed.tok.weight", "embed.pos.weight", "norm.weight", "norm.bias", "block0.attn.qkv.bias",
+            "block1.ffn_norm.weight"} <= exempt  # the tied head weight is the embedding's: exempt, once
+    assert len(decayed) + len(exempt) == len(name_of)
+    everything, none = param_groups([model], 0.1, [])
+    assert len(everything["params"]) == len(name_of) and not none["params"]
 
 
 def test_verify_comparison_catches_scaled_and_missing_gradients():

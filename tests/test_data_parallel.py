@@ -23,6 +23,7 @@ from runner.validate import validate
 
 from _ranks import spawn, train_cases
 from conftest import ROOT, TINY, compose
+from test_features import _assert_close_at_bf16
 from test_parity import CLIP, SCHEDULES, _assert_matches, _reference
 
 TESTS = Path(__file__).parent
@@ -43,6 +44,12 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
              for mode in ("ddp", "fsdp") for name in SCHEDULES}
     for mode in ("ddp", "fsdp"):  # pp=1: plain data parallelism over 4 replicas
         cases[f"dp-only-{mode}"] = _resolved("parallel.pp=1", "parallel.dp=4", f"parallel.dp_mode={mode}")
+    # bf16: FSDP's mixed-precision policy (bf16 parameters in compute, fp32 reduction), and
+    # replicate with autocast.
+    cases["fsdp-bf16-1f1b"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp",
+                                        "train.precision=bf16")
+    cases["ddp-bf16-zbv"] = _resolved("schedule=zbv", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
+                                      "train.precision=bf16")
     saved = out / "save" / "checkpoints" / "step-3"
     cases["save"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
                               "train.steps=6", "checkpoint.every=3")
@@ -64,6 +71,10 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
             _assert_matches(results[f"{mode}-{name}"], ref, f"{mode}-{name}")
             assert results[f"{mode}-{name}"]["summary"]["dp"] == 2
         _assert_matches(results[f"dp-only-{mode}"], ref, f"dp-only-{mode}")
+    (tmp_path / "bf16").mkdir()
+    ref_bf16 = _reference(tmp_path / "bf16", *BATCH, "train.precision=bf16")
+    for case in ("fsdp-bf16-1f1b", "ddp-bf16-zbv"):
+        _assert_close_at_bf16(results[case], ref_bf16, case)
 
     full = results["save"]["losses"]
     assert "error" not in results["save"] and len(full) == 6

@@ -74,6 +74,16 @@ BAD = [
     (["model._target_=nowhere.factory"], ["model._target_='nowhere.factory'"]),
     (["model=mlp", "model._target_=_models.mismatched_mlp"], ["'block0' (stage 0)", "(2, 16, 64)"]),
     (["data=text", "data.vocab_size=256", "data.path=/no/such/file.txt"], ["data.path='/no/such/file.txt'"]),
+    (["train.precision=fp16"], ["train.precision='fp16'", "fp32, bf16"]),
+    (["train.activation_checkpointing=some"], ["train.activation_checkpointing='some'", "every_n"]),
+    (["train.ac_every=0"], ["train.ac_every=0"]),
+    (["train.lr_schedule=step"], ["train.lr_schedule='step'", "cosine"]),
+    (["train.no_decay=[bias,gain]"], ["train.no_decay", "'gain'", "embedding"]),
+    (["eval.steps=0"], ["eval.steps=0"]),
+    (["loss._target_=_models.per_token_loss"], ["loss._target_='_models.per_token_loss'", "not a scalar"]),
+    (["loss._target_=nowhere.loss"], ["loss._target_='nowhere.loss'", "loss(logits, targets)"]),
+    (["data._target_=_models.ShortBatches"],
+     ["data._target_='_models.ShortBatches'", "(8, 15)", "(8, 16)"]),
 ]
 
 
@@ -83,6 +93,25 @@ def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
         validate(compose(*PP2, *overrides))
     for text in expected:
         assert text in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+def test_compile_is_refused_for_split_backward_schedules_with_torchs_reason(schedule):
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*PP2, f"schedule={schedule}", "train.compile=true"))
+    message = str(info.value)
+    assert "train.compile=true" in message
+    assert "not supported with stage modules that have used torch.compile" in message
+    assert "Fix: train.compile=false" in message
+
+
+def test_compile_is_accepted_for_whole_backward_schedules_and_refused_for_fiw_csvs():
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
+        validate(compose(*PP2, f"schedule={schedule}", "train.compile=true"))
+    validate(compose(*PP2, "schedule=csv", f"schedule.csv={EXAMPLES / 'gpipe_pp2_m4.csv'}", "train.compile=true"))
+    with pytest.raises(ConfigError, match="I/W actions split backward"):
+        validate(compose(*PP2, "schedule=csv", f"schedule.csv={EXAMPLES / 'zero_bubble_pp2_m4.csv'}",
+                         "train.compile=true"))
 
 
 def test_tied_weights_are_fine_when_they_share_a_stage():

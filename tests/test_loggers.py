@@ -1,0 +1,214 @@
+"""The optional loggers (TensorBoard, W&B offline, MLflow local), driven in-process through
+``MetricsWriter`` and read back from what each one wrote; and their pre-spawn checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from runner.errors import ConfigError
+from runner.outputs import MetricsWriter
+from runner.validate import validate
+
+from conftest import TINY, compose
+
+pytestmark = pytest.mark.timeout(120)
+
+RECORDS = [
+    {"step": 0, "loss": 3.5, "lr": 1e-3, "grad_norm": 2.0, "step_time_s": 0.5, "tokens_per_s": 100.0},
+    {"step": 1, "loss": 3.0, "lr": 2e-3, "grad_norm": 1.5, "step_time_s": 0.4, "tokens_per_s": 125.0},
+    {"step": 2, "loss": 2.5, "lr": 3e-3, "grad_norm": 1.0, "step_time_s": 0.4, "tokens_per_s": 125.0,
+     "val_loss": 2.75},
+]
+BUBBLE = {"mean": 0.25, "theoretical": 0.2, "theoretical_source": "test"}
+
+
+def _run(run_dir: Path, *overrides: str, run_config=None) -> None:
+    cfg = compose(*TINY, *overrides)
+    writer = MetricsWriter(run_dir, cfg.logging, run_config=cfg if run_config is None else run_config)
+    for record in RECORDS:
+        writer.write(record)
+    writer.close(BUBBLE)
+    assert [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == RECORDS
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Fail any attempt from this process to resolve or reach a non-loopback address."""
+    local = {"localhost", "127.0.0.1", "::1", None}
+    real_getaddrinfo, real_connect = socket.getaddrinfo, socket.socket.connect
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in local:
+            raise AssertionError(f"network lookup of {host!r}")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in local:
+            raise AssertionError(f"network connection to {address!r}")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+
+
+def test_tensorboard_logs_every_numeric_key_and_val_loss(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _run(tmp_path, "logging.tensorboard=true")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(0, 3.5), (1, 3.0), (2, 2.5)]
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 2.75)]
+    assert [e.value for e in events.Scalars("train/grad_norm")] == [2.0, 1.5, 1.0]
+    assert [(e.step, e.value) for e in events.Scalars("pipeline/bubble")] == [(2, 0.25)]
+
+
+def test_mlflow_local_store_holds_metrics_params_and_run(tmp_path, no_network):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    cfg = compose(*TINY, "logging.mlflow=true")
+    run_config = {**OmegaConf.to_container(cfg, resolve=True), "note": "x" * (MAX_PARAM_VAL_LENGTH + 50),
+                  "many": {f"k{i}": i for i in range(150)}}  # > 100 params: logged in batches
+    _run(tmp_path, "logging.mlflow=true", run_config=run_config)
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("runner")
+    assert experiment.artifact_location == (tmp_path / "mlruns").resolve().as_uri()
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == tmp_path.name and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(0, 3.5), (1, 3.0), (2, 2.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/loss")] == [(2, 2.75)]
+    assert run.data.metrics["pipeline/bubble"] == 0.25 and run.data.metrics["train/tokens_per_s"] == 125.0
+    params = run.data.params
+    assert params["parallel.pp"] == "2" and params["train.betas"] == "[0.9, 0.95]"
+    assert params["parallel.split_points"] == "null" and params["model.dim"] == "32"
+    assert len(params["note"]) == MAX_PARAM_VAL_LENGTH and params["note"].endswith("...")
+    assert params["many.k149"] == "149"
+
+
+def test_a_failed_run_is_marked_failed_in_mlflow(tmp_path, no_network):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    writer = MetricsWriter(tmp_path, compose(*TINY, "logging.mlflow=true").logging)
+    writer.write(RECORDS[0])
+    writer.close(failed=True)  # what train() does when a step raises
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("runner").experiment_id])
+    assert run.info.status == "FAILED" and run.data.metrics["train/loss"] == 3.5
+
+
+def _wandb_records(path: Path):
+    """The records of a ``.wandb`` transaction log: a 7-byte header, then leveldb-log framing
+    (32 KiB blocks; each chunk: crc32, 2-byte length, type full/first/middle/last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little left in the block for a header: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full, last
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def _items(items) -> dict:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+@pytest.fixture
+def wandb_quiet(monkeypatch, tmp_path):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # no stdout/stderr wrapping inside pytest
+    monkeypatch.setenv("WANDB__DISABLE_STATS", "true")  # no system-metrics sampler
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_CODE", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing under ~
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var))
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    had_service = "WANDB_SERVICE" in os.environ
+    yield wandb
+    wandb.teardown()  # stop the service process this test started
+    if not had_service:
+        os.environ.pop("WANDB_SERVICE", None)  # set by wandb; later tests' ranks must not inherit it
+
+
+def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quiet, no_network):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _run(run_dir, "logging.wandb=true")
+    # wandb's telemetry follows the process-wide mode: offline, it never starts (nor phones home at exit).
+    from wandb.analytics.opentelemetry.opentelemetry_proxy import get_open_telemetry_proxy
+
+    assert get_open_telemetry_proxy() is None
+    wandb_quiet.teardown()  # finish() can return before wandb's service has flushed the run file
+
+    [offline] = (run_dir / "wandb").glob("offline-run-*")
+    [log] = offline.glob("run-*.wandb")
+    records = list(_wandb_records(log))
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "run" and run.project == "runner"
+    assert _items(run.config.update)["parallel"]["pp"] == 2
+    history = [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["train/loss"]) for h in history] == [(0, 3.5), (1, 3.0), (2, 2.5)]
+    assert [h.get("val/loss") for h in history] == [None, None, 2.75]
+    summary: dict = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update(_items(r.summary.update))
+    assert summary["train/loss"] == 2.5 and summary["val/loss"] == 2.75 and summary["pipeline/bubble"] == 0.25
+    summary_file = offline / "files" / "wandb-summary.json"
+    if summary_file.exists():  # wandb 0.31 writes it only when syncing; older versions offline too
+        written = json.loads(summary_file.read_text())
+        assert written["train/loss"] == 2.5 and written["pipeline/bubble"] == 0.25
+
+
+@pytest.mark.parametrize("overrides, package", [
+    (["logging.wandb=true"], "wandb"),
+    (["logging.mlflow=true"], "mlflow"),
+    (["logging.mlflow=true"], "sqlalchemy"),  # the local sqlite store's driver
+    (["logging.tensorboard=true"], "tensorboard"),
+])
+def test_missing_logger_package_fails_before_spawn_naming_key_and_fix(monkeypatch, overrides, package):
+    cfg = compose(*TINY, *overrides)
+    key = overrides[0].split("=")[0]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    message = str(e.value)
+    assert f"{key}=true needs" in message and package in message
+    assert "pip install" in message and f"{key}=false" in message
+
+
+def test_mlflow_server_uri_needs_no_sqlite_driver(monkeypatch):
+    pytest.importorskip("mlflow")
+    cfg = compose(*TINY, "logging.mlflow=true", "logging.mlflow_tracking_uri=http://mlflow.example:5000")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    validate(cfg)
+
+
+def test_bad_wandb_mode_fails_before_spawn():
+    with pytest.raises(ConfigError, match=r"logging.wandb_mode='onlin' is not one of offline, online, disabled"):
+        validate(compose(*TINY, "logging.wandb=true", "logging.wandb_mode=onlin"))
