@@ -92,6 +92,10 @@ class LaunchConfig:
     # 127.0.0.1:N hosted by the launcher (torch's store listens on every interface).
     port: Optional[int] = None
     grace_s: float = 10.0  # after SIGINT/SIGTERM, how long ranks get to exit before SIGKILL
+    # How rank processes start: fork (children inherit the launcher's imports: startup in
+    # milliseconds instead of seconds), spawn (fresh interpreters), or auto: fork for CPU runs
+    # on Linux, spawn where fork is unsafe (CUDA, macOS).
+    start_method: str = "auto"
 
 
 @dataclass

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -113,8 +114,9 @@ def _connect(kind: str, address: str, world: int, timeout_s: float) -> dist.Stor
 
 
 def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir: str,
-                  rendezvous: tuple[str, str], launch_time: float) -> None:
+                  rendezvous: tuple[str, str], launch_time: float, marks: dict[str, float]) -> None:
     """Entry of each spawned rank process."""
+    marks = {**marks, "spawn": time.time()}  # fork: milliseconds; spawn: a fresh interpreter and imports
     cfg = OmegaConf.create(cfg_dict)
     run_dir_path = Path(run_dir)
     _setup_rank_logging(rank, run_dir_path)
@@ -122,8 +124,9 @@ def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir
     device = pick_device(cfg.device, local_rank=rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
                            store=_connect(*rendezvous, world, cfg.launch.timeout_s))
+    marks["process_group"] = time.time()
     try:
-        train(cfg, layout, env, run_dir_path, launch_time=launch_time)
+        train(cfg, layout, env, run_dir_path, launch_time=launch_time, startup_marks=marks)
     finally:
         cleanup()
 
@@ -183,20 +186,31 @@ def _forward_signals(processes: list, grace_s: float) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
+def start_method(requested: str, device: str) -> str:
+    """fork where it is safe: a CPU run on Linux (CUDA state and macOS frameworks do not survive a
+    fork) from a single-threaded launcher (a lock another thread holds would stay held in the
+    child: joblib's loky workers, for one, run helper threads)."""
+    if requested != "auto":
+        return requested
+    safe = device == "cpu" and sys.platform.startswith("linux") and threading.active_count() == 1
+    return "fork" if safe else "spawn"
+
+
+def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float, marks: dict[str, float]) -> None:
     world = cfg.parallel.pp * cfg.parallel.dp
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside a joblib (loky) worker: spawned children would re-apply "loky" and fail.
         mp.set_start_method("spawn", force=True)
+    method = start_method(cfg.launch.start_method, cfg.device)
+    log.info("starting %d rank processes (%s)", world, method)
     kind, address, server = _rendezvous(cfg, run_dir)
-    os.environ["RUNNER_RUN_DIR"] = str(run_dir)  # marks this job's rank processes (tests find orphans by it)
     context = mp.start_processes(
         _spawned_rank,
         args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir), (kind, address),
-              launch_time),
+              launch_time, marks),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method=method,
     )
     try:
         with _forward_signals(context.processes, cfg.launch.grace_s):
@@ -211,7 +225,8 @@ def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -
             Path(address).unlink(missing_ok=True)
 
 
-def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float) -> None:
+def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float,
+                   marks: dict[str, float]) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     expected = cfg.parallel.pp * cfg.parallel.dp
     if world != expected:
@@ -222,11 +237,12 @@ def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: 
     device = pick_device(cfg.device, local_rank=local_rank_from_env())
     torch.set_num_threads(cfg.launch.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
+    marks = {**marks, "process_group": time.time()}
     try:
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
         box = [str(run_dir)]
         dist.broadcast_object_list(box, src=0)
-        train(cfg, layout, env, Path(box[0]), launch_time=launch_time)
+        train(cfg, layout, env, Path(box[0]), launch_time=launch_time, startup_marks=marks)
     finally:
         cleanup()
 
@@ -235,6 +251,7 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
     """Validate, run every rank to the end, and return the run's summary (None on torchrun
     ranks other than 0). Raises ``RunnerError`` for anything that went wrong."""
     launch_time = launch_time or time.time()
+    marks = {"compose": time.time()}  # from the launch: the interpreter, imports, Hydra's compose
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     layout = validate(cfg)
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.pp * cfg.parallel.dp))
@@ -250,15 +267,16 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
     run_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is not writable. Fix: hydra.run.dir=<writable dir>.")
+    marks["validate"] = time.time()
     if under_torchrun():
-        _join_torchrun(cfg, layout, run_dir, launch_time)
+        _join_torchrun(cfg, layout, run_dir, launch_time, marks)
         if int(os.environ["RANK"]) != 0:
             return None
     elif cfg.parallel.pp * cfg.parallel.dp == 1:
         torch.set_num_threads(cfg.launch.threads_per_rank)
         env = init_distributed(rank=0, world_size=1, device=pick_device(cfg.device, 0),
                                timeout_s=cfg.launch.timeout_s)
-        train(cfg, layout, env, run_dir, launch_time=launch_time)
+        train(cfg, layout, env, run_dir, launch_time=launch_time, startup_marks=marks)
     else:
-        _spawn(cfg, layout, run_dir, launch_time)
+        _spawn(cfg, layout, run_dir, launch_time, marks)
     return json.loads((run_dir / "summary.json").read_text())

@@ -85,6 +85,12 @@ def evaluate(step_fn: UnsplitStep | PipelinedStep, data, cfg: DictConfig, env: D
     return total / cfg.eval.steps
 
 
+def _phases(launch_time: float, marks: dict[str, float]) -> dict[str, float]:
+    """Each phase's duration: from the end of the one before (the first from the launch)."""
+    ends = list(marks.values())
+    return {name: end - start for name, start, end in zip(marks, [launch_time, *ends], ends)}
+
+
 def train(
     cfg: DictConfig,
     layout: Layout,
@@ -92,12 +98,17 @@ def train(
     run_dir: Path,
     *,
     launch_time: float,
+    startup_marks: dict[str, float] | None = None,
     keep_first_grads: bool = False,
 ) -> TrainResult:
+    """Train on this rank. ``startup_marks``: phase name -> epoch time it ended, for the phases
+    before this call (compose, validate, spawn, process group); the summary gets every startup
+    phase's duration, up to the end of the first step."""
     t = cfg.train
     data = build_dataset(cfg.data, seed=t.seed)
     mesh = build_mesh(env, pp=layout.pp, dp=cfg.parallel.dp)
     step_fn = build_step(cfg, layout, env, mesh)
+    marks = {**(startup_marks or {}), "build": time.time()}
     params = [p for m in step_fn.modules for p in m.parameters()]
     optimizer, scheduler = build_optimizer(step_fn.modules, t)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler)
@@ -109,7 +120,8 @@ def train(
     step_times: list[float] = []
     val_losses: list[tuple[int, float]] = []
     verify_report = None
-    startup_s = time.time() - launch_time
+    marks["setup"] = time.time()  # optimizer, checkpoint, profiler, loggers
+    startup_s = marks["setup"] - launch_time
     show_progress = env.is_main and sys.stderr.isatty() and t.steps >= 50
     progress = tqdm(total=t.steps - first_step, desc="train", disable=not show_progress)
     try:
@@ -141,6 +153,7 @@ def train(
             step_time = time.perf_counter() - start
             profiler.end_step()
             step_times.append(step_time)
+            marks.setdefault("first_step", time.time())  # with shape inference (and compilation)
             result.losses.append(loss)
             progress.update()
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
@@ -169,6 +182,7 @@ def train(
             tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s, peak_mem=peak_mem,
         )
         result.summary["bubble"] = bubble
+        result.summary["startup_phases_s"] = _phases(launch_time, marks)
         if val_losses:
             result.summary["val_loss"] = val_losses[-1][1]
             result.summary["val_losses"] = [{"step": st, "val_loss": v} for st, v in val_losses]

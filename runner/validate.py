@@ -92,6 +92,8 @@ def _check_numbers(cfg: DictConfig) -> None:
         )
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={cfg.device!r} is not one of auto, cpu, cuda.")
+    if cfg.launch.start_method not in ("auto", "fork", "spawn"):
+        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is not one of auto, fork, spawn.")
     if cfg.eval.every < 0 or cfg.eval.steps < 1:
         raise ConfigError(f"eval.every={cfg.eval.every}, eval.steps={cfg.eval.steps}: every must be >= 0 "
                           "(0 = no evaluation) and steps >= 1.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ def _finish(proc: subprocess.Popen, timeout: int = 120) -> tuple[int, str, str]:
 
 @pytest.mark.timeout(150)
 def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
-    procs = [_runner("experiment=smoke", "verify=true", cwd=tmp_path) for _ in range(2)]
+    # One forks its ranks (the default on CPU), one spawns fresh interpreters: the same run.
+    procs = [_runner("experiment=smoke", "verify=true", *extra, cwd=tmp_path)
+             for extra in ([], ["launch.start_method=spawn"])]
     results = [_finish(p) for p in procs]
     for rc, out, err in results:
         assert rc == 0, err
@@ -56,6 +59,15 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         assert (run_dir / ".hydra" / "config.yaml").is_file()
         assert "rank 0" in (run_dir / "runner.log").read_text()
         assert not list(run_dir.glob(".rendezvous*"))
+        phases = summary["startup_phases_s"]
+        assert list(phases) == ["compose", "validate", "spawn", "process_group", "build", "setup", "first_step"]
+        assert min(phases.values()) >= 0
+        assert sum(phases.values()) - phases["first_step"] == pytest.approx(summary["startup_s"], abs=1e-3)
+    methods = {re.search(r"starting 2 rank processes \((\w+)\)", (d / "runner.log").read_text()).group(1)
+               for d in run_dirs}
+    assert methods == {"fork", "spawn"}
+    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+    assert summaries[0]["losses"] == summaries[1]["losses"]
     check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[1, 2, 3])
     plot = tmp_path / "timeline.png"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_timeline.py"), str(run_dirs[0]), "-o", str(plot)],
@@ -115,3 +127,18 @@ def test_cuda_run_matches_cpu(tmp_path):
     cuda = launch(cuda_cfg, tmp_path / "cuda")
     torch.testing.assert_close(torch.tensor(cuda["losses"]), torch.tensor(cpu["losses"]), rtol=1e-3, atol=1e-3)
     assert cuda["peak_mem_bytes"][0] > 0
+
+
+def test_ranks_are_forked_only_where_forking_is_safe(monkeypatch):
+    import runner.launch as launch_module
+
+    monkeypatch.setattr(launch_module.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(launch_module.sys, "platform", "linux")
+    assert launch_module.start_method("auto", "cpu") == "fork"
+    assert launch_module.start_method("auto", "cuda") == "spawn"  # CUDA state does not survive a fork
+    assert launch_module.start_method("spawn", "cpu") == "spawn"
+    monkeypatch.setattr(launch_module.threading, "active_count", lambda: 3)  # e.g. inside a joblib worker
+    assert launch_module.start_method("auto", "cpu") == "spawn"
+    monkeypatch.setattr(launch_module.sys, "platform", "darwin")
+    monkeypatch.setattr(launch_module.threading, "active_count", lambda: 1)
+    assert launch_module.start_method("auto", "cpu") == "spawn"

@@ -32,13 +32,15 @@ def _start(*args: str, run_dir: Path, fault: str | None = None) -> subprocess.Po
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _rank_processes(run_dir: Path) -> list[psutil.Process]:
-    """Live rank processes of this job (spawned children carry the launcher's RUNNER_RUN_DIR)."""
+def _rank_processes(run_dir: Path, launcher: subprocess.Popen) -> list[psutil.Process]:
+    """Live rank processes of this job, forked or spawned, orphaned or not: every process but the
+    launcher that holds the run's runner.log open (each rank logs there)."""
+    log_file = str(run_dir / "runner.log")
     found = []
     for proc in psutil.process_iter():
         try:
-            if (proc.environ().get("RUNNER_RUN_DIR") == str(run_dir) and proc.status() != psutil.STATUS_ZOMBIE
-                    and "spawn_main" in " ".join(proc.cmdline())):
+            if (proc.pid != launcher.pid and proc.status() != psutil.STATUS_ZOMBIE
+                    and any(f.path == log_file for f in proc.open_files())):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -66,9 +68,9 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_ra
         assert "Traceback" in err  # the root cause, with its traceback
     assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
     deadline = time.monotonic() + 10
-    while _rank_processes(run_dir) and time.monotonic() < deadline:
+    while _rank_processes(run_dir, proc) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _rank_processes(run_dir), "no rank may outlive the job"
+    assert not _rank_processes(run_dir, proc), "no rank may outlive the job"
 
 
 @pytest.mark.timeout(120)
@@ -90,7 +92,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_leaves_whole_files(tmp_pa
         deadline = time.monotonic() + 90
         while len(_metrics(run_dir)) < 8 and time.monotonic() < deadline:  # past the profiled steps
             time.sleep(0.2)
-        ranks = _rank_processes(run_dir)
+        ranks = _rank_processes(run_dir, proc)
         assert len(ranks) == 2
         # A single-host job listens on loopback only (no TCP store; gloo bound to lo).
         listening = [c.laddr for r in ranks for c in r.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
@@ -101,11 +103,11 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_leaves_whole_files(tmp_pa
     finally:  # a failed assertion must not leave a 100000-step job running
         if proc.poll() is None:
             proc.kill()
-        for rank in _rank_processes(run_dir):
+        for rank in _rank_processes(run_dir, proc):
             rank.kill()
     assert proc.returncode == 128 + sig
     assert time.monotonic() - sent < 5 + 10  # launch.grace_s plus slack
-    assert not _rank_processes(run_dir)
+    assert not _rank_processes(run_dir, proc)
     assert len(_metrics(run_dir)) >= 8  # every line parses
     for trace in (run_dir / "traces").glob("*.json"):
         json.loads(trace.read_text())  # whole, or not there at all
