@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
@@ -29,7 +28,7 @@ from runner.profile import RunProfiler
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
 
-__all__ = ["TrainResult", "train", "clip_grad_norm_global", "evaluate"]
+__all__ = ["TrainResult", "train", "reduce_loss_and_grad_norm", "evaluate"]
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +43,20 @@ class TrainResult:
     first_clipped_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
-def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, env: DistEnv, mesh: Mesh) -> float:
-    """Clip by the norm over every stage's gradients (a per-rank clip would use a different
-    scale on each stage). Returns the norm before clipping."""
+def reduce_loss_and_grad_norm(local_loss: torch.Tensor | None, params: list[torch.nn.Parameter], env: DistEnv,
+                              mesh: Mesh) -> tuple[float, float]:
+    """The step's loss and the gradient norm over every stage, in one all-reduce (one sync per
+    step). One rank per replica holds the last stage's loss, and every replica holds the same
+    gradients: the world's sums divided by dp are the loss and the squared global norm. A
+    per-rank clip would scale each stage differently; this norm is the same on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=env.device)
-    if isinstance(local, DTensor):  # FSDP shards: the norm over the dp group, the same on each replica
-        local = local.full_tensor()
-    squared = local.pow(2)
-    if mesh.pp_group is not None:  # replicas hold the same gradients: sum over the pipeline only
-        dist.all_reduce(squared, group=mesh.pp_group)
-    total = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total.item()
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=env.device)
+    if isinstance(norm, DTensor):  # FSDP shards: the norm over the dp group, the same on each replica
+        norm = norm.full_tensor()
+    loss = local_loss.detach().float() if local_loss is not None else torch.zeros((), device=env.device)
+    sums = all_reduce_sum(torch.stack([loss, norm.float().pow(2)]), env) / mesh.dp
+    loss_value, norm_sq = sums.tolist()  # the step's one host sync
+    return loss_value, math.sqrt(norm_sq)
 
 
 def _replica_share(batch: Batch, mesh: Mesh, device: torch.device) -> Batch:
@@ -136,7 +135,7 @@ def train(
                 local_loss = step_fn(inputs, targets, **kwargs)
             if fault == "nan" and local_loss is not None:
                 local_loss = local_loss * float("nan")
-            loss = _step_loss(local_loss, env, mesh)
+            loss, grad_norm = reduce_loss_and_grad_norm(local_loss, params, env, mesh)
             if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
                 raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
                                          "tighter train.grad_clip; checkpoints before this step are intact.")
@@ -144,7 +143,8 @@ def train(
                 result.first_grads = gather_grads(step_fn.modules, env)
             if step == first_step and cfg.verify:
                 verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env)
-            grad_norm = clip_grad_norm_global(params, t.grad_clip, env, mesh)
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
             if step == first_step and keep_first_grads:
                 result.first_clipped_grads = gather_grads(step_fn.modules, env)
             lr = scheduler.get_last_lr()[0]
