@@ -139,8 +139,10 @@ class PlanConfig:
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
     costs: Optional[str] = None  # a previous run's summary.json: its measured per-stage costs
     memory_limit: Optional[int] = None  # bytes of in-flight activations per rank; null = no limit
-    comm_latency_s: float = 2e-4  # per message between ranks
-    comm_bandwidth: float = 1e9  # bytes/s between ranks
+    # Message and runtime costs; null = measured on two ranks of this host before planning.
+    comm_latency_s: Optional[float] = None  # per message between ranks
+    comm_bandwidth: Optional[float] = None  # bytes/s between ranks
+    action_overhead_s: Optional[float] = None  # the pipelining runtime's cost per F/B/I/W action
     repeats: int = 3  # timings per child; the median is used
 
 

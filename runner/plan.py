@@ -27,10 +27,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import runner.config  # noqa: F401  (registers the config schemas)
-from runner import _torch_pp
+from runner.calibrate import Calibration, calibrate
 from runner.errors import ConfigError
 from runner.losses import build_loss
-from runner.schedule import SCHEDULES, is_single_stage
+from runner.schedule import SCHEDULES, is_single_stage, schedule_order
 from runner.simulate import Op, bubble_fractions, simulate
 from runner.split import build_meta_model, materialize
 from runner.timeline import simulated_slices, write_chrome_trace
@@ -63,28 +63,7 @@ class ChildCost:
     input_backward_s: float  # gradient w.r.t. the input only
     saved_bytes: int  # tensors autograd keeps from forward to backward
     output_bytes: int  # what the child sends on
-
-
-def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[Op]]:
-    """The per-rank compute order a torch schedule runs, from its declared ``pipeline_order``
-    (overlapped F;B actions expanded). torch 2.13 declares ``Schedule1F1B``'s last rank with
-    forwards numbered 1..m instead of 0..m-1 (it runs 0..m-1): renumbered here, and the test
-    suite compares every schedule's order with what a real run recorded."""
-    stages = _torch_pp.stand_in_stages(pp, pp * stages_per_rank, stages_per_rank)
-    cls = torch.distributed.pipelining.schedules.get_schedule_class(SCHEDULES[name])
-    schedule = cls(stages[0] if stages_per_rank == 1 else stages, microbatches)
-    order = {}
-    for rank in range(pp):
-        ops = []
-        for action in schedule.pipeline_order[rank]:
-            for a in (action.sub_actions or (action,)) if action is not None else ():
-                if a.is_compute_op and a.microbatch_index is not None:
-                    ops.append(Op(a.stage_index, a.computation_type.value, a.microbatch_index))
-        forwards = {op.microbatch for op in ops if op.kind == "F"}
-        if forwards == set(range(1, microbatches + 1)):
-            ops = [op._replace(microbatch=op.microbatch - 1) if op.kind == "F" else op for op in ops]
-        order[rank] = ops
-    return order
+    update_s: float = 0.0  # the optimizer step of its parameters, with the global-norm clip's share
 
 
 def _timed(fn, repeats: int) -> float:
@@ -116,8 +95,25 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
     grad = None if last else torch.ones_like(out)
     backward_s = _timed(lambda: forward().backward(grad), repeats)
     input_s = _timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats) if inp.requires_grad else 0.0
+    update_s = _update_s(list(child.parameters()), repeats)  # the backward above left gradients
     child.zero_grad(set_to_none=True)
-    return ChildCost(_timed(forward, repeats), backward_s, input_s, saved[0], out.numel() * out.element_size())
+    return ChildCost(_timed(forward, repeats), backward_s, input_s, saved[0], out.numel() * out.element_size(),
+                     update_s)
+
+
+def _update_s(params: list[torch.nn.Parameter], repeats: int) -> float:
+    """What the runner does to these parameters after backward: their share of the global norm,
+    the clip, and AdamW (with a negligible learning rate: the planner's model stays as it is)."""
+    if not params:
+        return 0.0
+    optimizer = torch.optim.AdamW(params, lr=1e-12)
+
+    def update() -> None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+        optimizer.step()
+
+    return _timed(update, repeats)
 
 
 def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int) -> dict[str, ChildCost]:
@@ -183,10 +179,24 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int]]:
     return out
 
 
-def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list]]:
-    """Every candidate, best (fastest within the memory limit) first, and the predicted timeline
-    of each valid one (keyed by ``id(candidate)``)."""
+def _calibration(plan_cfg: DictConfig, message_bytes: int) -> Calibration:
+    """The configured message and action costs; whatever is null is measured on two ranks."""
+    given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s)
+    measured = calibrate(message_bytes) if None in given else None
+    latency, bandwidth, overhead = (v if v is not None else getattr(measured, f)
+                                    for v, f in zip(given, ("latency_s", "bandwidth", "action_overhead_s")))
+    return Calibration(latency, bandwidth, overhead)
+
+
+def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration]:
+    """Every candidate, best (fastest within the memory limit) first, the predicted timeline
+    of each valid one (keyed by ``id(candidate)``), and the message and action costs used.
+
+    A step is predicted as the simulated pipeline (compute + the runtime's per-action overhead,
+    + a message per cross-rank dependency), then the loss/norm all-reduce (one message) and the
+    slowest rank's optimizer update: what ``summary.json``'s ``step_time_s`` measures."""
     child_costs: dict[int, dict[str, ChildCost]] = {}
+    calibration: Calibration | None = None
     results, timelines = [], {}
     for name, m, spr in _candidates(cfg):
         overrides = [f"schedule={name}", f"parallel.microbatches={m}", f"parallel.stages_per_rank={spr}"]
@@ -201,25 +211,29 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list]]:
             continue
         order = schedule_order(name, layout.pp, m, spr)
         mb_size = cfg.train.batch_size // (cfg.parallel.dp * m)
+        if mb_size not in child_costs:
+            child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats)
+        child = child_costs[mb_size]
+        sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
+        if calibration is None:
+            calibration = _calibration(cfg.plan, sent)
+        # A previous run's costs were timed at the stage: they include the runtime's overhead.
         costs = _costs_from_summary(cfg.plan.costs, layout) if cfg.plan.costs else None
         if costs is None:
-            if mb_size not in child_costs:
-                child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats)
-            costs = _stage_costs(layout, child_costs[mb_size])
-        sent = max(sum(c.output_bytes for n, c in child_costs.get(mb_size, {}).items() if n in names)
-                   for names in layout.stages) if mb_size in child_costs else 0
-        comm_s = cfg.plan.comm_latency_s + sent / cfg.plan.comm_bandwidth
+            costs = {k: v + calibration.action_overhead_s for k, v in _stage_costs(layout, child).items()}
         try:
-            timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
+            timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=calibration.message_s(sent))
         except ValueError as e:
             candidate.reason = f"the order cannot run: {e}"
             continue
         peaks = peak_in_flight(order)
-        saved = {s: sum(child_costs[mb_size][n].saved_bytes for n in names) if mb_size in child_costs else 0
-                 for s, names in enumerate(layout.stages)}
+        saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
+        update = {r: sum(child[n].update_s for s in layout.stages_on(r) for n in layout.stages[s])
+                  for r in range(layout.pp)}
         bubbles = bubble_fractions(timeline)
         candidate.valid = True
-        candidate.predicted_step_time_s = max(a.end for a in timeline)
+        candidate.predicted_step_time_s = (max(a.end for a in timeline) + calibration.latency_s
+                                           + max(update.values()))
         candidate.bubble = sum(bubbles.values()) / len(bubbles)
         candidate.peak_activations = [sum(peaks[r].values()) for r in sorted(peaks)]
         candidate.peak_activation_bytes = [sum(n * saved[s] for s, n in peaks[r].items()) for r in sorted(peaks)]
@@ -227,7 +241,7 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list]]:
         candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
         timelines[id(candidate)] = timeline
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
-    return ranked, timelines
+    return ranked, timelines, calibration
 
 
 def _table(candidates: list[Candidate]) -> str:
@@ -247,9 +261,13 @@ def _table(candidates: list[Candidate]) -> str:
 def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
-    candidates, timelines = plan(cfg)
+    candidates, timelines, calibration = plan(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
+    if calibration is not None:
+        (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
+        print(f"message: {calibration.latency_s * 1e6:.0f} us + bytes / {calibration.bandwidth / 1e9:.2f} GB/s; "
+              f"runtime overhead per action: {calibration.action_overhead_s * 1e6:.0f} us")
     print(_table(candidates))
     best = next((c for c in candidates if c.valid and c.fits_memory), None)
     if best is None:

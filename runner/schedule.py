@@ -10,9 +10,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from runner import _torch_pp
 from runner.errors import ConfigError
+from runner.simulate import Op
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
-           "read_csv_schedule", "build_schedule"]
+           "read_csv_schedule", "build_schedule", "schedule_order"]
 
 # Config name → torch.distributed.pipelining class name; "csv" runs a file's action order.
 SCHEDULES = {
@@ -150,3 +151,25 @@ def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable
     cls = _schedule_class(name)
     target = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
     return cls(target, microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[Op]]:
+    """The per-rank compute order a torch schedule runs, from its declared ``pipeline_order``
+    (overlapped F;B actions expanded). torch 2.13 declares ``Schedule1F1B``'s last rank with
+    forwards numbered 1..m instead of 0..m-1 (it runs 0..m-1): renumbered here, and the test
+    suite compares every schedule's order with what a real run recorded."""
+    stages = _torch_pp.stand_in_stages(pp, pp * stages_per_rank, stages_per_rank)
+    cls = get_schedule_class(SCHEDULES[name])
+    schedule = cls(stages[0] if stages_per_rank == 1 else stages, microbatches)
+    order = {}
+    for rank in range(pp):
+        ops = []
+        for action in schedule.pipeline_order[rank]:
+            for a in (action.sub_actions or (action,)) if action is not None else ():
+                if a.is_compute_op and a.microbatch_index is not None:
+                    ops.append(Op(a.stage_index, a.computation_type.value, a.microbatch_index))
+        forwards = {op.microbatch for op in ops if op.kind == "F"}
+        if forwards == set(range(1, microbatches + 1)):
+            ops = [op._replace(microbatch=op.microbatch - 1) if op.kind == "F" else op for op in ops]
+        order[rank] = ops
+    return order

@@ -10,10 +10,15 @@ import sys
 
 import pytest
 
+from runner.calibrate import calibrate, solve_action_overhead
 from runner.plan import peak_in_flight, plan, schedule_order
+from runner.simulate import simulate
 from runner.validate import validate
 
 from conftest import ROOT, TINY, compose
+
+# Fixed message and runtime costs: in-process tests need no calibration ranks.
+FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0"]
 
 
 def test_in_flight_activations_follow_the_schedule():
@@ -24,8 +29,8 @@ def test_in_flight_activations_follow_the_schedule():
 
 
 def test_plan_ranks_valid_candidates_and_explains_invalid_ones():
-    cfg = compose(*TINY, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[2,4]", "plan.repeats=1")
-    candidates, timelines = plan(cfg)
+    cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[2,4]", "plan.repeats=1")
+    candidates, timelines, _ = plan(cfg)
     valid = [c for c in candidates if c.valid]
     assert {c.schedule for c in valid} >= {"gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"}
     times = [c.predicted_step_time_s for c in valid]
@@ -33,8 +38,8 @@ def test_plan_ranks_valid_candidates_and_explains_invalid_ones():
     assert all(0 <= c.bubble < 1 and len(c.peak_activations) == 2 for c in valid)
     assert all(c.reason for c in candidates if not c.valid)  # e.g. DualPipeV with m=2 < 4 stages
     assert all(id(c) in timelines for c in valid)
-    limited, _ = plan(compose(*TINY, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
-                              "plan.repeats=1", "plan.memory_limit=1"))
+    limited, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+                                 "plan.repeats=1", "plan.memory_limit=1"))
     assert not any(c.fits_memory for c in limited if c.valid)
 
 
@@ -71,9 +76,25 @@ def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
     summary = {"stages": {str(i): list(s) for i, s in enumerate(layout.stages)},
                "bubble": {"mean_costs_s": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    candidates, _ = plan(compose(*TINY, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
-                                 "plan.repeats=1", f"plan.costs={tmp_path / 'summary.json'}"))
+    candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+                                    "plan.repeats=1", f"plan.costs={tmp_path / 'summary.json'}"))
     by_name = {c.schedule: c for c in candidates if c.valid}
-    # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus 2 messages; the rest is measured (ms).
+    # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus messages and the optimizer (ms).
     assert by_name["1f1b"].predicted_step_time_s == pytest.approx(15.0, abs=0.01)
     assert by_name["interleaved_1f1b"].predicted_step_time_s < 1.0
+
+
+def test_the_action_overhead_is_solved_from_a_pipeline_step():
+    order = schedule_order("1f1b", 2, 8, 1)
+    step = max(a.end for a in simulate(order, {"F": 0.003, "B": 0.003}, num_stages=2, comm_s=0.001))
+    assert solve_action_overhead(step, comm_s=0.001) == pytest.approx(0.003)
+    assert solve_action_overhead(0.0, comm_s=0.001) == 0.0  # faster than messages alone: no overhead
+
+
+@pytest.mark.timeout(60)
+def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
+    measured = calibrate(2**20, repeats=5)
+    assert 0 < measured.latency_s < 0.05  # loopback gloo: tens of microseconds to a few ms on a busy host
+    assert 1e7 < measured.bandwidth < 1e12
+    assert 0 <= measured.action_overhead_s < 0.05
+    assert measured.message_s(2**20) == pytest.approx(measured.latency_s + 2**20 / measured.bandwidth)
