@@ -45,11 +45,19 @@ def mean_costs(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int, str],
 
 
 def measured_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]) -> list[float]:
-    """Per rank: 1 - (time in the stage's own compute calls) / (wall time of its pipeline steps),
-    over the recorded steps. Waiting for a neighbour's tensor counts as idle."""
+    """Per rank: 1 - (time in the stage's own compute calls) / (wall time of the pipeline steps),
+    over the recorded steps. A step's wall time is the pipeline's, the same for every rank: from
+    the first rank's start to the last rank's end (the ranks share a clock origin), as in the
+    closed forms. A rank that returns early (1F1B's last rank, before the drain) is idle until
+    the pipeline ends; waiting for a neighbour's tensor counts as idle too."""
+    spans: dict[int, list[int]] = {}
+    for per_rank in steps.values():
+        for s in per_rank:
+            lo_hi = spans.setdefault(s.step, [s.start_ns, s.end_ns])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], s.start_ns), max(lo_hi[1], s.end_ns)
     out = []
     for rank in sorted(steps):
-        wall = sum(s.end_ns - s.start_ns for s in steps[rank])
+        wall = sum(spans[s.step][1] - spans[s.step][0] for s in steps[rank])
         busy = sum(a.end_ns - a.start_ns for a in actions.get(rank, []))
         out.append(1.0 - busy / wall if wall else 0.0)
     return out

@@ -7,10 +7,12 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runner import _torch_pp
 from runner import schedule as sched
 from runner.data import build_dataset, get_batch
 from runner.errors import ConfigError
@@ -187,6 +189,15 @@ def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
     return p.pp * spr, sched.placement(name, p.pp, p.pp * spr)
 
 
+def _splits_backward(cfg: DictConfig, layout: Layout) -> bool:
+    """Whether the schedule runs separate input (I) and weight (W) backward actions."""
+    if layout.schedule == "csv":
+        actions = _torch_pp.read_actions(Path(layout.csv))
+        return any(a.computation_type.value in ("I", "W") for row in actions.values() for a in row)
+    order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
+    return any(op.kind in ("I", "W") for ops in order.values() for op in ops)
+
+
 def validate(cfg: DictConfig) -> Layout:
     """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
     _check_missing(cfg)
@@ -204,7 +215,7 @@ def validate(cfg: DictConfig) -> Layout:
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (children per stage): %s", sizes)
-    return Layout(
+    layout = Layout(
         schedule=cfg.schedule.name,
         csv=cfg.schedule.get("csv"),
         pp=cfg.parallel.pp,
@@ -212,3 +223,11 @@ def validate(cfg: DictConfig) -> Layout:
         stages=stages,
         stage_to_rank=stage_to_rank,
     )
+    if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and _splits_backward(cfg, layout):
+        log.warning(
+            "train.activation_checkpointing=%s with schedule=%s: its weight backward (W) runs one autograd pass "
+            "per parameter group and recomputes every checkpointed block in each, so a step is several times "
+            "slower than without checkpointing (ZBV: 2.7x in BENCHMARKS.md). Fix, if speed matters: "
+            "train.activation_checkpointing=every_n or none, or a schedule with whole backward steps.",
+            cfg.train.activation_checkpointing, layout.schedule)
+    return layout

@@ -1,17 +1,21 @@
-"""Benchmarks: how close each schedule runs to its theoretical bubble, what profiling and startup
-cost. Writes BENCHMARKS.md (and the sweep directories it ran) and never fails on a number.
+"""Benchmarks: pipeline efficiency, scaling and memory, training options, runner overhead, startup,
+profiling cost. Each section saves its raw results to benchmarks/<section>.json; BENCHMARKS.md is
+rendered from every JSON file present, so re-running one section refreshes only that part.
 
-    python scripts/bench.py                 # pp=2, m in {4, 8}, all 7 schedules (about 10 minutes on 2 cores)
-    python scripts/bench.py --pp 2 4 --microbatches 4 8 16
+    python scripts/bench.py                                # every section (~30 min on 2 cores, plus waits)
+    python scripts/bench.py --only options startup         # these sections; the others' JSON is kept
+    python scripts/bench.py --only efficiency --pp 2 --microbatches 8
+    python scripts/bench.py --render                       # re-render BENCHMARKS.md (and the plot) only
 
-Every number in one table comes from one invocation on one machine; ratios, not absolute times,
-are what carry over between machines.
+Before each long run the script waits (up to --max-wait s) until the 1-minute load average is at
+most 1.0 and no pytest is running, and records per section whether it ran under load. Benchmarks
+write numbers and never fail on one: a failed run is recorded with its error. Every number in one
+table comes from one invocation on one machine; ratios, not absolute times, carry over.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -19,39 +23,479 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-
-import torch
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
-# Big enough that a stage's compute dominates messages on CPU (tens of ms per microbatch forward).
-MODEL = ["model.dim=256", "model.n_layers=8", "train.seq_len=128", "train.batch_size=32", "device=cpu"]
+ZERO_BUBBLE = ["interleaved_zb", "zbv", "dualpipev"]
+_SHAPE = ["model.dim=256", "model.n_layers=8", "train.seq_len=128", "device=cpu"]
+# Efficiency and scaling: 64 samples per step, so a stage's forward on one microbatch stays near or
+# above 20 ms on CPU down to m=16 at pp=4 with 2 stages per rank (one block per stage); a message
+# (a microbatch's activations) costs well under a millisecond over loopback gloo.
+SWEEP_MODEL = [*_SHAPE, "train.batch_size=64"]
+# The other sections (ratios at pp=2, m=8: 4 samples per microbatch, 35-150 ms per stage forward).
+MODEL = [*_SHAPE, "train.batch_size=32"]
+OPTIONS = {  # name -> overrides, at pp=2 m=8; ratios are taken against the baseline named in OPTION_RATIOS
+    "1f1b": ["schedule=1f1b"],
+    "1f1b+ac": ["schedule=1f1b", "train.activation_checkpointing=full"],
+    "zbv": ["schedule=zbv"],
+    "zbv+ac": ["schedule=zbv", "train.activation_checkpointing=full"],
+    "1f1b+bf16": ["schedule=1f1b", "train.precision=bf16"],
+    "1f1b+compile": ["schedule=1f1b", "train.compile=true"],
+}
+# bf16 matmuls run ~8x slower than fp32 on a CPU without native bf16 (AVX2 only): fewer steps, one repeat.
+OPTION_LIMITS = {"1f1b+bf16": {"steps": 4, "repeats": 1}}
+OPTION_RATIOS = [  # (label, config, baseline)
+    ("activation checkpointing full / none, 1f1b", "1f1b+ac", "1f1b"),
+    ("activation checkpointing full / none, zbv", "zbv+ac", "zbv"),
+    ("bf16 / fp32, 1f1b", "1f1b+bf16", "1f1b"),
+    ("compile / eager, 1f1b", "1f1b+compile", "1f1b"),
+    ("zbv / 1f1b (no options)", "zbv", "1f1b"),
+]
+MIB = 2**20
 
 
-def _runner(*args: str, cwd: Path, module: str = "runner") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True)
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (unit-tested in tests/test_scripts.py)
 
 
-def efficiency(work: Path, pps: list[int], microbatches: list[int], steps: int) -> list[dict]:
-    """One Hydra sweep per pipeline width; rows from its sweep.csv."""
+def in_flight_peaks(order: Mapping[int, Sequence[Any]], weights: Mapping[int, float] | None = None) -> dict[int, float]:
+    """Per rank, the most forward activations held at once, walking the rank's op order (ops with
+    ``.stage``, ``.kind`` in F/B/I/W and ``.microbatch``): a forward adds its stage-microbatch; the
+    backward that frees it removes it: its ``B``, or its ``W`` where backward is split (an ``I``
+    frees nothing: the weight gradient still needs the layer inputs). Without ``weights`` the
+    peak counts stage-microbatches; with ``weights`` (stage -> bytes of one stage-microbatch) it
+    is in bytes."""
+    peaks: dict[int, float] = {}
+    for rank, ops in order.items():
+        live: set[tuple[int, int]] = set()
+        held = peak = 0.0
+        for op in ops:
+            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
+            if op.kind == "F" and key not in live:
+                live.add(key)
+                held += w
+            elif op.kind in ("B", "W") and key in live:
+                live.remove(key)
+                held -= w
+            peak = max(peak, held)
+        peaks[rank] = peak if weights is not None else int(peak)
+    return peaks
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float] | None:
+    """Least squares y = a + b x: (a, b, Pearson r), or None for fewer than 3 distinct x."""
+    if len(xs) < 3 or len(set(xs)) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    b = sxy / sxx
+    r = sxy / (sxx * syy) ** 0.5 if syy > 0 else 0.0
+    return my - b * mx, b, r
+
+
+def steady(step_times: Sequence[float], skip: int = 1) -> float | None:
+    """Median step time after the first ``skip`` steps (shape inference, compilation, warm-up)."""
+    rest = list(step_times[skip:])
+    return statistics.median(rest) if rest else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine, load and runs
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"arch": platform.machine(), "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def _pytest_running() -> bool:
+    try:
+        return subprocess.run(["pgrep", "-f", "pytest"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_quiet(label: str, max_wait_s: float, poll_s: float = 30.0, threshold: float = 1.0) -> dict[str, Any]:
+    """Wait until the 1-minute load average is <= threshold and no pytest runs (or max_wait_s)."""
+    start = time.time()
+    while True:
+        load1, tests = os.getloadavg()[0], _pytest_running()
+        waited = time.time() - start
+        if (load1 <= threshold and not tests) or waited >= max_wait_s:
+            quiet = load1 <= threshold and not tests
+            if not quiet:
+                print(f"[bench] {label}: still busy after {waited:.0f} s (load {load1:.2f}, pytest {tests}); "
+                      "running anyway", flush=True)
+            return {"label": label, "waited_s": round(waited, 1), "quiet": quiet, "load1": load1, "pytest": tests}
+        print(f"[bench] {label}: waiting for a quiet machine (load {load1:.2f}, pytest running: {tests})", flush=True)
+        time.sleep(poll_s)
+
+
+def _cpu_busy_s() -> float | None:
+    """Seconds of busy CPU time on the whole machine since boot (/proc/stat), or None."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_s(root: int) -> float | None:
+    """CPU seconds of a process tree: each live process's own and its reaped children's time
+    (/proc/<pid>/stat utime, stime, cutime, cstime), so time moves, and is kept, from a child
+    to its parent as the child is reaped. None off Linux."""
+    clock = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            rest = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        pid = int(entry)
+        children.setdefault(int(rest[1]), []).append(pid)
+        times[pid] = sum(int(v) for v in rest[11:15]) / clock
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += times.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+class LoadMonitor:
+    """Samples, every ``interval_s`` during a section: whether a pytest runs, and the share of the
+    machine's CPU that processes outside this script's tree used since the last sample (busy CPU
+    time from /proc/stat minus this tree's). ``loaded(start, end)`` says whether a run in that
+    window shared the machine."""
+
+    def __init__(self, interval_s: float = 10.0, threshold: float = 0.1):
+        self.interval_s, self.threshold = interval_s, threshold
+        self.samples: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _read(self) -> tuple[float, float | None, float | None]:
+        return time.time(), _cpu_busy_s(), _tree_cpu_s(os.getpid())
+
+    def sample(self) -> None:
+        with self._lock:
+            now, busy, own = self._read()
+            t0, busy0, own0 = self._last
+            foreign = None
+            if None not in (busy, own, busy0, own0) and now > t0:
+                foreign = max(0.0, (busy - busy0) - (own - own0)) / ((now - t0) * (os.cpu_count() or 1))
+            self.samples.append({"t0": t0, "t": now, "foreign": None if foreign is None else round(foreign, 3),
+                                 "pytest": _pytest_running()})
+            self._last = (now, busy, own)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def loaded(self, start: float | None, end: float | None) -> bool | None:
+        """Whether another process used the machine while a run went from ``start`` to ``end``."""
+        if start is None or end is None:
+            return None
+        self.sample()  # close the interval the run ended in
+        with self._lock:
+            over = [s for s in self.samples if s["t"] > start and s["t0"] < end]
+        if not over:
+            return None
+        shares = [s["foreign"] for s in over if s["foreign"] is not None]
+        return any(s["pytest"] for s in over) or (bool(shares) and statistics.fmean(shares) > self.threshold)
+
+    def __enter__(self) -> LoadMonitor:
+        self.start = time.time()
+        self._last = self._first = self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        t0, busy0, own0 = self._first
+        t1, busy1, own1 = self._last
+        share = None
+        if None not in (busy0, own0, busy1, own1) and t1 > t0:
+            share = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((t1 - t0) * (os.cpu_count() or 1))
+        self.report = {"pytest_samples": sum(s["pytest"] for s in self.samples), "samples": len(self.samples),
+                       "loaded_samples": sum(bool(s["pytest"] or (s["foreign"] or 0) > self.threshold)
+                                             for s in self.samples),
+                       "foreign_cpu_share": None if share is None else round(share, 3)}
+
+
+def _runner(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True)
+
+
+def _error(run_dir: Path, done: subprocess.CompletedProcess | None) -> str:
+    error_file = run_dir / "error.txt"
+    if error_file.is_file():
+        return error_file.read_text().strip().splitlines()[0][:300]
+    if done is not None:
+        tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        return (tail[-1] if tail else f"exit code {done.returncode}")[:300]
+    return "no summary.json"
+
+
+def read_run(run_dir: Path, done: subprocess.CompletedProcess | None = None) -> dict[str, Any]:
+    """What a benchmark keeps of one run: its summary's numbers and every step time."""
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        return {"status": "failed", "error": _error(run_dir, done), "dir": str(run_dir)}
+    s = json.loads(summary_file.read_text())
+    metrics = run_dir / "metrics.jsonl"
+    step_times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()] \
+        if metrics.is_file() else []
+    bubble = s.get("bubble") or {}
+    return {
+        "status": "ok", "dir": str(run_dir),
+        "step_time_s": s.get("step_time_s"), "tokens_per_s": s.get("tokens_per_s"), "step_times": step_times,
+        "bubble": bubble.get("mean"), "bubble_per_rank": bubble.get("per_rank"),
+        "bubble_theoretical": bubble.get("theoretical"), "theoretical_source": bubble.get("theoretical_source"),
+        "bubble_simulated": bubble.get("simulated"), "mean_costs_s": bubble.get("mean_costs_s", {}),
+        "peak_mem_bytes": s.get("peak_mem_bytes"), "stages": s.get("stages"), "num_stages": s.get("num_stages"),
+        "startup_s": s.get("startup_s"), "startup_phases_s": s.get("startup_phases_s"),
+        "final_loss": s.get("final_loss"), "started_at": s.get("started_at"), "finished_at": s.get("finished_at"),
+    }
+
+
+def _job_overrides(job_dir: Path) -> dict[str, str]:
+    import yaml
+
+    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
+    return dict(o.split("=", 1) for o in overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections. Each takes a Context and returns a JSON-able dict of raw results.
+
+
+class Context:
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.args, self.work = args, work
+        self.waits: list[dict[str, Any]] = []
+        self.monitor: LoadMonitor | None = None
+
+    def quiet(self, label: str) -> None:
+        if self.args.max_wait > 0:
+            self.waits.append(wait_for_quiet(label, self.args.max_wait))
+
+    def loaded(self, start: float | None, end: float | None) -> bool | None:
+        return self.monitor.loaded(start, end) if self.monitor is not None else None
+
+    def mark(self, run: dict[str, Any]) -> dict[str, Any]:
+        run["under_load"] = self.loaded(run.get("started_at"), run.get("finished_at"))
+        return run
+
+    def rerun_loaded(self, runs: list[dict[str, Any]], rerun: Callable[[dict[str, Any]], dict[str, Any]],
+                     label: str) -> list[dict[str, Any]]:
+        """Once, after waiting for a quiet machine: re-run every run that shared the machine."""
+        todo = [i for i, r in enumerate(runs) if r.get("under_load")]
+        if not todo or not self.args.rerun_loaded:
+            return runs
+        self.quiet(f"{label}: re-running {len(todo)} runs that ran under load")
+        for i in todo:
+            runs[i] = {**self.mark(rerun(runs[i])), "rerun": True}
+        print(f"[bench] {label}: re-ran {len(todo)} runs, {sum(bool(runs[i].get('under_load')) for i in todo)} "
+              "still under load", flush=True)
+        return runs
+
+
+def _sweep_pp(ctx: Context, pp: int, microbatches: list[int], steps: int) -> list[dict[str, Any]]:
+    """One Hydra multirun over schedules x m at this pp; any job the sweep did not leave (it stops
+    on a launcher error) is re-run on its own."""
+    sweep = ctx.work / f"efficiency-pp{pp}"
+    common = _sweep_common(pp, steps)
+    done = _runner("-m", f"schedule={','.join(SCHEDULES)}", f"parallel.microbatches={','.join(map(str, microbatches))}",
+                   *common, f"hydra.sweep.dir={sweep}", cwd=ctx.work)
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    jobs = [d for d in sweep.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()] if sweep.is_dir() else []
+    for job in jobs:
+        o = _job_overrides(job)
+        runs[(o["schedule"], int(o["parallel.microbatches"]))] = read_run(job, done)
+    for name in SCHEDULES:
+        for m in microbatches:
+            if (name, m) not in runs or runs[(name, m)]["status"] == "running":
+                runs[(name, m)] = _single_pp(ctx, pp, name, m, steps, sweep / f"single-{name}-m{m}")
+    return [{"pp": pp, "schedule": name, "m": m, **runs[(name, m)]} for name in SCHEDULES for m in microbatches]
+
+
+def _sweep_common(pp: int, steps: int) -> list[str]:
+    # Profiling off; the bubble is recorded over steps 1.. (profile.wait=1, warmup=0: no profiler to warm up).
+    return [f"parallel.pp={pp}", f"train.steps={steps}", "profile.enabled=false", "profile.wait=1",
+            "profile.warmup=0", f"profile.active={steps - 1}", *SWEEP_MODEL]
+
+
+def _single_pp(ctx: Context, pp: int, name: str, m: int, steps: int, run_dir: Path) -> dict[str, Any]:
+    """One efficiency run outside the sweep (a job the sweep did not leave, or a re-run)."""
+    done = _runner(f"schedule={name}", f"parallel.microbatches={m}", *_sweep_common(pp, steps),
+                   f"hydra.run.dir={run_dir}", cwd=ctx.work)
+    return {"pp": pp, "schedule": name, "m": m, **read_run(run_dir, done)}
+
+
+def efficiency(ctx: Context) -> dict[str, Any]:
+    """Per pp, every schedule x m: tokens/s, step time, measured and theoretical bubble, memory."""
+    a = ctx.args
     rows = []
-    for pp in pps:
-        sweep = work / f"sweep-pp{pp}"
-        sweep_m = ",".join(map(str, microbatches))
-        done = _runner("-m", f"schedule={','.join(SCHEDULES)}", f"parallel.microbatches={sweep_m}",
-                       f"parallel.pp={pp}", f"train.steps={steps}", "profile.enabled=false", *MODEL,
-                       f"hydra.sweep.dir={sweep}", cwd=work)
-        if done.returncode not in (0, 2):
-            raise RuntimeError(done.stderr[-2000:])
-        with open(sweep / "sweep.csv") as f:
-            for row in csv.DictReader(f):
-                overrides = dict(o.split("=", 1) for o in row["overrides"].split())
-                rows.append({"pp": pp, "schedule": overrides["schedule"], "m": int(overrides["parallel.microbatches"]),
-                             **row})
-    return rows
+    for i, pp in enumerate(a.pp):
+        if i:
+            ctx.quiet(f"efficiency pp={pp}")
+        started = time.time()
+        sweep = [ctx.mark(r) for r in _sweep_pp(ctx, pp, a.microbatches, a.steps)]
+        rows += ctx.rerun_loaded(sweep, lambda r: _single_pp(
+            ctx, r["pp"], r["schedule"], r["m"], a.steps, ctx.work / f"rerun-pp{r['pp']}-{r['schedule']}-m{r['m']}"),
+            f"efficiency pp={pp}")
+        print(f"[bench] efficiency pp={pp}: {time.time() - started:.0f} s", flush=True)
+    return {"model": SWEEP_MODEL, "steps": a.steps, "pp": a.pp, "microbatches": a.microbatches, "runs": rows}
+
+
+def activation_bytes_per_sample(overrides: Sequence[str], samples: int = 4) -> dict[str, float]:
+    """Bytes each top-level model child keeps for backward, per sample: the storages autograd saves
+    in its forward (parameters and storages already counted excluded), the loss's with the last."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import runner.config  # noqa: F401
+    from runner.losses import cross_entropy
+    from runner.split import build_meta_model, materialize
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    meta = build_meta_model(cfg.model)
+    model = materialize(meta, list(meta._modules), seed=0, device=torch.device("cpu"))
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randint(cfg.data.vocab_size, (samples, cfg.train.seq_len))
+    targets = torch.randint(cfg.data.vocab_size, (samples, cfg.train.seq_len))
+    out: dict[str, float] = {}
+    names = list(model._modules)
+    kept = {"bytes": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            kept["bytes"] += storage.nbytes()
+        return t
+
+    for i, name in enumerate(names):
+        kept["bytes"] = 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = model._modules[name](x)
+            if i == len(names) - 1:
+                cross_entropy(x, targets)
+        out[name] = kept["bytes"] / samples
+    return out
+
+
+def _efficiency_rows(ctx: Context) -> list[dict[str, Any]]:
+    """The efficiency sweep's runs: from benchmarks/efficiency.json when it covers --pp and
+    --microbatches, else the sweep is run (and efficiency.json refreshed)."""
+    path = ctx.args.results / "efficiency.json"
+    if path.is_file():
+        data = json.loads(path.read_text())["results"]
+        have = {(r["pp"], r["m"]) for r in data["runs"]}
+        if all((pp, m) in have for pp in ctx.args.pp for m in ctx.args.microbatches):
+            return [r for r in data["runs"] if r["pp"] in ctx.args.pp and r["m"] in ctx.args.microbatches]
+    print("[bench] scaling: benchmarks/efficiency.json missing or partial; running the efficiency sweep", flush=True)
+    ctx.quiet("scaling: efficiency sweep")
+    results = efficiency(ctx)
+    save(ctx.args.results, "efficiency", results, ctx, started=time.time(), duration_s=None)
+    return results["runs"]
+
+
+def scaling(ctx: Context) -> dict[str, Any]:
+    """Step time over pp and m, and peak memory per rank against the activations each schedule's
+    order keeps in flight (no runs of its own: the efficiency sweep's)."""
+    from runner.plan import schedule_order
+    from runner.schedule import is_single_stage
+
+    runs = _efficiency_rows(ctx)
+    per_sample = activation_bytes_per_sample(SWEEP_MODEL)
+    batch = int(next(o for o in SWEEP_MODEL if o.startswith("train.batch_size=")).split("=")[1])
+    rows = []
+    for r in runs:
+        spr = (r.get("num_stages") or 0) // r["pp"] or (1 if is_single_stage(r["schedule"]) else 2)
+        row = {k: r.get(k) for k in ("pp", "schedule", "m", "status", "step_time_s", "tokens_per_s", "peak_mem_bytes",
+                                     "under_load", "rerun") if k in r}
+        row["stages_per_rank"] = spr
+        try:
+            order = schedule_order(r["schedule"], r["pp"], r["m"], spr)
+        except Exception as e:  # an order torch refuses: recorded, not fatal
+            row["order_error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            continue
+        row["expected_in_flight"] = [in_flight_peaks(order)[k] for k in sorted(order)]
+        if r.get("stages"):
+            stage_bytes = {int(s): sum(per_sample.get(n, 0.0) for n in names) * batch / r["m"]
+                           for s, names in r["stages"].items()}
+            peaks = in_flight_peaks(order, stage_bytes)
+            row["expected_activation_bytes"] = [round(peaks[k]) for k in sorted(order)]
+        rows.append(row)
+    return {"model": SWEEP_MODEL, "activation_bytes_per_sample": per_sample, "rows": rows}
+
+
+def _option_run(ctx: Context, name: str, repeat: int, steps: int, tag: str = "") -> dict[str, Any]:
+    run_dir = ctx.work / f"option-{name}-{repeat}{tag}"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work / f"inductor-{name}-{repeat}{tag}")}  # compile from cold each time
+    done = _runner(*OPTIONS[name], "parallel.pp=2", "parallel.microbatches=8", f"train.steps={steps}",
+                   "profile.enabled=false", *MODEL, f"hydra.run.dir={run_dir}", cwd=ctx.work, env=env)
+    run = read_run(run_dir, done)
+    if run["status"] == "ok":
+        times = run["step_times"]
+        run.update(steady_s=steady(times, skip=2), first_step_s=times[0] if times else None,
+                   second_step_s=times[1] if len(times) > 1 else None)
+    return {"config": name, "repeat": repeat, "overrides": OPTIONS[name], "steps": steps, **run}
+
+
+def options(ctx: Context) -> dict[str, Any]:
+    """Training options at pp=2 m=8: every config once per repeat, the order reversed on odd repeats."""
+    a = ctx.args
+    runs = []
+    for repeat in range(a.option_repeats):
+        if repeat:
+            ctx.quiet(f"options repeat {repeat}")
+        names = list(OPTIONS) if repeat % 2 == 0 else list(reversed(OPTIONS))
+        for name in names:
+            limit = OPTION_LIMITS.get(name, {})
+            if repeat >= limit.get("repeats", a.option_repeats):
+                continue
+            runs.append(ctx.mark(_option_run(ctx, name, repeat, limit.get("steps", a.option_steps))))
+            r = runs[-1]
+            print(f"[bench] options {name} #{repeat}: {r.get('steady_s') or r.get('error')}"
+                  f"{' (under load)' if r.get('under_load') else ''}", flush=True)
+    runs = ctx.rerun_loaded(runs, lambda r: _option_run(ctx, r["config"], r["repeat"], r["steps"], "-rerun"), "options")
+    return {"model": MODEL, "pp": 2, "microbatches": 8, "steps": a.option_steps, "repeats": a.option_repeats,
+            "limits": OPTION_LIMITS, "steady": "median step time from step 2 on", "runs": runs}
 
 
 def _step_times(run_dir: Path, skip: set[int]) -> list[float]:
@@ -59,18 +503,24 @@ def _step_times(run_dir: Path, skip: set[int]) -> list[float]:
     return [m["step_time_s"] for m in lines if m["step"] not in skip and m["step"] > 0]
 
 
-def profiling_cost(work: Path, steps: int, repeats: int) -> list[float]:
+def profiling(ctx: Context) -> dict[str, Any]:
     """Steady-state step time with profiling on (steps outside the window) / off, alternating."""
-    ratios = []
-    common = ["schedule=1f1b", "parallel.microbatches=8", f"train.steps={steps}", *MODEL]
-    for i in range(repeats):
-        on, off = work / f"prof-on-{i}", work / f"prof-off-{i}"
-        _runner(*common, "profile.enabled=true", f"hydra.run.dir={on}", cwd=work)
-        _runner(*common, "profile.enabled=false", f"hydra.run.dir={off}", cwd=work)
+    common = ["schedule=1f1b", "parallel.microbatches=8", f"train.steps={ctx.args.profile_steps}", *MODEL]
+    pairs = []
+    for i in range(ctx.args.repeats):
+        on, off = ctx.work / f"prof-on-{i}", ctx.work / f"prof-off-{i}"
+        t0 = time.time()
+        done_on = _runner(*common, "profile.enabled=true", f"hydra.run.dir={on}", cwd=ctx.work)
+        done_off = _runner(*common, "profile.enabled=false", f"hydra.run.dir={off}", cwd=ctx.work)
+        missing = [(d, done) for d, done in ((on, done_on), (off, done_off)) if not (d / "summary.json").is_file()]
+        if missing:
+            pairs.append({"error": _error(*missing[0])})
+            continue
         window = set(json.loads((on / "summary.json").read_text())["bubble"]["steps"])
         window |= {min(window) - 1}  # the profiler's warm-up step
-        ratios.append(statistics.median(_step_times(on, window)) / statistics.median(_step_times(off, set())))
-    return ratios
+        on_s, off_s = statistics.median(_step_times(on, window)), statistics.median(_step_times(off, set()))
+        pairs.append({"on_s": on_s, "off_s": off_s, "ratio": on_s / off_s, "under_load": ctx.loaded(t0, time.time())})
+    return {"model": MODEL, "steps": ctx.args.profile_steps, "pairs": pairs}
 
 
 _BARE = """
@@ -86,20 +536,25 @@ if __name__ == "__main__":
 """
 
 
-def startup(work: Path, repeats: int) -> list[tuple[float, float]]:
-    """(runner launch → first step of experiment=smoke, bare spawn of 2 ranks → process group up)."""
+def startup(ctx: Context) -> dict[str, Any]:
+    """Runner launch -> first step of experiment=smoke (and its phases, where the summary has
+    them) against a bare spawn of 2 ranks -> process group up, alternating."""
+    work = ctx.work
     script = work / "bare_spawn.py"
     script.write_text(_BARE)
     pairs = []
-    for i in range(repeats):
+    for i in range(ctx.args.repeats):
         run = work / f"smoke-{i}"
-        _runner("experiment=smoke", "profile.enabled=false", f"hydra.run.dir={run}", cwd=work)
-        runner_s = json.loads((run / "summary.json").read_text())["startup_s"]
+        t0 = time.time()
+        done = _runner("experiment=smoke", "profile.enabled=false", f"hydra.run.dir={run}", cwd=work)
+        r = read_run(run, done)
         out = work / f"bare-{i}.txt"
         start = time.time()
-        subprocess.run([sys.executable, str(script), str(work / f"store-{i}"), str(start), str(out)], check=True)
-        pairs.append((runner_s, float(out.read_text())))
-    return pairs
+        subprocess.run([sys.executable, str(script), str(work / f"store-{i}"), str(start), str(out)], check=False)
+        bare = float(out.read_text()) if out.is_file() else None
+        pairs.append({"runner_s": r.get("startup_s"), "phases_s": r.get("startup_phases_s"), "bare_s": bare,
+                      "error": r.get("error"), "under_load": ctx.loaded(t0, time.time())})
+    return {"pairs": pairs}
 
 
 _BARE_LOOP = """
@@ -138,7 +593,7 @@ if __name__ == "__main__":
 """
 
 
-def overhead(work: Path, steps: int, repeats: int) -> list[float]:
+def overhead(ctx: Context) -> dict[str, Any]:
     """The runner's median steady-state step time over a bare loop's (same model, stages, data,
     schedule, 2 spawned ranks), alternating A/B."""
     from hydra import compose, initialize_config_dir
@@ -146,85 +601,562 @@ def overhead(work: Path, steps: int, repeats: int) -> list[float]:
 
     import runner.config  # noqa: F401
 
-    overrides = ["schedule=1f1b", "parallel.microbatches=8", f"train.steps={steps}", *MODEL]
+    work = ctx.work
+    overrides = ["schedule=1f1b", "parallel.microbatches=8", f"train.steps={ctx.args.overhead_steps}", *MODEL]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
     script = work / "bare_loop.py"
     script.write_text(_BARE_LOOP)
-    ratios = []
-    for i in range(repeats):
+    pairs = []
+    for i in range(ctx.args.repeats):
         run = work / f"overhead-runner-{i}"
-        _runner(*overrides, "profile.enabled=false", "launch.threads_per_rank=1", f"hydra.run.dir={run}", cwd=work)
-        runner_s = statistics.median(_step_times(run, set()))
+        t0 = time.time()
+        done = _runner(*overrides, "profile.enabled=false", "launch.threads_per_rank=1", f"hydra.run.dir={run}",
+                       cwd=work)
         out = work / f"overhead-bare-{i}.json"
-        subprocess.run([sys.executable, str(script), json.dumps(cfg), str(work / f"loop-store-{i}"), str(out)],
-                       check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        bare_s = statistics.median(json.loads(out.read_text())[1:])
-        ratios.append(runner_s / bare_s)
-    return ratios
-
-
-def write_markdown(path: Path, *, rows: list[dict], prof: list[float], starts: list[tuple[float, float]],
-                   over: list[float], command: str) -> None:
-    lines = ["# Benchmarks", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
-             f"torch {torch.__version__}; CPU, gloo. Produced by `{command}` on {time.strftime('%Y-%m-%d')}; "
-             "re-run it to refresh.", "",
-             "Model: transformer, `" + " ".join(MODEL) + "`.", "",
-             "## Pipeline efficiency: measured vs theoretical bubble", "",
-             "Bubble = 1 - (time in the stage's own compute calls) / (pipeline-step wall time), mean over ranks; "
-             "theoretical: the closed form for GPipe/1F1B/interleaved/looped BFS, else the simulator with the "
-             "measured costs. pp=4 on 2 cores oversubscribes them: judge bubbles at pp=2.", "",
-             "| pp | schedule | m | tokens/s | step time (s) | bubble measured | theoretical | measured - theory "
-             "| peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['pp']} | {r['schedule']} | {r['m']} | failed: {r['error']} | | | | | |")
+        bare = subprocess.run([sys.executable, str(script), json.dumps(cfg), str(work / f"loop-store-{i}"), str(out)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+        if not (run / "metrics.jsonl").is_file() or not out.is_file():
+            pairs.append({"error": _error(run, done) if not (run / "metrics.jsonl").is_file()
+                          else (bare.stderr.strip().splitlines() or ["bare loop failed"])[-1][:300]})
             continue
-        gap = float(r["bubble"]) - float(r["bubble_theoretical"])
-        lines.append(f"| {r['pp']} | {r['schedule']} | {r['m']} | {float(r['tokens_per_s']):,.0f} | "
-                     f"{r['step_time_s']} | {r['bubble']} | {r['bubble_theoretical']} | {gap:+.3f} | "
-                     f"{r['peak_mem_mib']} |")
-    lines += ["", "## Profiling cost", "",
-              "Median steady-state step time with `profile.enabled=true`, outside the profiled window, over the same "
-              "with profiling off (1F1B, pp=2, m=8), alternating runs: "
-              + ", ".join(f"{r:.3f}" for r in prof)
-              + (f" (median {statistics.median(prof):.3f})" if prof else ""), "",
-              "## Startup", "",
-              "`experiment=smoke` launch to first step (compose, validate, spawn 2 ranks, process group, build, "
-              "shape inference) against a bare spawn of 2 ranks that import torch and initialise a gloo group:", "",
-              "| runner (s) | bare spawn (s) | ratio |", "|---|---|---|"]
-    lines += [f"| {a:.2f} | {b:.2f} | {a / b:.2f} |" for a, b in starts]
-    lines += ["", "## Runner overhead", "",
-              "Median steady-state step time of the runner (1F1B, pp=2, m=8, profiling off; its step adds the "
-              "global-norm clip and the loss all-reduce) over a minimal hand-written loop that builds the same "
-              "stages and calls `Schedule1F1B.step()` and AdamW, alternating runs: "
-              + ", ".join(f"{r:.3f}" for r in over)
-              + (f" (median {statistics.median(over):.3f}, min {min(over):.3f}, max {max(over):.3f})" if over else ""),
-              "", "## Not measured yet", "",
-              "- Step time and peak memory scaling tables over pp in {2, 4} and m in {4, 8, 16}; GPU runs.", ""]
-    path.write_text("\n".join(lines))
+        runner_s = statistics.median(_step_times(run, set()))
+        bare_s = statistics.median(json.loads(out.read_text())[1:])
+        pairs.append({"runner_s": runner_s, "bare_s": bare_s, "ratio": runner_s / bare_s,
+                      "under_load": ctx.loaded(t0, time.time())})
+    return {"model": MODEL, "steps": ctx.args.overhead_steps, "pairs": pairs}
 
 
-def main() -> None:
+def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Spearman's rank correlation of (predicted, measured) pairs (no ties expected)."""
+    if len(pairs) < 3:
+        return None
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0] * len(xs)
+        for r, i in enumerate(order):
+            out[i] = r
+        return out
+    rp, rm = ranks([p for p, _ in pairs]), ranks([m for _, m in pairs])
+    n = len(pairs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
+
+
+def planner(ctx: Context) -> dict[str, Any]:
+    """``python -m runner.plan`` on the efficiency sweep's model at pp=2 (calibrated on this host,
+    child costs timed in-process), against the measured steady step of each (schedule, m) run."""
+    runs = [r for r in _efficiency_rows(ctx) if r["pp"] == 2 and r.get("status") == "ok"]
+    ms = sorted({r["m"] for r in runs})
+    out = ctx.work / "planner"
+    done = subprocess.run([sys.executable, "-m", "runner.plan", *SWEEP_MODEL, "parallel.pp=2",
+                           f"plan.microbatches=[{','.join(map(str, ms))}]", f"hydra.run.dir={out}"],
+                          cwd=ctx.work, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["plan failed"])[-1][:300]}
+    candidates = json.loads((out / "plan.json").read_text())
+    rows = []
+    for r in runs:
+        spr = 1 if r["schedule"] in ("gpipe", "1f1b") else 2  # what the run used (the default)
+        c = next((c for c in candidates if c["valid"] and c["schedule"] == r["schedule"]
+                  and c["microbatches"] == r["m"] and c["stages_per_rank"] == spr), None)
+        rows.append({"schedule": r["schedule"], "m": r["m"], "measured_s": r["step_time_s"],
+                     "measured_bubble": r.get("bubble"), "predicted_s": c and c["predicted_step_time_s"],
+                     "predicted_bubble": c and c["bubble"]})
+    return {"model": SWEEP_MODEL, "calibration": json.loads((out / "calibration.json").read_text()), "rows": rows}
+
+
+
+RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "efficiency": efficiency, "scaling": scaling, "options": options, "overhead": overhead, "startup": startup,
+    "profiling": profiling, "planner": planner,
+}
+
+
+def save(results_dir: Path, section: str, results: dict[str, Any], ctx: Context, *, started: float,
+         duration_s: float | None, load: dict[str, Any] | None = None) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"section": section, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+            "command": "python scripts/bench.py " + " ".join(sys.argv[1:]), "duration_s": duration_s,
+            "waits": ctx.waits, "load": load}
+    path = results_dir / f"{section}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def run_section(section: str, ctx: Context) -> None:
+    ctx.waits = []
+    if section != "scaling":  # scaling times nothing of its own (unless it has to run the sweep: it waits then)
+        ctx.quiet(section)
+    started = time.time()
+    print(f"[bench] {section}: started {time.strftime('%H:%M:%S')}", flush=True)
+    with LoadMonitor() as monitor:
+        ctx.monitor = monitor
+        try:
+            results = RUNNERS[section](ctx)
+        finally:
+            ctx.monitor = None
+    duration = time.time() - started
+    path = save(ctx.args.results, section, results, ctx, started=started, duration_s=round(duration, 1),
+                load=monitor.report)
+    print(f"[bench] {section}: {duration:.0f} s -> {path}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering: BENCHMARKS.md and the bubble plot from benchmarks/*.json
+
+
+def _num(x: Any, fmt: str = ".3f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _meta_line(meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """When, how long, the command, and how loaded the machine was: over the whole section, and
+    (``runs`` with ``under_load``/``rerun`` flags) for the runs whose numbers are kept."""
+    dur = meta.get("duration_s")
+    waits = meta.get("waits") or []
+    waited = sum(w.get("waited_s", 0) for w in waits)
+    load = meta.get("load") or {}
+    parts = [f"Ran {meta.get('date', '?')}"
+             + (f", {dur / 60:.1f} min" if dur is not None else "")
+             + (f" (waits for a quiet machine before and within it: {waited / 60:.1f} min)" if waited >= 60 else ""),
+             f"`{meta.get('command', '')}`"]
+    m = meta.get("machine") or {}
+    if m:
+        parts.append(f"torch {m.get('torch')}, {m.get('cores')} cores")
+    share = load.get("foreign_cpu_share")
+    section = ", ".join(filter(None, [
+        f"other processes used {share:.0%} of the CPU over the section" if share is not None else "",
+        f"pytest seen in {load['pytest_samples']} of {load.get('samples')} samples" if load.get("pytest_samples")
+        else "",
+        "the machine was still busy when a wait ran out" if any(not w.get("quiet", True) for w in waits) else ""]))
+    flagged = [r for r in runs or [] if "under_load" in r]
+    if flagged:
+        reran = sum(bool(r.get("rerun")) for r in flagged)
+        still = sum(bool(r.get("under_load")) for r in flagged)
+        kept = (f"**{still} of {len(flagged)} kept results ran under load** (marked *)" if still
+                else f"none of the {len(flagged)} kept results shared the machine")
+        parts.append(kept + (f", after re-running {reran} that had" if reran else "") + (f"; {section}" if section
+                                                                                          else ""))
+    elif section:
+        heavy = bool(load.get("pytest_samples")) or (share or 0) > 0.1 or any(not w.get("quiet", True) for w in waits)
+        parts.append(("**ran under load**: " if heavy else "quiet machine: ") + section)
+    return "_" + "; ".join(parts) + "._"
+
+
+def _star(run: Mapping[str, Any]) -> str:
+    return "*" if run.get("under_load") else ""
+
+
+def _forward_ms(run: Mapping[str, Any]) -> tuple[float, float] | None:
+    fwd = [v for k, v in (run.get("mean_costs_s") or {}).items() if k.endswith("F")]
+    return (min(fwd) * 1e3, max(fwd) * 1e3) if fwd else None
+
+
+def _find(runs: Iterable[Mapping[str, Any]], **keys: Any) -> Mapping[str, Any] | None:
+    return next((r for r in runs if all(r.get(k) == v for k, v in keys.items()) and r.get("status") == "ok"), None)
+
+
+def _once(seen: set[str], label: str) -> str | None:
+    """A legend label the first time it is asked for, then None."""
+    if label in seen:
+        return None
+    seen.add(label)
+    return label
+
+
+def plot_bubbles(runs: Sequence[Mapping[str, Any]], path: Path) -> bool:
+    """Measured bubble (bars) and theoretical (black ticks) per schedule and m, one panel per pp."""
+    ok = [r for r in runs if r.get("status") == "ok" and r.get("bubble") is not None]
+    if not ok:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pps = sorted({r["pp"] for r in ok})
+    ms = sorted({r["m"] for r in ok})
+    colors = ["#9ecae1", "#4292c6", "#08519c", "#08306b"]
+    fig, axes = plt.subplots(len(pps), 1, figsize=(11, 3.6 * len(pps)), squeeze=False)
+    width = 0.8 / len(ms)
+    for ax, pp in zip(axes[:, 0], pps):
+        labelled: set[str] = set()
+        for j, m in enumerate(ms):
+            for i, name in enumerate(SCHEDULES):
+                r = _find(ok, pp=pp, schedule=name, m=m)
+                if r is None:
+                    continue
+                x = i - 0.4 + width * (j + 0.5)
+                ax.bar(x, r["bubble"], width=width * 0.9, color=colors[j % len(colors)],
+                       label=_once(labelled, f"measured, m={m}"))
+                if r.get("bubble_theoretical") is not None:
+                    ax.hlines(r["bubble_theoretical"], x - width * 0.45, x + width * 0.45, colors="black",
+                              linewidth=2, label=_once(labelled, "theoretical"))
+        ax.set_xticks(range(len(SCHEDULES)), SCHEDULES, fontsize=8)
+        ax.set_ylabel("bubble fraction")
+        ax.set_title(f"pp={pp}" + (" (4 ranks on 2 cores: oversubscribed)" if pp > (os.cpu_count() or 1) else ""),
+                     fontsize=10)
+        ax.legend(fontsize=7, ncol=len(ms) + 1)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Measured (bars) vs theoretical (black ticks) pipeline bubble", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _render_efficiency(data: Mapping[str, Any], out_dir: Path, plot_path: Path) -> list[str]:
+    res = data["results"]
+    runs = res.get("runs", [])
+    lines = ["## Pipeline efficiency: measured vs theoretical bubble", "", _meta_line(data["meta"], runs), "",
+             "Model: transformer, `" + " ".join(res.get("model", [])) + f"`, {res.get('steps')} steps per run "
+             "(one Hydra multirun per pp over schedule x m, profiling off). Bubble = 1 - (time in the stage's own "
+             "compute calls) / (pipeline-step wall time), mean over ranks and steps 1 on; theoretical: the "
+             "closed form for GPipe/1F1B/interleaved/looped BFS (`f`), else the simulator with the measured costs "
+             "(`sim`). Step time: median after step 0. pp=4 puts 4 ranks on 2 cores, so ranks wait for a core as "
+             "well as for each other (and its compute times include that wait): it is reported, but bubbles are "
+             "judged at pp=2. A rank's step span ends when its own `schedule.step()` returns, so a rank that "
+             "finishes early (the last rank of GPipe/1F1B, done before rank 0's last backward) waits out the drain "
+             "in the loss all-reduce, outside the span: its measured bubble, and the mean, read low (see the per-rank "
+             "column).", ""]
+    fwd = [_forward_ms(r) for r in runs if r.get("status") == "ok"]
+    fwd_pp2 = [_forward_ms(r) for r in runs if r.get("status") == "ok" and r["pp"] == 2]
+    if any(fwd):
+        lo = min(f[0] for f in fwd if f)
+        lines += ["Measured forward time of one microbatch on one stage (`bubble.mean_costs_s`): "
+                  + (f"{min(f[0] for f in fwd_pp2 if f):.0f}-{max(f[1] for f in fwd_pp2 if f):.0f} ms at pp=2, "
+                     if any(fwd_pp2) else "")
+                  + f"at least {lo:.0f} ms in every run (column `fwd ms`, min-max over stages); a message is one "
+                  "microbatch's activations over loopback gloo (at most 1 MiB), well under a millisecond.", ""]
+    if plot_bubbles(runs, plot_path):
+        rel = os.path.relpath(plot_path, out_dir)
+        lines += [f"![measured vs theoretical bubble]({rel})", ""]
+    headlines = _efficiency_headlines(runs)
+    if headlines:
+        lines += headlines + [""]
+    lines += ["| pp | schedule | m | tokens/s | step time (s) | fwd ms | bubble measured | per rank | theoretical | "
+              "measured - theory | peak RSS MiB (max rank) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['pp']} | {r['schedule']}{_star(r)} | {r['m']} | failed: {r.get('error', '')} "
+                         "| | | | | | | |")
+            continue
+        f = _forward_ms(r)
+        gap = (r["bubble"] - r["bubble_theoretical"]) if r.get("bubble") is not None and \
+            r.get("bubble_theoretical") is not None else None
+        src = {"formula": "f", "simulated with measured costs": "sim"}.get(r.get("theoretical_source"), "")
+        mem = max(r["peak_mem_bytes"]) / MIB if r.get("peak_mem_bytes") else None
+        lines.append(f"| {r['pp']} | {r['schedule']}{_star(r)} | {r['m']} | {_num(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{_num(r.get('step_time_s'))} | {f'{f[0]:.0f}-{f[1]:.0f}' if f else ''} | "
+                     f"{_num(r.get('bubble'))} | {'/'.join(_num(b, '.2f') for b in r.get('bubble_per_rank') or [])} | "
+                     f"{_num(r.get('bubble_theoretical'))} {src} | {_num(gap, '+.3f')} | "
+                     f"{_num(mem, '.0f')} |")
+    return lines + [""]
+
+
+def _efficiency_headlines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = []
+    gaps = []
+    for name in ["gpipe", "1f1b", "interleaved_1f1b"]:
+        r = _find(runs, pp=2, m=8, schedule=name)
+        if r and r.get("bubble") is not None and r.get("bubble_theoretical") is not None:
+            gaps.append(f"{name} {r['bubble']:.3f} vs {r['bubble_theoretical']:.3f} "
+                        f"({r['bubble'] - r['bubble_theoretical']:+.3f})")
+    if gaps:
+        out.append("- pp=2, m=8, measured vs theoretical bubble: " + "; ".join(gaps) + ".")
+    base = _find(runs, pp=2, m=8, schedule="1f1b")
+    zb = []
+    for name in ZERO_BUBBLE:
+        r = _find(runs, pp=2, m=8, schedule=name)
+        if r and base and r.get("step_time_s") and base.get("step_time_s"):
+            zb.append(f"{name} step time x{r['step_time_s'] / base['step_time_s']:.3f}, bubble "
+                      f"{_num(r.get('bubble'))} (theory {_num(r.get('bubble_theoretical'))})")
+    if zb:
+        out.append(f"- Zero-bubble schedules against 1F1B at pp=2, m=8 (1F1B: bubble {_num(base.get('bubble'))}, "
+                   f"{_num(base.get('step_time_s'))} s/step): " + "; ".join(zb) + ".")
+    return out
+
+
+def _render_scaling(data: Mapping[str, Any]) -> list[str]:
+    res = data["results"]
+    rows = res.get("rows", [])
+    lines = ["## Scaling: step time and memory over pp and m", "", _meta_line(data["meta"]), "",
+             "From the efficiency sweep's runs (same model, same invocation: no runs of its own; * marks a run "
+             "that shared the machine, as in the efficiency table). The total work per "
+             "step is fixed (64 samples), so with perfect scaling the step time would fall as 1/pp on enough cores; "
+             "on 2 cores pp=4 cannot be faster than pp=2.", "", "### Step time (s)", ""]
+    keys = sorted({(r["pp"], r["m"]) for r in rows})
+    lines += ["| schedule | " + " | ".join(f"pp={pp} m={m}" for pp, m in keys) + " |",
+              "|---|" + "---|" * len(keys)]
+    for name in SCHEDULES:
+        cells = []
+        for pp, m in keys:
+            r = next((x for x in rows if x["schedule"] == name and x["pp"] == pp and x["m"] == m), None)
+            cells.append(_num(r.get("step_time_s")) + _star(r) if r and r.get("status") == "ok"
+                         else "failed" if r else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "### Peak memory per rank against activations in flight", "",
+              "Expected in flight: per rank, the most stage-microbatches whose forward has run and whose activations "
+              "are not yet freed, walking the rank's op order from `runner.plan.schedule_order` (freed by B, or by W "
+              "for schedules that split backward into I and W: an upper bound there, as I may free part of them). "
+              "Interleaved and V schedules count stages of half the size, so the expected activation MiB (each "
+              "stage's saved-for-backward bytes per microbatch, measured in-process from autograd's saved tensors, "
+              "times the order's peak) is the comparable column. Measured: the rank's peak RSS (`ru_maxrss`), which "
+              "also holds the Python process, torch, the stage's parameters, gradients and AdamW state, and whatever "
+              "the allocator keeps: coarse on CPU. Compare schedules at the same pp and m, and the fit below.", ""]
+    per_sample = res.get("activation_bytes_per_sample") or {}
+    if per_sample:
+        total = sum(per_sample.values())
+        lines += [f"Saved for backward: {total / MIB:.1f} MiB per sample through the whole model "
+                  f"({', '.join(f'{k} {v / MIB:.2f}' for k, v in per_sample.items())} MiB).", ""]
+    for pp in sorted({r["pp"] for r in rows}):
+        pts = [(e, p) for r in rows if r["pp"] == pp and r.get("status") == "ok" and r.get("peak_mem_bytes")
+               and r.get("expected_activation_bytes")
+               for e, p in zip(r["expected_activation_bytes"], r["peak_mem_bytes"])]
+        fit = linear_fit([e / MIB for e, _ in pts], [p / MIB for _, p in pts])
+        if fit:
+            a, b, rr = fit
+            lines.append(f"- pp={pp}: peak RSS ≈ {a:.0f} MiB + {b:.2f} x expected activations (r = {rr:.2f}, "
+                         f"{len(pts)} rank-runs).")
+    lines += ["", "| pp | m | schedule | expected in flight (stage-mb per rank) | expected activations MiB per rank | "
+              "peak RSS MiB per rank |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda x: (x["pp"], x["m"], SCHEDULES.index(x["schedule"])
+                                         if x["schedule"] in SCHEDULES else 99)):
+        counts = " / ".join(str(c) for c in r.get("expected_in_flight") or []) or r.get("order_error", "")
+        act = " / ".join(f"{b / MIB:.0f}" for b in r.get("expected_activation_bytes") or [])
+        rss = " / ".join(f"{b / MIB:.0f}" for b in r.get("peak_mem_bytes") or []) if r.get("status") == "ok" \
+            else "failed"
+        lines.append(f"| {r['pp']} | {r['m']} | {r['schedule']}{_star(r)} | {counts} | {act} | {rss} |")
+    return lines + [""]
+
+
+def _option_table(runs: Sequence[Mapping[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
+    ratios: dict[str, list[float]] = {}
+    repeats = sorted({r["repeat"] for r in runs})
+    for label, cfg, base in OPTION_RATIOS:
+        for rep in repeats:
+            a = _find(runs, config=cfg, repeat=rep)
+            b = _find(runs, config=base, repeat=rep)
+            if a and b and a.get("steady_s") and b.get("steady_s"):
+                ratios.setdefault(label, []).append(a["steady_s"] / b["steady_s"])
+    lines = ["| config | overrides | steady step (s) per repeat | step 0 (s) | step 1 (s) | peak RSS MiB (max rank) |",
+             "|---|---|---|---|---|---|"]
+    for name in OPTIONS:
+        mine = [r for r in runs if r["config"] == name]
+        if not mine:
+            continue
+        ok = [r for r in mine if r.get("status") == "ok"]
+        if not ok:
+            lines.append(f"| {name} | `{' '.join(OPTIONS[name])}` | failed: {mine[0].get('error', '')} | | | |")
+            continue
+        mem = max(max(r["peak_mem_bytes"]) for r in ok if r.get("peak_mem_bytes")) / MIB
+        steady_s = ", ".join(_num(r.get("steady_s")) + _star(r) for r in ok)
+        lines.append(f"| {name} | `{' '.join(OPTIONS[name])}` | {steady_s} | "
+                     f"{', '.join(_num(r.get('first_step_s'), '.2f') for r in ok)} | "
+                     f"{', '.join(_num(r.get('second_step_s'), '.2f') for r in ok)} | {mem:.0f} |")
+    return lines, ratios
+
+
+def _render_options(data: Mapping[str, Any]) -> list[str]:
+    res = data["results"]
+    runs = res.get("runs", [])
+    table, ratios = _option_table(runs)
+    lines = ["## Training options: cost at pp=2, m=8", "", _meta_line(data["meta"], runs), "",
+             "Model `" + " ".join(res.get("model", [])) + f"`, {res.get('steps')} steps, profiling off; every config "
+             f"once per repeat ({res.get('repeats')} repeats, order reversed on odd repeats). Steady = median step "
+             "time from step 2 on; a ratio divides a config's steady step by its baseline's in the same repeat. "
+             "Compiled runs start from an empty inductor cache (`TORCHINDUCTOR_CACHE_DIR` per run), so step 0 holds "
+             "the whole cold compile."
+             + "".join(f" `{n}`: {lim.get('steps')} steps, {lim.get('repeats')} repeat(s) only (bf16 matmuls are "
+                       "several times slower than fp32 on a CPU without native bf16)."
+                       for n, lim in (res.get("limits") or {}).items()),
+             "", "| ratio | per repeat | median |", "|---|---|---|"]
+    for label, _, _ in OPTION_RATIOS:
+        vals = ratios.get(label)
+        lines.append(f"| {label} | {', '.join(f'{v:.3f}' for v in vals) if vals else 'n/a'} | "
+                     f"{_num(statistics.median(vals)) if vals else ''} |")
+    return lines + ["", *table, ""]
+
+
+def _ratios_line(pairs: Sequence[Mapping[str, Any]]) -> str:
+    vals = [p["ratio"] for p in pairs if p.get("ratio") is not None]
+    errors = [p["error"] for p in pairs if p.get("error")]
+    text = ", ".join(f"{p['ratio']:.3f}{_star(p)}" for p in pairs if p.get("ratio") is not None)
+    if vals:
+        text += f" (median {statistics.median(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f})"
+    if errors:
+        text += f"; {len(errors)} failed: {errors[0]}"
+    return text or "no result"
+
+
+def _render_overhead(data: Mapping[str, Any]) -> list[str]:
+    res = data["results"]
+    return ["## Runner overhead", "", _meta_line(data["meta"], res.get("pairs")), "",
+            "Median steady-state step time of the runner (1F1B, pp=2, m=8, profiling off, `"
+            + " ".join(res.get("model", [])) + "`; its step adds the global-norm clip and the loss all-reduce) over a "
+            "minimal hand-written loop that builds the same stages and calls `Schedule1F1B.step()` and AdamW, "
+            "alternating runs: " + _ratios_line(res.get("pairs", [])), ""]
+
+
+def _render_startup(data: Mapping[str, Any]) -> list[str]:
+    pairs = data["results"].get("pairs", [])
+    lines = ["## Startup", "", _meta_line(data["meta"], pairs), "",
+             "`experiment=smoke` from launch (before Python imports torch) until its first step starts (summary "
+             "`startup_s`: compose, validate, spawn 2 ranks, process group, build) against a bare spawn of 2 ranks "
+             "that import torch and initialise a gloo group, alternating; where the summary has `startup_phases_s` "
+             "(which runs on to the end of the first step, shape inference included), its total too:", "",
+             "| runner to first step (s) | runner to end of step 0 (s) | bare spawn (s) | ratio (first step / bare) |",
+             "|---|---|---|---|"]
+    for p in pairs:
+        a, b = p.get("runner_s"), p.get("bare_s")
+        to_end = sum(p["phases_s"].values()) if isinstance(p.get("phases_s"), dict) and p["phases_s"] else None
+        if a is None or b is None:
+            lines.append(f"| failed: {p.get('error') or 'no number'} | | {_num(b, '.2f')} | |")
+        else:
+            lines.append(f"| {a:.2f}{_star(p)} | {_num(to_end, '.2f')} | {b:.2f} | {a / b:.2f} |")
+    phased = [p["phases_s"] for p in pairs if isinstance(p.get("phases_s"), dict) and p["phases_s"]]
+    if phased:
+        names: list[str] = []
+        for ph in phased:
+            names += [n for n in ph if n not in names]
+        means = {n: statistics.fmean(ph[n] for ph in phased if n in ph) for n in names}
+        total = sum(means.values())
+        lines += ["", f"The runner's startup by phase (`startup_phases_s`, mean over {len(phased)} runs):", "",
+                  "| phase | mean (s) | share |", "|---|---|---|"]
+        lines += [f"| {n} | {means[n]:.2f} | {means[n] / total:.0%} |" if total else f"| {n} | {means[n]:.2f} | |"
+                  for n in names]
+        lines.append(f"| total | {total:.2f} | |")
+    else:
+        lines += ["", "No per-phase split: these runs' summary.json has no `startup_phases_s`."]
+    return lines + [""]
+
+
+def _render_profiling(data: Mapping[str, Any]) -> list[str]:
+    res = data["results"]
+    return ["## Profiling cost", "", _meta_line(data["meta"], res.get("pairs")), "",
+            "Median steady-state step time with `profile.enabled=true`, outside the profiled window, over the same "
+            "with profiling off (1F1B, pp=2, m=8, " + f"{res.get('steps')} steps), alternating runs: "
+            + _ratios_line(res.get("pairs", [])), ""]
+
+
+def _render_planner(data: Mapping[str, Any]) -> list[str]:
+    res = data["results"]
+    lines = ["## Planner: predicted vs measured", "", _meta_line(data["meta"]), ""]
+    if "error" in res:
+        return lines + [f"The planner failed: {res['error']}", ""]
+    cal = res["calibration"]
+    rows = [r for r in res["rows"] if r.get("predicted_s")]
+    lines += ["`python -m runner.plan` on the efficiency model (`" + " ".join(res["model"]) + "`, pp=2), against the "
+              "efficiency sweep's steady step times (same machine). Calibrated here: message "
+              f"{cal['latency_s'] * 1e6:.0f} us + bytes / {cal['bandwidth'] / 1e9:.2f} GB/s, runtime overhead "
+              f"{cal['action_overhead_s'] * 1e6:.0f} us per action.", "",
+              "| schedule | m | predicted (s) | measured (s) | predicted / measured | bubble predicted | measured |",
+              "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda x: (x["m"], SCHEDULES.index(x["schedule"]))):
+        lines.append(f"| {r['schedule']} | {r['m']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+                     f"{r['predicted_s'] / r['measured_s']:.3f} | {_num(r['predicted_bubble'])} | "
+                     f"{_num(r['measured_bubble'])} |")
+    errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
+    if errors:
+        within = sum(e <= 0.10 for e in errors)
+        lines += ["", f"Within 10% of the measured step: {within} of {len(errors)} "
+                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%})."]
+    for m in sorted({r["m"] for r in rows}):
+        at_m = [r for r in rows if r["m"] == m]
+        rho = _ranks_agree([(r["predicted_s"], r["measured_s"]) for r in at_m])
+        best_p = min(at_m, key=lambda r: r["predicted_s"])["schedule"]
+        best_m = min(at_m, key=lambda r: r["measured_s"])["schedule"]
+        spread = max(r["measured_s"] for r in at_m) / min(r["measured_s"] for r in at_m) - 1
+        lines.append(f"- m={m}: rank correlation {_num(rho, '.2f')}; fastest predicted {best_p}, measured {best_m}; "
+                     f"the measured schedules differ by {spread:.0%} fastest to slowest.")
+    return lines + [""]
+
+
+def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> str:
+    """BENCHMARKS.md from every benchmarks/<section>.json present; sections without one are listed."""
+    found = {}
+    for section in SECTIONS:
+        path = results_dir / f"{section}.json"
+        if path.is_file():
+            found[section] = json.loads(path.read_text())
+    plot_path = plot_path or results_dir / "bubble.png"
+    out_dir = output.parent
+    rel_results = os.path.relpath(results_dir, out_dir)
+    lines = ["# Benchmarks", "",
+             "Rendered by `scripts/bench.py` from the raw results in `" + rel_results + "/<section>.json` (machine, "
+             "torch version, date, command and every run's numbers). Re-run a section with `python scripts/bench.py "
+             "--only <section>` to refresh only its part; `--render` rebuilds this file from the JSON. Ratios, not "
+             "absolute times, carry over between machines; each section says how long it took and whether it ran "
+             "under load (another process using the 2 cores).", ""]
+    machines = {json.dumps(d["meta"].get("machine"), sort_keys=True) for d in found.values()}
+    if len(machines) == 1 and found:
+        m = next(iter(found.values()))["meta"]["machine"]
+        lines += [f"Machine: {m.get('cpu')}, {m.get('arch')}, {m.get('cores')} cores, {m.get('platform')}; "
+                  f"Python {m.get('python')}, torch {m.get('torch')}; CPU, gloo.", ""]
+    elif found:
+        lines += ["Sections ran on different machines or torch versions: see each section's line.", ""]
+    renderers = {"efficiency": lambda d: _render_efficiency(d, out_dir, plot_path), "scaling": _render_scaling,
+                 "options": _render_options, "overhead": _render_overhead, "startup": _render_startup,
+                 "profiling": _render_profiling, "planner": _render_planner}
+    for section in SECTIONS:
+        if section in found:
+            try:
+                lines += renderers[section](found[section])
+            except Exception as e:  # a results file from an older layout: say so, keep the rest
+                lines += [f"## {section}", "", f"Could not render `{section}.json`: {type(e).__name__}: {e}", ""]
+    notes = results_dir / "notes.md"
+    if notes.is_file():  # hand-written observations on the results; kept across re-renders
+        lines += [notes.read_text().rstrip(), ""]
+    missing = [s for s in SECTIONS if s not in found]
+    lines += ["## Not measured", ""]
+    if missing:
+        lines.append("- No results yet for: " + ", ".join(missing) + " (`python scripts/bench.py --only "
+                     + " ".join(missing) + "`).")
+    lines += ["- GPU runs (NCCL, CUDA memory high-water instead of RSS).", ""]
+    text = "\n".join(lines)
+    output.write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, nargs="+", default=[2])
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, metavar="SECTION",
+                        help=f"sections to run (default: all): {', '.join(SECTIONS)}")
+    parser.add_argument("--render", action="store_true", help="run nothing; re-render from the JSON files")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--steps", type=int, default=4, help="steps per efficiency run (bubble over steps 1..)")
+    parser.add_argument("--option-steps", type=int, default=8)
+    parser.add_argument("--option-repeats", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--overhead-steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of profiling, startup and overhead")
+    parser.add_argument("--max-wait", type=float, default=1200.0,
+                        help="seconds to wait for a quiet machine before each long run (0: do not wait)")
+    parser.add_argument("--rerun-loaded", action=argparse.BooleanOptionalAction, default=True,
+                        help="re-run (once, after waiting) efficiency and options runs that shared the machine")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks")
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
-    args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="runner-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    rows = efficiency(work, args.pp, args.microbatches, args.steps)
-    prof = profiling_cost(work, steps=12, repeats=args.repeats)
-    starts = startup(work, args.repeats)
-    over = overhead(work, steps=10, repeats=args.repeats)
-    command = "python scripts/bench.py " + " ".join(sys.argv[1:])
-    write_markdown(args.output, rows=rows, prof=prof, starts=starts, over=over, command=command.strip())
-    print(args.output.read_text())
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.render:
+        work = args.work or Path(tempfile.mkdtemp(prefix="runner-bench-"))
+        work.mkdir(parents=True, exist_ok=True)
+        ctx = Context(args, work)
+        for section in [s for s in SECTIONS if s in args.only]:
+            run_section(section, ctx)
+            render(args.results, args.output)  # after each section: an interrupted run keeps what it has
+    print(render(args.results, args.output))
 
 
 if __name__ == "__main__":

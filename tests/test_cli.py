@@ -35,8 +35,9 @@ def _finish(proc: subprocess.Popen, timeout: int = 120) -> tuple[int, str, str]:
 @pytest.mark.timeout(150)
 def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     # One forks its ranks (the default on CPU), one spawns fresh interpreters: the same run.
+    # The spawned one also logs to MLflow: from rank 0 only, one run.
     procs = [_runner("experiment=smoke", "verify=true", *extra, cwd=tmp_path)
-             for extra in ([], ["launch.start_method=spawn"])]
+             for extra in ([], ["launch.start_method=spawn", "logging.mlflow=true"])]
     results = [_finish(p) for p in procs]
     for rc, out, err in results:
         assert rc == 0, err
@@ -68,6 +69,13 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     assert methods == {"fork", "spawn"}
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
     assert summaries[0]["losses"] == summaries[1]["losses"]
+    [db] = tmp_path.glob("outputs/*/*/mlflow.db")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    [run] = client.search_runs([client.get_experiment_by_name("runner").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.value for m in history] == pytest.approx(summaries[0]["losses"]) and run.info.status == "FINISHED"
     check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[1, 2, 3])
     plot = tmp_path / "timeline.png"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_timeline.py"), str(run_dirs[0]), "-o", str(plot)],

@@ -46,10 +46,11 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
         cases[f"dp-only-{mode}"] = _resolved("parallel.pp=1", "parallel.dp=4", f"parallel.dp_mode={mode}")
     # bf16: FSDP's mixed-precision policy (bf16 parameters in compute, fp32 reduction), and
     # replicate with autocast.
+    # Evaluation runs on the replicas too.
     cases["fsdp-bf16-1f1b"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp",
-                                        "train.precision=bf16")
+                                        "train.precision=bf16", "eval.every=3")
     cases["ddp-bf16-zbv"] = _resolved("schedule=zbv", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
-                                      "train.precision=bf16")
+                                      "train.precision=bf16", "eval.every=3")
     saved = out / "save" / "checkpoints" / "step-3"
     cases["save"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
                               "train.steps=6", "checkpoint.every=3")
@@ -72,9 +73,12 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
             assert results[f"{mode}-{name}"]["summary"]["dp"] == 2
         _assert_matches(results[f"dp-only-{mode}"], ref, f"dp-only-{mode}")
     (tmp_path / "bf16").mkdir()
-    ref_bf16 = _reference(tmp_path / "bf16", *BATCH, "train.precision=bf16")
+    ref_bf16 = _reference(tmp_path / "bf16", *BATCH, "train.precision=bf16", "eval.every=3")
     for case in ("fsdp-bf16-1f1b", "ddp-bf16-zbv"):
         _assert_close_at_bf16(results[case], ref_bf16, case)
+        assert results[case]["summary"]["val_losses"] == [
+            {"step": v["step"], "val_loss": pytest.approx(v["val_loss"], rel=1e-2)}
+            for v in ref_bf16["summary"]["val_losses"]], case
 
     full = results["save"]["losses"]
     assert "error" not in results["save"] and len(full) == 6

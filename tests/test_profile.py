@@ -12,8 +12,10 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from runner import _torch_pp
 from runner.profile import Window, plan_window
+from runner.record import Action, StepSpan
 from runner.schedule import SCHEDULES
 from runner.simulate import UNIT_COSTS, Op, bubble_fractions, simulate, theoretical_bubble
+from runner.timeline import measured_bubble
 
 
 def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():
@@ -96,3 +98,11 @@ def check_profiled_run(run_dir: Path, *, pp: int, microbatches: int, active_step
 
     analysis = TraceAnalysis(trace_dir=str(run_dir / "traces"))
     assert sorted(analysis.t.traces) == list(range(pp))
+
+
+def test_measured_bubble_counts_a_rank_that_returns_early_as_idle_until_the_pipeline_ends():
+    # Rank 1 (the last stage) returns at 6 while rank 0 drains until 10: the step lasts 10 for both.
+    spans = {0: [StepSpan(1, 0, 10)], 1: [StepSpan(1, 1, 6)]}
+    actions = {0: [Action(1, Op(0, "F", 0), 0, 4), Action(1, Op(0, "B", 0), 6, 10)],
+               1: [Action(1, Op(1, "F", 0), 4, 5), Action(1, Op(1, "B", 0), 5, 6)]}
+    assert measured_bubble(actions, spans) == pytest.approx([0.2, 0.8])

@@ -1,3 +1,4 @@
+import json
 import runpy
 import sys
 
@@ -20,3 +21,109 @@ def test_schedule_csv_script_writes_a_runnable_csv_or_refuses(monkeypatch, capsy
     assert capsys.readouterr().out == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv").read_text()
     assert _run(monkeypatch, "1f1b") == 1
     assert "not runnable" in capsys.readouterr().err
+
+
+# scripts/bench.py: its pure parts and its rendering only; the benchmarks themselves never run here.
+BENCH = str(ROOT / "scripts" / "bench.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return runpy.run_path(BENCH, run_name="bench")
+
+
+def _ops(text: str):
+    from runner.simulate import Op
+
+    return [Op(int(a[0]), a[1], int(a[2:])) for a in text.split()]
+
+
+def test_bench_in_flight_counts_forwards_until_their_freeing_backward(bench):
+    peaks = bench["in_flight_peaks"]
+    assert peaks({0: _ops("0F0 0F1 0B0 0F2 0B1 0B2"), 1: _ops("1F0 1B0 1F1 1B1")}) == {0: 2, 1: 1}
+    # Split backward: an I frees nothing, the W does.
+    assert peaks({0: _ops("0F0 0F1 0I0 0I1 0W0 0W1")}) == {0: 2}
+    assert peaks({0: _ops("0F0 0I0 0W0 0F1 0I1 0W1")}) == {0: 1}
+    # Weighted by bytes per stage-microbatch (two stages on one rank).
+    assert peaks({0: _ops("0F0 2F0 2B0 0F1 0B0 0B1")}, {0: 10.0, 2: 1.0}) == {0: 20.0}
+
+
+def test_bench_in_flight_matches_the_textbook_counts(bench):
+    from runner.plan import schedule_order
+
+    peaks = bench["in_flight_peaks"]
+    assert peaks(schedule_order("gpipe", 2, 4, 1)) == {0: 4, 1: 4}
+    assert peaks(schedule_order("1f1b", 4, 8, 1)) == {0: 4, 1: 3, 2: 2, 3: 1}
+
+
+def test_bench_fit_and_steady(bench):
+    a, b, r = bench["linear_fit"]([1.0, 2.0, 3.0], [12.0, 14.0, 16.0])
+    assert (round(a, 6), round(b, 6), round(r, 6)) == (10.0, 2.0, 1.0)
+    assert bench["linear_fit"]([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
+    assert bench["steady"]([9.0, 1.0, 3.0, 2.0], skip=1) == 2.0
+    assert bench["steady"]([9.0], skip=1) is None
+
+
+def _section(results, name, payload, **meta):
+    results.mkdir(exist_ok=True)
+    meta = {"date": "2026-01-01 00:00", "command": "python scripts/bench.py", "duration_s": 60.0, "waits": [],
+            "load": {"pytest_samples": 0, "samples": 4, "foreign_cpu_share": 0.01},
+            "machine": {"cpu": "test", "cores": 2, "torch": "x"}, **meta}
+    (results / f"{name}.json").write_text(json.dumps({"meta": meta, "results": payload}))
+
+
+def _sweep_run(pp, schedule, m, **extra):
+    return {"pp": pp, "schedule": schedule, "m": m, "status": "ok", "step_time_s": 2.0, "tokens_per_s": 4096.0,
+            "bubble": 0.15, "bubble_per_rank": [0.2, 0.1], "bubble_theoretical": 0.11, "theoretical_source": "formula",
+            "mean_costs_s": {"0F": 0.03, "1F": 0.031, "0B": 0.06}, "peak_mem_bytes": [500 * 2**20, 400 * 2**20],
+            **extra}
+
+
+def test_bench_renders_whatever_results_exist(bench, tmp_path):
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+    text = bench["render"](results, out)
+    assert "No results yet for: efficiency, scaling" in text and out.read_text() == text
+
+    runs = [_sweep_run(2, "gpipe", 8), _sweep_run(2, "1f1b", 8), _sweep_run(2, "zbv", 8, under_load=True, rerun=True),
+            {"pp": 2, "schedule": "dualpipev", "m": 8, "status": "failed", "error": "ConfigError: nope"}]
+    for r in runs[:2]:
+        r["under_load"] = False
+    _section(results, "efficiency", {"model": ["model.dim=8"], "steps": 5, "runs": runs})
+    rows = [{"pp": 2, "m": 8, "schedule": s, "status": "ok", "step_time_s": 2.0, "peak_mem_bytes": [p, p],
+             "expected_in_flight": [n, n], "expected_activation_bytes": [n * 2**20, n * 2**20]}
+            for s, n, p in [("gpipe", 8, 900 * 2**20), ("1f1b", 2, 500 * 2**20), ("zbv", 4, 700 * 2**20)]]
+    _section(results, "scaling", {"rows": rows, "activation_bytes_per_sample": {"block0": 2**20}})
+    opts = [{"config": c, "repeat": 0, "status": "ok", "steady_s": s, "first_step_s": s, "second_step_s": s,
+             "peak_mem_bytes": [2**28]} for c, s in [("1f1b", 1.0), ("1f1b+ac", 1.3), ("zbv", 1.1)]]
+    _section(results, "options", {"model": [], "steps": 8, "repeats": 1, "runs": opts},
+             load={"pytest_samples": 2, "samples": 4, "foreign_cpu_share": 0.4})
+    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": None}]})
+    text = bench["render"](results, out)
+    assert "| 2 | gpipe | 8 | 4,096 | 2.000 | 30-31 | 0.150 | 0.20/0.10 | 0.110 f | +0.040 | 500 |" in text
+    assert "failed: ConfigError: nope" in text and "| 2 | zbv* | 8 |" in text
+    assert "**1 of 3 kept results ran under load** (marked *), after re-running 1 that had" in text
+    assert "![measured vs theoretical bubble](benchmarks/bubble.png)" in text and (results / "bubble.png").is_file()
+    assert "| activation checkpointing full / none, 1f1b | 1.300 | 1.300 |" in text
+    assert "**ran under load**" in text and "No per-phase split" in text
+    assert "No results yet for: overhead, profiling" in text
+
+    (results / "notes.md").write_text("## Notes\n\nWritten by hand.\n")
+    phases = {"compose_validate": 1.0, "spawn": 3.0, "init": 1.0, "build": 2.0, "first_step": 3.0}
+    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases}] * 2})
+    text = bench["render"](results, out)
+    assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
+    assert "## Notes\n\nWritten by hand.\n\n## Not measured" in text
+
+
+def test_bench_load_monitor_flags_runs_that_overlap_other_load(bench, monkeypatch):
+    monitor = bench["LoadMonitor"]()
+    monkeypatch.setattr(monitor, "sample", lambda: None)
+    monitor.samples = [{"t0": 0, "t": 10, "foreign": 0.0, "pytest": False},
+                       {"t0": 10, "t": 20, "foreign": 0.5, "pytest": False},
+                       {"t0": 20, "t": 30, "foreign": 0.0, "pytest": True},
+                       {"t0": 30, "t": 40, "foreign": 0.01, "pytest": False}]
+    assert monitor.loaded(1, 9) is False
+    assert monitor.loaded(12, 18) is True  # other processes took half the machine
+    assert monitor.loaded(21, 29) is True  # the test suite ran
+    assert monitor.loaded(31, 39) is False
+    assert monitor.loaded(None, 5) is None

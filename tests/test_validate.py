@@ -154,3 +154,11 @@ def test_csv_schedule_gives_stage_count_and_placement():
         validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}", "parallel.stages_per_rank=3"))
     with pytest.raises(ConfigError, match="no such file"):
         validate(compose(*PP2, "schedule=csv", "schedule.csv=/nope.csv"))
+
+
+def test_checkpointing_with_split_backward_warns_of_the_recompute_cost(caplog):
+    with caplog.at_level("WARNING", logger="runner.validate"):
+        validate(compose(*PP2, "schedule=1f1b", "train.activation_checkpointing=full"))
+        assert not caplog.records
+        validate(compose(*PP2, "schedule=zbv", "train.activation_checkpointing=full"))
+    assert "per parameter group" in caplog.text and "schedule=zbv" in caplog.text
