@@ -4,7 +4,8 @@ pipelining runtime adds to every compute action (stage bookkeeping, buffers, Pyt
 
 Measured on two real ranks, started the way a run starts them: a ping-pong for the message
 cost, then a 1F1B pipeline of almost-free stages, whose step time the simulator must reproduce
-with a per-action overhead (solved for, since the predicted time is linear in it).
+with a per-action overhead (solved for, since the predicted time is linear in it); and how much
+slower a rank computes while its neighbour computes too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Calibration:
     latency_s: float  # one message between two ranks, whatever its size
     bandwidth: float  # bytes/s beyond the latency
     action_overhead_s: float  # added to every F/B/I/W by the pipelining runtime
+    # Compute time with the other rank computing too, over alone: ranks of one host share caches
+    # and memory bandwidth, and the planner times each child alone.
+    corunning_slowdown: float = 1.0
 
     def message_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth
@@ -70,6 +74,30 @@ def _pipeline_step_s(rank: int, repeats: int) -> float:
     return statistics.median(samples[2:])  # the first step infers shapes
 
 
+def _compute_s(active: bool, repeats: int) -> float:
+    """Median time of a transformer feed-forward block's forward and backward (1024 tokens of
+    width 256: weights and activations beyond a core's private caches) on this rank, while the
+    other rank runs the same (``active``) or waits at the barrier."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    x = torch.randn(1024, 256)
+    samples = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        if active:
+            block(x).sum().backward()
+        samples.append(time.perf_counter() - start)
+        dist.barrier()
+    return statistics.median(samples[2:]) if active else 0.0
+
+
+def _corunning_slowdown(rank: int, repeats: int) -> float:
+    alone = _compute_s(rank == 0, repeats)  # rank 1 only waits at the barriers
+    both = _compute_s(True, repeats)
+    return both / alone if rank == 0 else 0.0
+
+
 def _rank(rank: int, store_path: str, message_bytes: int, repeats: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -77,8 +105,9 @@ def _rank(rank: int, store_path: str, message_bytes: int, repeats: int, out: str
         small = _one_way_s(torch.zeros(1), rank, repeats)
         large = _one_way_s(torch.zeros(message_bytes // 4), rank, repeats)
         step = _pipeline_step_s(rank, repeats)
+        slowdown = _corunning_slowdown(rank, repeats)
         if rank == 0:
-            torch.save({"small": small, "large": large, "step": step}, out)
+            torch.save({"small": small, "large": large, "step": step, "slowdown": slowdown}, out)
     finally:
         dist.destroy_process_group()
 
@@ -107,4 +136,5 @@ def calibrate(message_bytes: int, *, repeats: int = 20) -> Calibration:
     bandwidth = (message_bytes - 4) / max(result["large"] - result["small"], 1e-9)
     latency = result["small"]
     comm_s = latency + 8 * 4 / bandwidth  # one microbatch of Linear(8, 8) outputs: 8 floats
-    return Calibration(latency, bandwidth, solve_action_overhead(result["step"], comm_s))
+    return Calibration(latency, bandwidth, solve_action_overhead(result["step"], comm_s),
+                       max(1.0, result["slowdown"]))

@@ -93,11 +93,14 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
     grad = None if last else torch.ones_like(out)
-    backward_s = _timed(lambda: forward().backward(grad), repeats)
-    input_s = _timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats) if inp.requires_grad else 0.0
+    # A backward needs its own forward's graph: time both, then take the forward away.
+    forward_s = _timed(forward, repeats)
+    backward_s = _timed(lambda: forward().backward(grad), repeats) - forward_s
+    input_s = (_timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats) - forward_s
+               if inp.requires_grad else 0.0)
     update_s = _update_s(list(child.parameters()), repeats)  # the backward above left gradients
     child.zero_grad(set_to_none=True)
-    return ChildCost(_timed(forward, repeats), backward_s, input_s, saved[0], out.numel() * out.element_size(),
+    return ChildCost(forward_s, max(backward_s, 0.0), max(input_s, 0.0), saved[0], out.numel() * out.element_size(),
                      update_s)
 
 
@@ -181,11 +184,11 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int]]:
 
 def _calibration(plan_cfg: DictConfig, message_bytes: int) -> Calibration:
     """The configured message and action costs; whatever is null is measured on two ranks."""
-    given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s)
+    fields = ("latency_s", "bandwidth", "action_overhead_s", "corunning_slowdown")
+    given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s,
+             plan_cfg.corunning_slowdown)
     measured = calibrate(message_bytes) if None in given else None
-    latency, bandwidth, overhead = (v if v is not None else getattr(measured, f)
-                                    for v, f in zip(given, ("latency_s", "bandwidth", "action_overhead_s")))
-    return Calibration(latency, bandwidth, overhead)
+    return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
 
 def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration]:
@@ -220,7 +223,8 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         # A previous run's costs were timed at the stage: they include the runtime's overhead.
         costs = _costs_from_summary(cfg.plan.costs, layout) if cfg.plan.costs else None
         if costs is None:
-            costs = {k: v + calibration.action_overhead_s for k, v in _stage_costs(layout, child).items()}
+            slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
+            costs = {k: v * slow + overhead for k, v in _stage_costs(layout, child).items()}
         try:
             timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=calibration.message_s(sent))
         except ValueError as e:
@@ -228,7 +232,8 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
             continue
         peaks = peak_in_flight(order)
         saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
-        update = {r: sum(child[n].update_s for s in layout.stages_on(r) for n in layout.stages[s])
+        update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
+                                                          for n in layout.stages[s])
                   for r in range(layout.pp)}
         bubbles = bubble_fractions(timeline)
         candidate.valid = True
@@ -267,7 +272,8 @@ def main(cfg: DictConfig) -> None:
     if calibration is not None:
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
         print(f"message: {calibration.latency_s * 1e6:.0f} us + bytes / {calibration.bandwidth / 1e9:.2f} GB/s; "
-              f"runtime overhead per action: {calibration.action_overhead_s * 1e6:.0f} us")
+              f"runtime overhead per action: {calibration.action_overhead_s * 1e6:.0f} us; compute "
+              f"x{calibration.corunning_slowdown:.2f} with both ranks busy")
     print(_table(candidates))
     best = next((c for c in candidates if c.valid and c.fits_memory), None)
     if best is None:

@@ -18,7 +18,8 @@ from runner.validate import validate
 from conftest import ROOT, TINY, compose
 
 # Fixed message and runtime costs: in-process tests need no calibration ranks.
-FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0"]
+FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0",
+         "plan.corunning_slowdown=1"]
 
 
 def test_in_flight_activations_follow_the_schedule():
@@ -96,5 +97,5 @@ def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
     measured = calibrate(2**20, repeats=5)
     assert 0 < measured.latency_s < 0.05  # loopback gloo: tens of microseconds to a few ms on a busy host
     assert 1e7 < measured.bandwidth < 1e12
-    assert 0 <= measured.action_overhead_s < 0.05
+    assert 0 <= measured.action_overhead_s < 0.05 and 1 <= measured.corunning_slowdown < 4
     assert measured.message_s(2**20) == pytest.approx(measured.latency_s + 2**20 / measured.bandwidth)
