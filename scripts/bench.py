@@ -818,10 +818,9 @@ def _render_efficiency(data: Mapping[str, Any], out_dir: Path, plot_path: Path) 
              "closed form for GPipe/1F1B/interleaved/looped BFS (`f`), else the simulator with the measured costs "
              "(`sim`). Step time: median after step 0. pp=4 puts 4 ranks on 2 cores, so ranks wait for a core as "
              "well as for each other (and its compute times include that wait): it is reported, but bubbles are "
-             "judged at pp=2. A rank's step span ends when its own `schedule.step()` returns, so a rank that "
-             "finishes early (the last rank of GPipe/1F1B, done before rank 0's last backward) waits out the drain "
-             "in the loss all-reduce, outside the span: its measured bubble, and the mean, read low (see the per-rank "
-             "column).", ""]
+             "judged at pp=2. The pipeline-step wall time is the same for every rank: from the first rank's start "
+             "to the last rank's end, so a rank that returns early (the last rank of GPipe/1F1B) counts the "
+             "drain as idle, as the closed forms do.", ""]
     fwd = [_forward_ms(r) for r in runs if r.get("status") == "ok"]
     fwd_pp2 = [_forward_ms(r) for r in runs if r.get("status") == "ok" and r["pp"] == 2]
     if any(fwd):
