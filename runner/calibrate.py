@@ -132,7 +132,7 @@ def calibrate(message_bytes: int, *, repeats: int = 20) -> Calibration:
         out = str(Path(tmp) / "result.pt")
         mp.start_processes(_rank, args=(str(Path(tmp) / "store"), message_bytes, repeats, out), nprocs=2,
                            join=True, start_method=start_method("auto", "cpu"))
-        result = torch.load(out)
+        result = torch.load(out, weights_only=True)
     bandwidth = (message_bytes - 4) / max(result["large"] - result["small"], 1e-9)
     latency = result["small"]
     comm_s = latency + 8 * 4 / bandwidth  # one microbatch of Linear(8, 8) outputs: 8 floats

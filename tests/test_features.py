@@ -1,6 +1,7 @@
 """The training options composed with a single-stage (1F1B) and a multi-stage, V-shaped (ZBV)
 schedule, each against the unsplit model: activation checkpointing, keyword inputs, a user loss,
-evaluation, bf16, and torch.compile (with 1F1B and Interleaved1F1B).
+evaluation, bf16, weight decay groups and the LR schedule, and torch.compile (with 1F1B and
+Interleaved1F1B).
 
 One 2-rank spawn runs every case; each pp=1 reference runs once, in this process."""
 
@@ -28,10 +29,13 @@ OPTIONS = {
     "user-loss": ["loss._target_=_models.z_loss_cross_entropy"],
     "eval": ["eval.every=2", "eval.steps=2"],
     "bf16": ["train.precision=bf16"],
+    # Decay on every parameter, strong, and a constant LR after warmup (the defaults: cosine, no decay
+    # on biases, norms and embeddings).
+    "optim": ["train.lr_schedule=constant", "train.no_decay=[]", "train.weight_decay=0.5"],
 }
 # What each case is compared with: the pp=1 run with the options that change the numbers.
 REFERENCE_OF = {"ac-full": "base", "ac-every2": "base", "padding": "padding", "user-loss": "user-loss",
-                "eval": "eval", "bf16": "bf16"}
+                "eval": "eval", "bf16": "bf16", "optim": "optim"}
 COMPILED = ["model=mlp", "train.compile=true", "verify=true", "eval.every=2"]
 
 
@@ -60,7 +64,7 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
 
     batch = ["parallel.microbatches=4", "train.batch_size=8"]
     refs = {}
-    for option in ("base", "padding", "user-loss", "eval", "bf16"):
+    for option in ("base", "padding", "user-loss", "eval", "bf16", "optim"):
         (tmp_path / option).mkdir()
         refs[option] = _reference(tmp_path / option, *batch, *OPTIONS.get(option, []))
     for option in OPTIONS:
@@ -74,7 +78,7 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
 
     # The options change what is computed (so matching the reference means something).
     base = refs["base"]["losses"]
-    for option in ("padding", "user-loss", "bf16"):
+    for option in ("padding", "user-loss", "bf16", "optim"):
         assert refs[option]["losses"] != base, option
     assert refs["user-loss"]["losses"][0] > base[0] + 0.1  # the z-loss term is added
     # Evaluation: after steps 2 and 4 and after the last (5), on held-out data, in metrics and summary.
