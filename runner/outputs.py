@@ -14,7 +14,6 @@ from typing import Any, Mapping
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import LoggingConfig
 from runner.errors import ConfigError
 
 __all__ = ["MetricsWriter", "check_loggers", "peak_memory_bytes", "make_summary", "write_summary", "format_table"]
@@ -78,11 +77,10 @@ class MetricsWriter:
     """``metrics.jsonl``, plus the loggers ``logging.*`` turns on: TensorBoard, Weights & Biases,
     MLflow. Every numeric key of a record is logged, as ``train/<key>`` (``val_<key>`` as
     ``val/<key>``); the pipeline bubble at close as ``pipeline/bubble``. ``run_config`` (the
-    composed config) is logged as the run's hyperparameters."""
+    composed config) is logged as the run's hyperparameters. ``options`` is ``cfg.logging``,
+    already checked by ``check_loggers`` before launch."""
 
-    def __init__(self, run_dir: Path, options=None, *, run_config: Mapping | None = None):
-        options = options if options is not None else LoggingConfig()
-        check_loggers(options)
+    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None):
         if isinstance(run_config, DictConfig):
             run_config = OmegaConf.to_container(run_config, resolve=True)
         hparams = dict(run_config or {})

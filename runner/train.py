@@ -77,11 +77,12 @@ def evaluate(step_fn: UnsplitStep | PipelinedStep, data, cfg: DictConfig, env: D
     """Mean loss over the first ``eval.steps`` held-out batches (the same ones at every
     evaluation, so values are comparable along the run), forward only."""
     t = cfg.train
-    total = 0.0
+    losses = []
     for i in range(cfg.eval.steps):
         inputs, targets, kwargs = _replica_share(get_batch(data, i, t.batch_size, t.seq_len, "val"), mesh, env.device)
-        total += _step_loss(step_fn.evaluate(inputs, targets, **kwargs), env, mesh)
-    return total / cfg.eval.steps
+        losses.append(step_fn.evaluate(inputs, targets, **kwargs))
+    # One all-reduce for all batches; only the last stage's rank holds losses.
+    return _step_loss(None if losses[0] is None else torch.stack(losses).mean(), env, mesh)
 
 
 def _phases(launch_time: float, marks: dict[str, float]) -> dict[str, float]:
@@ -153,7 +154,8 @@ def train(
             step_time = time.perf_counter() - start
             profiler.end_step()
             step_times.append(step_time)
-            marks.setdefault("first_step", time.time())  # with shape inference (and compilation)
+            if step == first_step:
+                marks["first_step"] = time.time()  # with shape inference (and compilation)
             result.losses.append(loss)
             progress.update()
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,

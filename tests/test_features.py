@@ -28,7 +28,7 @@ OPTIONS = {
     "padding": ["data.padding=true"],
     "user-loss": ["loss._target_=_models.z_loss_cross_entropy"],
     "eval": ["eval.every=2", "eval.steps=2"],
-    "bf16": ["train.precision=bf16"],
+    "bf16": ["train.precision=bf16", "verify=true"],  # verify at bf16 tolerances
     # Decay on every parameter, strong, and a constant LR after warmup (the defaults: cosine, no decay
     # on biases, norms and embeddings).
     "optim": ["train.lr_schedule=constant", "train.no_decay=[]", "train.weight_decay=0.5"],
@@ -73,6 +73,8 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
             case = f"{option}-{name}"
             if option == "bf16":
                 _assert_close_at_bf16(results[case], ref, case)
+                report = results[case]["summary"]["verify"]
+                assert report["passed"] and report["rtol"] == TOLERANCES["bf16"][0], case
             else:
                 _assert_matches(results[case], ref, case)
 

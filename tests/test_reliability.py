@@ -76,11 +76,17 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_ra
 @pytest.mark.timeout(120)
 def test_non_finite_loss_stops_every_rank_at_the_same_step_without_a_later_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", run_dir=run_dir, fault="nan:1:2")
+    proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", "logging.mlflow=true",
+                  run_dir=run_dir, fault="nan:1:2")
     _, err = proc.communicate(timeout=100)
     assert proc.returncode == 2 and "non-finite loss at step 2" in err, err
     assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
+    from mlflow.tracking import MlflowClient  # the logger's run is marked failed, not left running
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("runner").experiment_id])
+    assert run.info.status == "FAILED" and len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
 
 
 @pytest.mark.timeout(150)

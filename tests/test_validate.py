@@ -80,6 +80,7 @@ BAD = [
     (["train.lr_schedule=step"], ["train.lr_schedule='step'", "cosine"]),
     (["train.no_decay=[bias,gain]"], ["train.no_decay", "'gain'", "embedding"]),
     (["eval.steps=0"], ["eval.steps=0"]),
+    (["launch.start_method=forkserver"], ["launch.start_method='forkserver'", "auto, fork, spawn"]),
     (["loss._target_=_models.per_token_loss"], ["loss._target_='_models.per_token_loss'", "not a scalar"]),
     (["loss._target_=nowhere.loss"], ["loss._target_='nowhere.loss'", "loss(logits, targets)"]),
     (["data._target_=_models.ShortBatches"],
@@ -112,6 +113,15 @@ def test_compile_is_accepted_for_whole_backward_schedules_and_refused_for_fiw_cs
     with pytest.raises(ConfigError, match="I/W actions split backward"):
         validate(compose(*PP2, "schedule=csv", f"schedule.csv={EXAMPLES / 'zero_bubble_pp2_m4.csv'}",
                          "train.compile=true"))
+
+
+def test_compile_on_cpu_without_a_cxx_compiler_is_refused_before_launch(monkeypatch):
+    import runner.validate as validate_module
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(validate_module.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler.*Fix: install one, or train.compile=false"):
+        validate(compose(*PP2, "train.compile=true"))
 
 
 def test_tied_weights_are_fine_when_they_share_a_stage():
