@@ -144,7 +144,7 @@ class PlanConfig:
     comm_bandwidth: Optional[float] = None  # bytes/s between ranks
     action_overhead_s: Optional[float] = None  # the pipelining runtime's cost per F/B/I/W action
     corunning_slowdown: Optional[float] = None  # compute time with every rank busy / alone
-    repeats: int = 3  # timings per child; the median is used
+    repeats: int = 5  # timings per child; the median is used
 
 
 @dataclass

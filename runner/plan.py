@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 import runner.config  # noqa: F401  (registers the config schemas)
 from runner.calibrate import Calibration, calibrate
+from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.schedule import SCHEDULES, is_single_stage, schedule_order
@@ -66,18 +67,22 @@ class ChildCost:
     update_s: float = 0.0  # the optimizer step of its parameters, with the global-norm clip's share
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # kernels run asynchronously
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
 def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, *, loss_fn, last: bool,
                    repeats: int) -> ChildCost:
+    device = x.device
     inp = x.detach().requires_grad_(x.is_floating_point())
 
     def forward() -> torch.Tensor:
@@ -94,17 +99,17 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
         out = forward()
     grad = None if last else torch.ones_like(out)
     # A backward needs its own forward's graph: time both, then take the forward away.
-    forward_s = _timed(forward, repeats)
-    backward_s = _timed(lambda: forward().backward(grad), repeats) - forward_s
-    input_s = (_timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats) - forward_s
+    forward_s = _timed(forward, repeats, device)
+    backward_s = _timed(lambda: forward().backward(grad), repeats, device) - forward_s
+    input_s = (_timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats, device) - forward_s
                if inp.requires_grad else 0.0)
-    update_s = _update_s(list(child.parameters()), repeats)  # the backward above left gradients
+    update_s = _update_s(list(child.parameters()), repeats, device)  # the backward above left gradients
     child.zero_grad(set_to_none=True)
     return ChildCost(forward_s, max(backward_s, 0.0), max(input_s, 0.0), saved[0], out.numel() * out.element_size(),
                      update_s)
 
 
-def _update_s(params: list[torch.nn.Parameter], repeats: int) -> float:
+def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.device) -> float:
     """What the runner does to these parameters after backward: their share of the global norm,
     the clip, and AdamW (with a negligible learning rate: the planner's model stays as it is)."""
     if not params:
@@ -116,15 +121,16 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int) -> float:
         torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
         optimizer.step()
 
-    return _timed(update, repeats)
+    return _timed(update, repeats, device)
 
 
-def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int) -> dict[str, ChildCost]:
+def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
+                        device: torch.device) -> dict[str, ChildCost]:
     """Time every top-level child's forward, backward and input-only backward on one microbatch."""
     meta = build_meta_model(cfg.model)
-    model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
-    x = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len))
-    targets = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len))
+    model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=device)
+    x = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len), device=device)
+    targets = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len), device=device)
     costs, loss_fn = {}, build_loss(cfg.loss)
     names = list(model._modules)
     for i, name in enumerate(names):
@@ -182,12 +188,12 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int]]:
     return out
 
 
-def _calibration(plan_cfg: DictConfig, message_bytes: int) -> Calibration:
+def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calibration:
     """The configured message and action costs; whatever is null is measured on two ranks."""
     fields = ("latency_s", "bandwidth", "action_overhead_s", "corunning_slowdown")
     given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s,
              plan_cfg.corunning_slowdown)
-    measured = calibrate(message_bytes) if None in given else None
+    measured = calibrate(message_bytes, device=device) if None in given else None
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
 
@@ -198,6 +204,9 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
     A step is predicted as the simulated pipeline (compute + the runtime's per-action overhead,
     + a message per cross-rank dependency), then the loss/norm all-reduce (one message) and the
     slowest rank's optimizer update: what ``summary.json``'s ``step_time_s`` measures."""
+    # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
+    kind = resolve_device(cfg.device, cfg.parallel.pp * cfg.parallel.dp)
+    device = pick_device(kind, 0)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
     results, timelines = [], {}
@@ -215,11 +224,11 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         order = schedule_order(name, layout.pp, m, spr)
         mb_size = cfg.train.batch_size // (cfg.parallel.dp * m)
         if mb_size not in child_costs:
-            child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats)
+            child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats, device)
         child = child_costs[mb_size]
         sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
         if calibration is None:
-            calibration = _calibration(cfg.plan, sent)
+            calibration = _calibration(cfg.plan, sent, kind)
         # A previous run's costs were timed at the stage: they include the runtime's overhead.
         costs = _costs_from_summary(cfg.plan.costs, layout) if cfg.plan.costs else None
         if costs is None:

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner"]
+SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "device"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 ZERO_BUBBLE = ["interleaved_zb", "zbv", "dualpipev"]
-_SHAPE = ["model.dim=256", "model.n_layers=8", "train.seq_len=128", "device=cpu"]
+_SHAPE = ["model.dim=256", "model.n_layers=8", "train.seq_len=128"]  # every run also gets device=<--device>
 # Efficiency and scaling: 64 samples per step, so a stage's forward on one microbatch stays near or
 # above 20 ms on CPU down to m=16 at pp=4 with 2 stages per rank (one block per stage); a message
 # (a microbatch's activations) costs well under a millisecond over loopback gloo.
@@ -49,6 +49,12 @@ OPTIONS = {  # name -> overrides, at pp=2 m=8; ratios are taken against the base
 }
 # bf16 matmuls run ~8x slower than fp32 on a CPU without native bf16 (AVX2 only): fewer steps, one repeat.
 OPTION_LIMITS = {"1f1b+bf16": {"steps": 4, "repeats": 1}}
+# One device, pp=1 (the unsplit model): the options without a pipeline.
+SINGLE = {"pp1": [], "pp1+ac": ["train.activation_checkpointing=full"], "pp1+bf16": ["train.precision=bf16"],
+          "pp1+compile": ["train.compile=true"]}
+SINGLE_LIMITS = {"pp1+bf16": {"steps": 3, "repeats": 1}}  # on CPU only (no native bf16 here)
+SINGLE_RATIOS = [("activation checkpointing full / none", "pp1+ac", "pp1"), ("bf16 / fp32", "pp1+bf16", "pp1"),
+                 ("compile / eager", "pp1+compile", "pp1")]
 OPTION_RATIOS = [  # (label, config, baseline)
     ("activation checkpointing full / none, 1f1b", "1f1b+ac", "1f1b"),
     ("activation checkpointing full / none, zbv", "zbv+ac", "zbv"),
@@ -120,11 +126,18 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def machine() -> dict[str, Any]:
+def _device_name(device: str) -> str:
+    import torch
+
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if device == "cuda" else "CPU"
+
+
+def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     return {"arch": platform.machine(), "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "python": platform.python_version(), "torch": torch.__version__, "device": device,
+            "device_name": _device_name(device)}
 
 
 def _pytest_running() -> bool:
@@ -251,10 +264,12 @@ class LoadMonitor:
                        "foreign_cpu_share": None if share is None else round(share, 3)}
 
 
-def _runner(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+def _runner(ctx: Context, *args: str, module: str = "runner", env: Mapping[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``python -m runner`` (or ``runner.plan``) with these overrides, on the benchmark's device."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True)
+    return subprocess.run([sys.executable, "-m", module, *args, f"device={ctx.args.device}"], cwd=ctx.work,
+                          env=full_env, capture_output=True, text=True)
 
 
 def _error(run_dir: Path, done: subprocess.CompletedProcess | None) -> str:
@@ -331,13 +346,14 @@ class Context:
         return runs
 
 
-def _sweep_pp(ctx: Context, pp: int, microbatches: list[int], steps: int) -> list[dict[str, Any]]:
+def _sweep_pp(ctx: Context, pp: int, microbatches: list[int], steps: int, *, model: Sequence[str] = SWEEP_MODEL,
+              sweep: Path | None = None) -> list[dict[str, Any]]:
     """One Hydra multirun over schedules x m at this pp; any job the sweep did not leave (it stops
     on a launcher error) is re-run on its own."""
-    sweep = ctx.work / f"efficiency-pp{pp}"
-    common = _sweep_common(pp, steps)
-    done = _runner("-m", f"schedule={','.join(SCHEDULES)}", f"parallel.microbatches={','.join(map(str, microbatches))}",
-                   *common, f"hydra.sweep.dir={sweep}", cwd=ctx.work)
+    sweep = sweep or ctx.work / f"efficiency-pp{pp}"
+    common = _sweep_common(pp, steps, model)
+    done = _runner(ctx, "-m", f"schedule={','.join(SCHEDULES)}",
+                   f"parallel.microbatches={','.join(map(str, microbatches))}", *common, f"hydra.sweep.dir={sweep}")
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     jobs = [d for d in sweep.iterdir() if (d / ".hydra" / "overrides.yaml").is_file()] if sweep.is_dir() else []
     for job in jobs:
@@ -346,20 +362,21 @@ def _sweep_pp(ctx: Context, pp: int, microbatches: list[int], steps: int) -> lis
     for name in SCHEDULES:
         for m in microbatches:
             if (name, m) not in runs or runs[(name, m)]["status"] == "running":
-                runs[(name, m)] = _single_pp(ctx, pp, name, m, steps, sweep / f"single-{name}-m{m}")
+                runs[(name, m)] = _single_pp(ctx, pp, name, m, steps, sweep / f"single-{name}-m{m}", model)
     return [{"pp": pp, "schedule": name, "m": m, **runs[(name, m)]} for name in SCHEDULES for m in microbatches]
 
 
-def _sweep_common(pp: int, steps: int) -> list[str]:
+def _sweep_common(pp: int, steps: int, model: Sequence[str] = SWEEP_MODEL) -> list[str]:
     # Profiling off; the bubble is recorded over steps 1.. (profile.wait=1, warmup=0: no profiler to warm up).
     return [f"parallel.pp={pp}", f"train.steps={steps}", "profile.enabled=false", "profile.wait=1",
-            "profile.warmup=0", f"profile.active={steps - 1}", *SWEEP_MODEL]
+            "profile.warmup=0", f"profile.active={steps - 1}", *model]
 
 
-def _single_pp(ctx: Context, pp: int, name: str, m: int, steps: int, run_dir: Path) -> dict[str, Any]:
+def _single_pp(ctx: Context, pp: int, name: str, m: int, steps: int, run_dir: Path,
+               model: Sequence[str] = SWEEP_MODEL) -> dict[str, Any]:
     """One efficiency run outside the sweep (a job the sweep did not leave, or a re-run)."""
-    done = _runner(f"schedule={name}", f"parallel.microbatches={m}", *_sweep_common(pp, steps),
-                   f"hydra.run.dir={run_dir}", cwd=ctx.work)
+    done = _runner(ctx, f"schedule={name}", f"parallel.microbatches={m}", *_sweep_common(pp, steps, model),
+                   f"hydra.run.dir={run_dir}")
     return {"pp": pp, "schedule": name, "m": m, **read_run(run_dir, done)}
 
 
@@ -464,38 +481,79 @@ def scaling(ctx: Context) -> dict[str, Any]:
     return {"model": SWEEP_MODEL, "activation_bytes_per_sample": per_sample, "rows": rows}
 
 
-def _option_run(ctx: Context, name: str, repeat: int, steps: int, tag: str = "") -> dict[str, Any]:
+def _option_run(ctx: Context, name: str, overrides: Sequence[str], repeat: int, steps: int,
+                tag: str = "") -> dict[str, Any]:
     run_dir = ctx.work / f"option-{name}-{repeat}{tag}"
     env = {"TORCHINDUCTOR_CACHE_DIR": str(ctx.work / f"inductor-{name}-{repeat}{tag}")}  # compile from cold each time
-    done = _runner(*OPTIONS[name], "parallel.pp=2", "parallel.microbatches=8", f"train.steps={steps}",
-                   "profile.enabled=false", *MODEL, f"hydra.run.dir={run_dir}", cwd=ctx.work, env=env)
+    done = _runner(ctx, *overrides, f"train.steps={steps}", "profile.enabled=false", *MODEL,
+                   f"hydra.run.dir={run_dir}", env=env)
     run = read_run(run_dir, done)
     if run["status"] == "ok":
         times = run["step_times"]
         run.update(steady_s=steady(times, skip=2), first_step_s=times[0] if times else None,
                    second_step_s=times[1] if len(times) > 1 else None)
-    return {"config": name, "repeat": repeat, "overrides": OPTIONS[name], "steps": steps, **run}
+    return {"config": name, "repeat": repeat, "overrides": list(overrides), "steps": steps, **run}
 
 
-def options(ctx: Context) -> dict[str, Any]:
-    """Training options at pp=2 m=8: every config once per repeat, the order reversed on odd repeats."""
+def _option_runs(ctx: Context, table: Mapping[str, Sequence[str]], limits: Mapping[str, Mapping[str, int]],
+                 label: str) -> list[dict[str, Any]]:
+    """Every config of ``table`` once per repeat, the order reversed on odd repeats."""
     a = ctx.args
     runs = []
     for repeat in range(a.option_repeats):
         if repeat:
-            ctx.quiet(f"options repeat {repeat}")
-        names = list(OPTIONS) if repeat % 2 == 0 else list(reversed(OPTIONS))
+            ctx.quiet(f"{label} repeat {repeat}")
+        names = list(table) if repeat % 2 == 0 else list(reversed(table))
         for name in names:
-            limit = OPTION_LIMITS.get(name, {})
+            limit = limits.get(name, {})
             if repeat >= limit.get("repeats", a.option_repeats):
                 continue
-            runs.append(ctx.mark(_option_run(ctx, name, repeat, limit.get("steps", a.option_steps))))
+            runs.append(ctx.mark(_option_run(ctx, name, table[name], repeat, limit.get("steps", a.option_steps))))
             r = runs[-1]
-            print(f"[bench] options {name} #{repeat}: {r.get('steady_s') or r.get('error')}"
+            print(f"[bench] {label} {name} #{repeat}: {r.get('steady_s') or r.get('error')}"
                   f"{' (under load)' if r.get('under_load') else ''}", flush=True)
-    runs = ctx.rerun_loaded(runs, lambda r: _option_run(ctx, r["config"], r["repeat"], r["steps"], "-rerun"), "options")
-    return {"model": MODEL, "pp": 2, "microbatches": 8, "steps": a.option_steps, "repeats": a.option_repeats,
-            "limits": OPTION_LIMITS, "steady": "median step time from step 2 on", "runs": runs}
+    return ctx.rerun_loaded(
+        runs, lambda r: _option_run(ctx, r["config"], r["overrides"], r["repeat"], r["steps"], "-rerun"), label)
+
+
+def options(ctx: Context) -> dict[str, Any]:
+    """Training options at pp=2 m=8."""
+    table = {name: [*o, "parallel.pp=2", "parallel.microbatches=8"] for name, o in OPTIONS.items()}
+    return {"model": MODEL, "pp": 2, "microbatches": 8, "steps": ctx.args.option_steps,
+            "repeats": ctx.args.option_repeats, "limits": OPTION_LIMITS, "steady": "median step time from step 2 on",
+            "runs": _option_runs(ctx, table, OPTION_LIMITS, "options")}
+
+
+def single_device(ctx: Context) -> dict[str, Any]:
+    """What one device measures on its own (a host with one GPU: NCCL cannot put two ranks on it):
+    each stage's F/B/I/W time for the efficiency model split in 2 and in 4 stages, timed in one
+    process as the planner times them, and pp=1 runs of the training options (steady step, peak
+    memory: ``max_memory_allocated`` on a GPU, RSS on CPU)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import runner.config  # noqa: F401
+    from runner.plan import measure_child_costs
+    from runner.split import build_meta_model, plan_split
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(SWEEP_MODEL))
+    device = torch.device("cuda", 0) if ctx.args.device == "cuda" else torch.device("cpu")
+    torch.set_num_threads(1)  # as one rank of a CPU run
+    microbatches = 8
+    costs = measure_child_costs(cfg, cfg.train.batch_size // microbatches, 5, device)
+    meta = build_meta_model(cfg.model)
+    stages = []
+    for num_stages in (2, 4):
+        for s, names in enumerate(plan_split(meta, num_stages, None)):
+            stages.append({"num_stages": num_stages, "stage": s, "children": list(names),
+                           **{k: sum(getattr(costs[n], k) for n in names)
+                              for k in ("forward_s", "backward_s", "input_backward_s", "update_s", "saved_bytes")}})
+    table = {name: [*o, "parallel.pp=1", f"parallel.microbatches={microbatches}"] for name, o in SINGLE.items()}
+    limits = SINGLE_LIMITS if ctx.args.device == "cpu" else {}
+    return {"model": SWEEP_MODEL, "microbatches": microbatches, "device_name": _device_name(ctx.args.device),
+            "stages": stages, "options_model": MODEL, "steps": ctx.args.option_steps,
+            "repeats": ctx.args.option_repeats, "limits": limits, "runs": _option_runs(ctx, table, limits, "device")}
 
 
 def _step_times(run_dir: Path, skip: set[int]) -> list[float]:
@@ -510,8 +568,8 @@ def profiling(ctx: Context) -> dict[str, Any]:
     for i in range(ctx.args.repeats):
         on, off = ctx.work / f"prof-on-{i}", ctx.work / f"prof-off-{i}"
         t0 = time.time()
-        done_on = _runner(*common, "profile.enabled=true", f"hydra.run.dir={on}", cwd=ctx.work)
-        done_off = _runner(*common, "profile.enabled=false", f"hydra.run.dir={off}", cwd=ctx.work)
+        done_on = _runner(ctx, *common, "profile.enabled=true", f"hydra.run.dir={on}")
+        done_off = _runner(ctx, *common, "profile.enabled=false", f"hydra.run.dir={off}")
         missing = [(d, done) for d, done in ((on, done_on), (off, done_off)) if not (d / "summary.json").is_file()]
         if missing:
             pairs.append({"error": _error(*missing[0])})
@@ -525,14 +583,17 @@ def profiling(ctx: Context) -> dict[str, Any]:
 
 _BARE = """
 import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
-def rank(r, store, start, out):
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=r, world_size=2)
+def rank(r, store, start, out, cuda):
+    if cuda:  # as the runner: NCCL, one GPU per rank
+        torch.cuda.set_device(r)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, 2), rank=r, world_size=2,
+                            device_id=torch.device("cuda", r) if cuda else None)
     dist.barrier()
     if r == 0:
         open(out, "w").write(str(time.time() - start))
     dist.destroy_process_group()
 if __name__ == "__main__":
-    mp.spawn(rank, args=(sys.argv[1], float(sys.argv[2]), sys.argv[3]), nprocs=2)
+    mp.spawn(rank, args=(sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "cuda"), nprocs=2)
 """
 
 
@@ -546,11 +607,12 @@ def startup(ctx: Context) -> dict[str, Any]:
     for i in range(ctx.args.repeats):
         run = work / f"smoke-{i}"
         t0 = time.time()
-        done = _runner("experiment=smoke", "profile.enabled=false", f"hydra.run.dir={run}", cwd=work)
+        done = _runner(ctx, "experiment=smoke", "profile.enabled=false", f"hydra.run.dir={run}")
         r = read_run(run, done)
         out = work / f"bare-{i}.txt"
         start = time.time()
-        subprocess.run([sys.executable, str(script), str(work / f"store-{i}"), str(start), str(out)], check=False)
+        subprocess.run([sys.executable, str(script), str(work / f"store-{i}"), str(start), str(out), ctx.args.device],
+                       check=False)
         bare = float(out.read_text()) if out.is_file() else None
         pairs.append({"runner_s": r.get("startup_s"), "phases_s": r.get("startup_phases_s"), "bare_s": bare,
                       "error": r.get("error"), "under_load": ctx.loaded(t0, time.time())})
@@ -568,21 +630,28 @@ from runner.split import build_meta_model, materialize, plan_split
 def rank(r, cfg, store, out):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=r, world_size=2)
     cfg = OmegaConf.create(cfg)
+    cuda = cfg.device == "cuda"  # as the runner: NCCL, one GPU per rank
+    device = torch.device("cuda", r) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, 2), rank=r, world_size=2,
+                            device_id=device if cuda else None)
     t, m = cfg.train, cfg.parallel.microbatches
     meta = build_meta_model(cfg.model)
-    module = materialize(meta, plan_split(meta, 2, None)[r], seed=t.seed, device=torch.device("cpu"))
-    schedule = Schedule1F1B(PipelineStage(module, r, 2, torch.device("cpu")), m, loss_fn=cross_entropy)
+    module = materialize(meta, plan_split(meta, 2, None)[r], seed=t.seed, device=device)
+    schedule = Schedule1F1B(PipelineStage(module, r, 2, device), m, loss_fn=cross_entropy)
     optimizer = torch.optim.AdamW(module.parameters(), lr=t.lr)
     data = SyntheticData(vocab_size=cfg.data.vocab_size, signal=cfg.data.signal, seed=t.seed)
     times = []
     for step in range(t.steps):
-        x, y = data.batch(step, t.batch_size, t.seq_len)
+        x, y = (b.to(device) for b in data.batch(step, t.batch_size, t.seq_len))
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         schedule.step(x) if r == 0 else schedule.step(target=y)
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     if r == 0:
         open(out, "w").write(json.dumps(times))
@@ -604,15 +673,15 @@ def overhead(ctx: Context) -> dict[str, Any]:
     work = ctx.work
     overrides = ["schedule=1f1b", "parallel.microbatches=8", f"train.steps={ctx.args.overhead_steps}", *MODEL]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+        cfg = OmegaConf.to_container(compose("config", overrides=[*overrides, f"device={ctx.args.device}"]),
+                                     resolve=True)
     script = work / "bare_loop.py"
     script.write_text(_BARE_LOOP)
     pairs = []
     for i in range(ctx.args.repeats):
         run = work / f"overhead-runner-{i}"
         t0 = time.time()
-        done = _runner(*overrides, "profile.enabled=false", "launch.threads_per_rank=1", f"hydra.run.dir={run}",
-                       cwd=work)
+        done = _runner(ctx, *overrides, "profile.enabled=false", "launch.threads_per_rank=1", f"hydra.run.dir={run}")
         out = work / f"overhead-bare-{i}.json"
         bare = subprocess.run([sys.executable, str(script), json.dumps(cfg), str(work / f"loop-store-{i}"), str(out)],
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
@@ -631,6 +700,7 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
     """Spearman's rank correlation of (predicted, measured) pairs (no ties expected)."""
     if len(pairs) < 3:
         return None
+
     def ranks(xs):
         order = sorted(range(len(xs)), key=lambda i: xs[i])
         out = [0] * len(xs)
@@ -642,40 +712,73 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
 
 
-def planner(ctx: Context) -> dict[str, Any]:
-    """``python -m runner.plan`` on the efficiency sweep's model at pp=2 (calibrated on this host,
-    child costs timed in-process), against the measured steady step of each (schedule, m) run."""
-    runs = [r for r in _efficiency_rows(ctx) if r["pp"] == 2 and r.get("status") == "ok"]
-    ms = sorted({r["m"] for r in runs})
-    out = ctx.work / "planner"
-    done = subprocess.run([sys.executable, "-m", "runner.plan", *SWEEP_MODEL, "parallel.pp=2",
-                           f"plan.microbatches=[{','.join(map(str, ms))}]", f"hydra.run.dir={out}"],
-                          cwd=ctx.work, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+def _replayed_s(run: Mapping[str, Any], comm_s: float) -> float | None:
+    """The simulator's step for a measured run, fed that run's own per-action costs: how far the
+    simulation itself is from the run, apart from how well the planner estimates costs."""
+    from runner.schedule import default_stages_per_rank, schedule_order
+    from runner.simulate import simulate
+
+    costs = {(int(k[:-1]), k[-1]): v for k, v in run.get("mean_costs_s", {}).items()}
+    if not costs:
+        return None
+    order = schedule_order(run["schedule"], run["pp"], run["m"], default_stages_per_rank(run["schedule"]))
+    return max(a.end for a in simulate(order, costs, num_stages=run["num_stages"], comm_s=comm_s))
+
+
+def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int]) -> dict[str, Any]:
+    from runner.schedule import default_stages_per_rank
+
+    done = _runner(ctx, *MODEL, "parallel.pp=2", f"plan.microbatches=[{','.join(map(str, microbatches))}]",
+                   f"hydra.run.dir={out}", module="runner.plan")
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["plan failed"])[-1][:300]}
-    candidates = json.loads((out / "plan.json").read_text())
-    rows = []
-    for r in runs:
-        spr = 1 if r["schedule"] in ("gpipe", "1f1b") else 2  # what the run used (the default)
-        c = next((c for c in candidates if c["valid"] and c["schedule"] == r["schedule"]
-                  and c["microbatches"] == r["m"] and c["stages_per_rank"] == spr), None)
-        rows.append({"schedule": r["schedule"], "m": r["m"], "measured_s": r["step_time_s"],
-                     "measured_bubble": r.get("bubble"), "predicted_s": c and c["predicted_step_time_s"],
-                     "predicted_bubble": c and c["bubble"]})
-    return {"model": SWEEP_MODEL, "calibration": json.loads((out / "calibration.json").read_text()), "rows": rows}
+    # The candidates a plain run of each schedule uses (its default stages per rank).
+    predicted = {f"{c['schedule']}/{c['microbatches']}": {"step_s": c["predicted_step_time_s"], "bubble": c["bubble"]}
+                 for c in json.loads((out / "plan.json").read_text())
+                 if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])}
+    return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text())}
 
+
+def planner(ctx: Context) -> dict[str, Any]:
+    """Rounds of: ``python -m runner.plan`` at pp=2 (calibrated on this host, child costs timed
+    in-process), then every schedule x m run for real. Rounds spread each schedule's runs over the
+    section, so that a slow spell of this shared machine does not land on one schedule only."""
+    a = ctx.args
+    rounds = []
+    for r in range(a.planner_rounds):
+        started = time.time()
+        plan = _plan_round(ctx, ctx.work / f"planner-{r}" / "plan", a.planner_microbatches)
+        if "error" in plan:
+            return {"error": plan["error"]}
+        runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, a.planner_microbatches, a.planner_steps, model=MODEL,
+                                                     sweep=ctx.work / f"planner-{r}" / "runs")]
+        comm_s = plan["calibration"]["latency_s"]
+        measured = {f"{run['schedule']}/{run['m']}": {
+            "step_s": run.get("step_time_s"), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
+            "replayed_s": _replayed_s(run, comm_s) if run["status"] == "ok" else None,
+            **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
+        rounds.append({**plan, "measured": measured})
+        print(f"[bench] planner round {r + 1}/{a.planner_rounds}: {time.time() - started:.0f} s", flush=True)
+    return {"model": MODEL, "pp": 2, "steps": a.planner_steps, "microbatches": a.planner_microbatches,
+            "rounds": rounds}
 
 
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "efficiency": efficiency, "scaling": scaling, "options": options, "overhead": overhead, "startup": startup,
-    "profiling": profiling, "planner": planner,
+    "profiling": profiling, "planner": planner, "device": single_device,
 }
+
+
+def ranks_needed(section: str, args: argparse.Namespace) -> int:
+    """Ranks a section runs at once: with --device cuda, one GPU each."""
+    return {"device": 1, "efficiency": max(args.pp), "scaling": max(args.pp)}.get(section, 2)
 
 
 def save(results_dir: Path, section: str, results: dict[str, Any], ctx: Context, *, started: float,
          duration_s: float | None, load: dict[str, Any] | None = None) -> Path:
     results_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"section": section, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+    meta = {"section": section, "machine": machine(ctx.args.device),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
             "command": "python scripts/bench.py " + " ".join(sys.argv[1:]), "duration_s": duration_s,
             "waits": ctx.waits, "load": load}
     path = results_dir / f"{section}.json"
@@ -686,6 +789,14 @@ def save(results_dir: Path, section: str, results: dict[str, Any], ctx: Context,
 
 
 def run_section(section: str, ctx: Context) -> None:
+    if ctx.args.device == "cuda":
+        import torch
+
+        need, have = ranks_needed(section, ctx.args), torch.cuda.device_count()
+        if have < need:  # its JSON (an earlier run on more GPUs) stays as it is
+            print(f"[bench] {section}: skipped, it needs {need} GPUs (NCCL puts one rank on each) and this host "
+                  f"has {have}", flush=True)
+            return
     ctx.waits = []
     if section != "scaling":  # scaling times nothing of its own (unless it has to run the sweep: it waits then)
         ctx.quiet(section)
@@ -932,28 +1043,31 @@ def _render_scaling(data: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _option_table(runs: Sequence[Mapping[str, Any]]) -> tuple[list[str], dict[str, list[float]]]:
+def _option_table(runs: Sequence[Mapping[str, Any]], names: Iterable[str],
+                  ratio_specs: Sequence[tuple[str, str, str]]) -> tuple[list[str], dict[str, list[float]]]:
     ratios: dict[str, list[float]] = {}
     repeats = sorted({r["repeat"] for r in runs})
-    for label, cfg, base in OPTION_RATIOS:
+    for label, cfg, base in ratio_specs:
         for rep in repeats:
             a = _find(runs, config=cfg, repeat=rep)
             b = _find(runs, config=base, repeat=rep)
             if a and b and a.get("steady_s") and b.get("steady_s"):
                 ratios.setdefault(label, []).append(a["steady_s"] / b["steady_s"])
-    lines = ["| config | overrides | steady step (s) per repeat | step 0 (s) | step 1 (s) | peak RSS MiB (max rank) |",
+    lines = ["| config | overrides | steady step (s) per repeat | step 0 (s) | step 1 (s) | peak memory MiB (max "
+             "rank) |",
              "|---|---|---|---|---|---|"]
-    for name in OPTIONS:
+    for name in names:
         mine = [r for r in runs if r["config"] == name]
         if not mine:
             continue
         ok = [r for r in mine if r.get("status") == "ok"]
+        overrides = " ".join(mine[0].get("overrides", []))
         if not ok:
-            lines.append(f"| {name} | `{' '.join(OPTIONS[name])}` | failed: {mine[0].get('error', '')} | | | |")
+            lines.append(f"| {name} | `{overrides}` | failed: {mine[0].get('error', '')} | | | |")
             continue
         mem = max(max(r["peak_mem_bytes"]) for r in ok if r.get("peak_mem_bytes")) / MIB
         steady_s = ", ".join(_num(r.get("steady_s")) + _star(r) for r in ok)
-        lines.append(f"| {name} | `{' '.join(OPTIONS[name])}` | {steady_s} | "
+        lines.append(f"| {name} | `{overrides}` | {steady_s} | "
                      f"{', '.join(_num(r.get('first_step_s'), '.2f') for r in ok)} | "
                      f"{', '.join(_num(r.get('second_step_s'), '.2f') for r in ok)} | {mem:.0f} |")
     return lines, ratios
@@ -962,7 +1076,7 @@ def _option_table(runs: Sequence[Mapping[str, Any]]) -> tuple[list[str], dict[st
 def _render_options(data: Mapping[str, Any]) -> list[str]:
     res = data["results"]
     runs = res.get("runs", [])
-    table, ratios = _option_table(runs)
+    table, ratios = _option_table(runs, OPTIONS, OPTION_RATIOS)
     lines = ["## Training options: cost at pp=2, m=8", "", _meta_line(data["meta"], runs), "",
              "Model `" + " ".join(res.get("model", [])) + f"`, {res.get('steps')} steps, profiling off; every config "
              f"once per repeat ({res.get('repeats')} repeats, order reversed on odd repeats). Steady = median step "
@@ -972,12 +1086,42 @@ def _render_options(data: Mapping[str, Any]) -> list[str]:
              + "".join(f" `{n}`: {lim.get('steps')} steps, {lim.get('repeats')} repeat(s) only (bf16 matmuls are "
                        "several times slower than fp32 on a CPU without native bf16)."
                        for n, lim in (res.get("limits") or {}).items()),
-             "", "| ratio | per repeat | median |", "|---|---|---|"]
-    for label, _, _ in OPTION_RATIOS:
+             ""]
+    return lines + _ratio_table(ratios, OPTION_RATIOS) + ["", *table, ""]
+
+
+def _ratio_table(ratios: Mapping[str, list[float]], specs: Sequence[tuple[str, str, str]]) -> list[str]:
+    lines = ["| ratio | per repeat | median |", "|---|---|---|"]
+    for label, _, _ in specs:
         vals = ratios.get(label)
         lines.append(f"| {label} | {', '.join(f'{v:.3f}' for v in vals) if vals else 'n/a'} | "
                      f"{_num(statistics.median(vals)) if vals else ''} |")
-    return lines + ["", *table, ""]
+    return lines
+
+
+def _render_device(data: Mapping[str, Any]) -> list[str]:
+    res = data["results"]
+    runs = res.get("runs", [])
+    lines = [f"## One device ({res['device_name']}): per-stage costs and the options at pp=1", "",
+             _meta_line(data["meta"], runs), "",
+             "Each stage of the efficiency model (`" + " ".join(res["model"]) + f"`) on one microbatch (m="
+             f"{res['microbatches']}), split in 2 and in 4 stages, timed in one process as `python -m runner.plan` "
+             "times it (median of 5): forward, full backward, input-only backward (I) and the weight part "
+             "(W = B - I), the optimizer update of its parameters, and the activations its forward saves.", "",
+             "| stages | stage | children | F (ms) | B (ms) | I (ms) | W (ms) | update (ms) | saved (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for st in res["stages"]:
+        f, b, i = st["forward_s"] * 1e3, st["backward_s"] * 1e3, st["input_backward_s"] * 1e3
+        lines.append(f"| {st['num_stages']} | {st['stage']} | {', '.join(st['children'])} | {f:.1f} | {b:.1f} | "
+                     f"{i:.1f} | {max(b - i, 0.0):.1f} | {st['update_s'] * 1e3:.1f} | {st['saved_bytes'] / MIB:.1f} |")
+    table, ratios = _option_table(runs, SINGLE, SINGLE_RATIOS)
+    lines += ["", "The training options on the unsplit model (`parallel.pp=1`, m=8, model `"
+              + " ".join(res["options_model"]) + f"`), {res['steps']} steps, profiling off, "
+              f"{res['repeats']} repeats (order reversed on odd repeats); steady = median step from step 2 on; "
+              "peak memory is `torch.cuda.max_memory_allocated` on a GPU, RSS on CPU."
+              + "".join(f" `{n}`: {lim.get('steps')} steps, {lim.get('repeats')} repeat(s) only."
+                        for n, lim in (res.get("limits") or {}).items()), ""]
+    return lines + _ratio_table(ratios, SINGLE_RATIOS) + ["", *table, ""]
 
 
 def _ratios_line(pairs: Sequence[Mapping[str, Any]]) -> str:
@@ -1041,36 +1185,94 @@ def _render_profiling(data: Mapping[str, Any]) -> list[str]:
             + _ratios_line(res.get("pairs", [])), ""]
 
 
+def _planner_rows(res: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per (schedule, m): the medians over rounds of predicted and measured step times, the
+    measured range, and the replay of each run's own costs."""
+    rows = []
+    for name in SCHEDULES:
+        for m in res["microbatches"]:
+            key = f"{name}/{m}"
+            pred = [r["predicted"][key] for r in res["rounds"] if key in r["predicted"]]
+            meas = [r["measured"][key] for r in res["rounds"] if (r["measured"].get(key) or {}).get("step_s")]
+            if not pred or not meas:
+                continue
+            steps = [x["step_s"] for x in meas]
+            replayed = [x["replayed_s"] / x["step_s"] for x in meas if x.get("replayed_s")]
+            rows.append({"schedule": name, "m": m, "predicted_s": statistics.median(x["step_s"] for x in pred),
+                         "measured_s": statistics.median(steps), "measured_min": min(steps),
+                         "measured_max": max(steps),
+                         "predicted_bubble": statistics.median(x["bubble"] for x in pred),
+                         "measured_bubble": statistics.median(x["bubble"] for x in meas if x["bubble"] is not None),
+                         "replayed": statistics.median(replayed) if replayed else None})
+    return rows
+
+
+def _separated_pairs(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int, list[str]]:
+    """Pairs of schedules whose measured ranges over the rounds do not overlap, and how many of
+    them the prediction orders the same way (with the ones it does not)."""
+    agree, total, wrong = 0, 0, []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            fast, slow = (a, b) if a["measured_max"] < b["measured_min"] else (b, a)
+            if fast["measured_max"] >= slow["measured_min"]:
+                continue  # within the run-to-run spread: no measured order to hold the planner to
+            total += 1
+            if fast["predicted_s"] < slow["predicted_s"]:
+                agree += 1
+            else:
+                wrong.append(f"{fast['schedule']} < {slow['schedule']}")
+    return agree, total, wrong
+
+
 def _render_planner(data: Mapping[str, Any]) -> list[str]:
     res = data["results"]
     lines = ["## Planner: predicted vs measured", "", _meta_line(data["meta"]), ""]
     if "error" in res:
         return lines + [f"The planner failed: {res['error']}", ""]
-    cal = res["calibration"]
-    rows = [r for r in res["rows"] if r.get("predicted_s")]
-    lines += ["`python -m runner.plan` on the efficiency model (`" + " ".join(res["model"]) + "`, pp=2), against the "
-              "efficiency sweep's steady step times (same machine). Calibrated here: message "
-              f"{cal['latency_s'] * 1e6:.0f} us + bytes / {cal['bandwidth'] / 1e9:.2f} GB/s, runtime overhead "
-              f"{cal['action_overhead_s'] * 1e6:.0f} us per action.", "",
-              "| schedule | m | predicted (s) | measured (s) | predicted / measured | bubble predicted | measured |",
-              "|---|---|---|---|---|---|---|"]
+    rows = _planner_rows(res)
+    cals = [r["calibration"] for r in res["rounds"]]
+    n = len(res["rounds"])
+
+    def cal_range(key: str, scale: float, fmt: str) -> str:
+        values = sorted(c[key] * scale for c in cals)
+        return f"{values[0]:{fmt}}-{values[-1]:{fmt}}" if len(values) > 1 else f"{values[0]:{fmt}}"
+
+    lines += ["`python -m runner.plan` on the model `" + " ".join(res["model"]) + "` at pp=2, against real runs "
+              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median). "
+              f"{n} rounds, each a fresh plan (calibration and child timings) followed by all the runs; the "
+              "numbers are medians over rounds, and the measured range is min-max over rounds. Calibrated per "
+              f"round: message {cal_range('latency_s', 1e6, '.0f')} us + bytes / "
+              f"{cal_range('bandwidth', 1e-9, '.2f')} GB/s, runtime overhead "
+              f"{cal_range('action_overhead_s', 1e6, '.0f')} us per action, co-running compute "
+              f"x{cal_range('corunning_slowdown', 1, '.2f')}. *Replayed* is the "
+              "simulator fed each run's own recorded per-action costs, over that run's step: the simulation's "
+              "share of the error, apart from the cost estimates.", "",
+              "| schedule | m | predicted (s) | measured (s) | measured range | predicted / measured | replayed / "
+              "measured | bubble predicted | measured |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda x: (x["m"], SCHEDULES.index(x["schedule"]))):
         lines.append(f"| {r['schedule']} | {r['m']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
-                     f"{r['predicted_s'] / r['measured_s']:.3f} | {_num(r['predicted_bubble'])} | "
-                     f"{_num(r['measured_bubble'])} |")
+                     f"{r['measured_min']:.3f}-{r['measured_max']:.3f} | {r['predicted_s'] / r['measured_s']:.3f} | "
+                     f"{_num(r['replayed'])} | {_num(r['predicted_bubble'])} | {_num(r['measured_bubble'])} |")
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
     if errors:
-        within = sum(e <= 0.10 for e in errors)
-        lines += ["", f"Within 10% of the measured step: {within} of {len(errors)} "
-                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%})."]
+        noise = statistics.median(r["measured_max"] / r["measured_min"] - 1 for r in rows)
+        lines += ["", f"Within 10% of the measured step: {sum(e <= 0.10 for e in errors)} of {len(errors)} "
+                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%}); a configuration's "
+                  f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."]
     for m in sorted({r["m"] for r in rows}):
         at_m = [r for r in rows if r["m"] == m]
         rho = _ranks_agree([(r["predicted_s"], r["measured_s"]) for r in at_m])
-        best_p = min(at_m, key=lambda r: r["predicted_s"])["schedule"]
-        best_m = min(at_m, key=lambda r: r["measured_s"])["schedule"]
-        spread = max(r["measured_s"] for r in at_m) / min(r["measured_s"] for r in at_m) - 1
-        lines.append(f"- m={m}: rank correlation {_num(rho, '.2f')}; fastest predicted {best_p}, measured {best_m}; "
-                     f"the measured schedules differ by {spread:.0%} fastest to slowest.")
+        agree, total, wrong = _separated_pairs(at_m)
+        best_p = min(at_m, key=lambda r: r["predicted_s"])
+        best_m = min(at_m, key=lambda r: r["measured_s"])
+        spread = max(r["measured_s"] for r in at_m) / best_m["measured_s"] - 1
+        lines.append(f"- m={m}: the measured schedules differ by {spread:.0%} fastest to slowest. Of the "
+                     f"{total} pairs whose measured ranges do not overlap, the prediction orders {agree} the same way"
+                     + (f" (not: {', '.join(wrong)})" if wrong else "") + f"; rank correlation over all "
+                     f"{len(at_m)}: {_num(rho, '.2f')}. Fastest predicted: {best_p['schedule']}, measured "
+                     f"{best_p['measured_s'] / best_m['measured_s'] - 1:+.1%} against the measured fastest "
+                     f"({best_m['schedule']}).")
     return lines + [""]
 
 
@@ -1093,13 +1295,14 @@ def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> st
     machines = {json.dumps(d["meta"].get("machine"), sort_keys=True) for d in found.values()}
     if len(machines) == 1 and found:
         m = next(iter(found.values()))["meta"]["machine"]
+        on = f"{m['device_name']}, NCCL" if m.get("device") == "cuda" else "CPU, gloo"
         lines += [f"Machine: {m.get('cpu')}, {m.get('arch')}, {m.get('cores')} cores, {m.get('platform')}; "
-                  f"Python {m.get('python')}, torch {m.get('torch')}; CPU, gloo.", ""]
+                  f"Python {m.get('python')}, torch {m.get('torch')}; {on}.", ""]
     elif found:
         lines += ["Sections ran on different machines or torch versions: see each section's line.", ""]
     renderers = {"efficiency": lambda d: _render_efficiency(d, out_dir, plot_path), "scaling": _render_scaling,
                  "options": _render_options, "overhead": _render_overhead, "startup": _render_startup,
-                 "profiling": _render_profiling, "planner": _render_planner}
+                 "profiling": _render_profiling, "planner": _render_planner, "device": _render_device}
     for section in SECTIONS:
         if section in found:
             try:
@@ -1110,11 +1313,15 @@ def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> st
     if notes.is_file():  # hand-written observations on the results; kept across re-renders
         lines += [notes.read_text().rstrip(), ""]
     missing = [s for s in SECTIONS if s not in found]
-    lines += ["## Not measured", ""]
+    todo = []
     if missing:
-        lines.append("- No results yet for: " + ", ".join(missing) + " (`python scripts/bench.py --only "
-                     + " ".join(missing) + "`).")
-    lines += ["- GPU runs (NCCL, CUDA memory high-water instead of RSS).", ""]
+        todo.append("- No results yet for: " + ", ".join(missing) + " (`python scripts/bench.py --only "
+                    + " ".join(missing) + "`).")
+    if not any((d["meta"].get("machine") or {}).get("device") == "cuda" for d in found.values()):
+        todo.append("- GPU runs: `python scripts/bench.py --device cuda` writes `BENCHMARKS-cuda.md` (on one GPU "
+                    "only the `device` section runs; the others need a GPU per rank).")
+    if todo:
+        lines += ["## Not measured", "", *todo, ""]
     text = "\n".join(lines)
     output.write_text(text)
     return text
@@ -1136,14 +1343,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--overhead-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of profiling, startup and overhead")
+    parser.add_argument("--planner-rounds", type=int, default=3, help="rounds of plan + every (schedule, m) run")
+    parser.add_argument("--planner-steps", type=int, default=8)
+    parser.add_argument("--planner-microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--max-wait", type=float, default=1200.0,
                         help="seconds to wait for a quiet machine before each long run (0: do not wait)")
     parser.add_argument("--rerun-loaded", action=argparse.BooleanOptionalAction, default=True,
                         help="re-run (once, after waiting) efficiency and options runs that shared the machine")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks")
-    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
-    return parser.parse_args(argv)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every section whose ranks fit this host's GPUs (one GPU: only `device`)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="default: benchmarks/ (cpu), benchmarks/cuda/ (cuda)")
+    parser.add_argument("--output", type=Path, default=None, help="default: BENCHMARKS.md (cpu), BENCHMARKS-cuda.md")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"  # GPU numbers never mix with the CPU ones
+    args.results = args.results or ROOT / "benchmarks" / ("cuda" if cuda else "")
+    args.output = args.output or ROOT / ("BENCHMARKS-cuda.md" if cuda else "BENCHMARKS.md")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -99,3 +99,19 @@ def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
     assert 1e7 < measured.bandwidth < 1e12
     assert 0 <= measured.action_overhead_s < 0.05 and 1 <= measured.corunning_slowdown < 4
     assert measured.message_s(2**20) == pytest.approx(measured.latency_s + 2**20 / measured.bandwidth)
+
+
+@pytest.mark.gpu
+def test_plan_times_children_on_the_gpu_a_run_would_use():
+    import torch
+
+    from runner.plan import measure_child_costs
+    from runner.split import build_meta_model
+
+    cfg = compose(*TINY, "train.batch_size=8")
+    costs = measure_child_costs(cfg, 4, 3, torch.device("cuda", 0))
+    assert list(costs) == list(build_meta_model(cfg.model)._modules)  # one entry per child
+    assert all(c.forward_s > 0 and c.backward_s >= 0 and c.saved_bytes > 0 for c in costs.values())
+    if torch.cuda.device_count() >= 2:  # NCCL between two GPUs
+        measured = calibrate(2**20, device="cuda", repeats=5)
+        assert 0 < measured.latency_s < 0.05 and measured.bandwidth > 1e8

@@ -127,3 +127,61 @@ def test_bench_load_monitor_flags_runs_that_overlap_other_load(bench, monkeypatc
     assert monitor.loaded(21, 29) is True  # the test suite ran
     assert monitor.loaded(31, 39) is False
     assert monitor.loaded(None, 5) is None
+
+
+def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_run_spread(bench, tmp_path):
+    cal = {"latency_s": 2e-4, "bandwidth": 1e9, "action_overhead_s": 5e-4, "corunning_slowdown": 1.0}
+
+    def round_(gpipe, zbv, dualpipev):  # measured step times; the predictions stay 2.0 / 1.0 / 1.5
+        return {"calibration": cal,
+                "predicted": {"gpipe/8": {"step_s": 2.0, "bubble": 0.2}, "zbv/8": {"step_s": 1.0, "bubble": 0.05},
+                              "dualpipev/8": {"step_s": 1.5, "bubble": 0.1}},
+                "measured": {"gpipe/8": {"step_s": gpipe, "bubble": 0.21, "replayed_s": gpipe * 0.9},
+                             "zbv/8": {"step_s": zbv, "bubble": 0.06, "replayed_s": zbv},
+                             "dualpipev/8": {"step_s": dualpipev, "bubble": 0.12, "replayed_s": None}}}
+
+    # zbv and dualpipev overlap (0.9-1.2 vs 1.1-1.3); both are clearly faster than gpipe.
+    res = {"model": ["model.dim=8"], "pp": 2, "steps": 8, "microbatches": [8],
+           "rounds": [round_(2.0, 1.2, 1.1), round_(2.2, 0.9, 1.3), round_(1.9, 1.0, 1.2)]}
+    rows = bench["_planner_rows"](res)
+    gpipe = next(r for r in rows if r["schedule"] == "gpipe")
+    assert (gpipe["measured_s"], gpipe["measured_min"], gpipe["measured_max"]) == (2.0, 1.9, 2.2)
+    assert gpipe["replayed"] == pytest.approx(0.9)
+    assert bench["_separated_pairs"](rows) == (2, 2, [])
+    # A prediction that puts gpipe first gets both separated pairs wrong.
+    assert bench["_separated_pairs"]([{**gpipe, "predicted_s": 0.5}, *rows[1:]])[:2] == (0, 2)
+
+    results = tmp_path / "benchmarks"
+    _section(results, "planner", res)
+    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    assert "| gpipe | 8 | 2.000 | 2.000 | 1.900-2.200 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
+    assert "Within 10% of the measured step: 2 of 3 (median error 0.0%, worst 25.0%)" in text
+    assert "Of the 2 pairs whose measured ranges do not overlap, the prediction orders 2 the same way" in text
+    assert "Fastest predicted: zbv, measured +0.0% against the measured fastest (zbv)" in text
+
+
+def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_go_elsewhere(bench, tmp_path):
+    args = bench["parse_args"](["--device", "cuda", "--pp", "2", "4"])
+    assert args.results == ROOT / "benchmarks" / "cuda" and args.output == ROOT / "BENCHMARKS-cuda.md"
+    assert bench["parse_args"]([]).results == ROOT / "benchmarks"
+    # One GPU runs the device section only; pp=4 efficiency needs 4.
+    assert [bench["ranks_needed"](s, args) for s in ("device", "planner", "efficiency")] == [1, 2, 4]
+
+    stage = {"forward_s": 0.01, "backward_s": 0.03, "input_backward_s": 0.012, "update_s": 0.002,
+             "saved_bytes": 3 * 2**20}
+    runs = [{"config": c, "repeat": 0, "status": "ok", "steady_s": t, "first_step_s": t, "second_step_s": t,
+             "overrides": ["parallel.pp=1"], "peak_mem_bytes": [m * 2**20]}
+            for c, t, m in [("pp1", 1.0, 300), ("pp1+ac", 1.25, 200), ("pp1+compile", 0.8, 320)]]
+    res = {"model": ["model.dim=8"], "microbatches": 8, "device_name": "1 x NVIDIA H100", "options_model": [],
+           "steps": 8, "repeats": 1, "limits": {}, "runs": runs,
+           "stages": [{"num_stages": 2, "stage": 0, "children": ["embed", "block0"], **stage}]}
+    results = tmp_path / "cuda"
+    _section(results, "device", res, machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda",
+                                                "device_name": "1 x NVIDIA H100"})
+    text = bench["render"](results, tmp_path / "BENCHMARKS-cuda.md")
+    assert "## One device (1 x NVIDIA H100): per-stage costs and the options at pp=1" in text
+    assert "| 2 | 0 | embed, block0 | 10.0 | 30.0 | 12.0 | 18.0 | 2.0 | 3.0 |" in text
+    assert "| activation checkpointing full / none | 1.250 | 1.250 |" in text
+    assert "| compile / eager | 0.800 | 0.800 |" in text and "| bf16 / fp32 | n/a |" in text
+    assert "| pp1+ac | `parallel.pp=1` | 1.250 | 1.25 | 1.25 | 200 |" in text
+    assert "1 x NVIDIA H100, NCCL." in text and "GPU runs:" not in text
