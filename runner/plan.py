@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import hydra
 import torch
@@ -37,7 +38,7 @@ from runner.split import build_meta_model, materialize
 from runner.timeline import simulated_slices, write_chrome_trace
 from runner.validate import Layout, validate
 
-__all__ = ["Candidate", "schedule_order", "measure_child_costs", "peak_in_flight", "plan"]
+__all__ = ["Candidate", "schedule_order", "measure_child_costs", "stage_costs", "peak_in_flight", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +142,15 @@ def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
     return costs
 
 
-def _stage_costs(layout: Layout, child: dict[str, ChildCost]) -> dict[tuple[int, str], float]:
+def stage_costs(stages: Sequence[Sequence[str]], child: Mapping[str, ChildCost]) -> dict[tuple[int, str], float]:
+    """Per (stage, kind): the F, B, I and W seconds of a stage from its children's."""
     costs = {}
-    for s, names in enumerate(layout.stages):
+    for s, names in enumerate(stages):
         f = sum(child[n].forward_s for n in names)
         b = sum(child[n].backward_s for n in names)
-        i = sum(child[n].input_backward_s for n in names)
+        # The first stage's input (the batch) takes no gradient: torch's I there does nothing and
+        # its W runs the whole backward, at the W's place in the order (the tail of ZB schedules).
+        i = sum(child[n].input_backward_s for n in names) if s > 0 else 0.0
         costs.update({(s, "F"): f, (s, "B"): b, (s, "I"): i, (s, "W"): max(0.0, b - i)})
     return costs
 
@@ -233,7 +237,7 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         costs = _costs_from_summary(cfg.plan.costs, layout) if cfg.plan.costs else None
         if costs is None:
             slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
-            costs = {k: v * slow + overhead for k, v in _stage_costs(layout, child).items()}
+            costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
         try:
             timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=calibration.message_s(sent))
         except ValueError as e:

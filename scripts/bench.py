@@ -533,7 +533,7 @@ def single_device(ctx: Context) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
 
     import runner.config  # noqa: F401
-    from runner.plan import measure_child_costs
+    from runner.plan import measure_child_costs, stage_costs
     from runner.split import build_meta_model, plan_split
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -545,10 +545,12 @@ def single_device(ctx: Context) -> dict[str, Any]:
     meta = build_meta_model(cfg.model)
     stages = []
     for num_stages in (2, 4):
-        for s, names in enumerate(plan_split(meta, num_stages, None)):
+        split = plan_split(meta, num_stages, None)
+        fbiw = stage_costs(split, costs)
+        for s, names in enumerate(split):
             stages.append({"num_stages": num_stages, "stage": s, "children": list(names),
-                           **{k: sum(getattr(costs[n], k) for n in names)
-                              for k in ("forward_s", "backward_s", "input_backward_s", "update_s", "saved_bytes")}})
+                           **{f"{kind}_s": fbiw[(s, kind)] for kind in "FBIW"},
+                           **{k: sum(getattr(costs[n], k) for n in names) for k in ("update_s", "saved_bytes")}})
     table = {name: [*o, "parallel.pp=1", f"parallel.microbatches={microbatches}"] for name, o in SINGLE.items()}
     limits = SINGLE_LIMITS if ctx.args.device == "cpu" else {}
     return {"model": SWEEP_MODEL, "microbatches": microbatches, "device_name": _device_name(ctx.args.device),
@@ -1107,13 +1109,14 @@ def _render_device(data: Mapping[str, Any]) -> list[str]:
              "Each stage of the efficiency model (`" + " ".join(res["model"]) + f"`) on one microbatch (m="
              f"{res['microbatches']}), split in 2 and in 4 stages, timed in one process as `python -m runner.plan` "
              "times it (median of 5): forward, full backward, input-only backward (I) and the weight part "
-             "(W = B - I), the optimizer update of its parameters, and the activations its forward saves.", "",
+             "(W = B - I; the first stage's input takes no gradient, so its W is the whole backward), the "
+             "optimizer update of its parameters, and the activations its forward saves.", "",
              "| stages | stage | children | F (ms) | B (ms) | I (ms) | W (ms) | update (ms) | saved (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for st in res["stages"]:
-        f, b, i = st["forward_s"] * 1e3, st["backward_s"] * 1e3, st["input_backward_s"] * 1e3
+        f, b, i, w = (st[f"{kind}_s"] * 1e3 for kind in "FBIW")
         lines.append(f"| {st['num_stages']} | {st['stage']} | {', '.join(st['children'])} | {f:.1f} | {b:.1f} | "
-                     f"{i:.1f} | {max(b - i, 0.0):.1f} | {st['update_s'] * 1e3:.1f} | {st['saved_bytes'] / MIB:.1f} |")
+                     f"{i:.1f} | {w:.1f} | {st['update_s'] * 1e3:.1f} | {st['saved_bytes'] / MIB:.1f} |")
     table, ratios = _option_table(runs, SINGLE, SINGLE_RATIOS)
     lines += ["", "The training options on the unsplit model (`parallel.pp=1`, m=8, model `"
               + " ".join(res["options_model"]) + f"`), {res['steps']} steps, profiling off, "
@@ -1343,7 +1346,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--overhead-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of profiling, startup and overhead")
-    parser.add_argument("--planner-rounds", type=int, default=3, help="rounds of plan + every (schedule, m) run")
+    parser.add_argument("--planner-rounds", type=int, default=5, help="rounds of plan + every (schedule, m) run")
     parser.add_argument("--planner-steps", type=int, default=8)
     parser.add_argument("--planner-microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--max-wait", type=float, default=1200.0,

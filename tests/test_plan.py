@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from runner.calibrate import calibrate, solve_action_overhead
-from runner.plan import peak_in_flight, plan, schedule_order
+from runner.plan import ChildCost, peak_in_flight, plan, schedule_order, stage_costs
 from runner.simulate import simulate
 from runner.validate import validate
 
@@ -27,6 +27,15 @@ def test_in_flight_activations_follow_the_schedule():
     assert peak_in_flight(schedule_order("1f1b", 2, 4, 1)) == {0: {0: 2}, 1: {1: 1}}  # p - rank
     order = schedule_order("1f1b", 2, 4, 1)  # torch declares the last rank's forwards as 1..m
     assert [op.name for op in order[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
+
+
+def test_stage_costs_put_the_first_stages_whole_backward_in_its_weight_step():
+    child = {name: ChildCost(forward_s=1.0, backward_s=2.0, input_backward_s=1.2, saved_bytes=0, output_bytes=0)
+             for name in ("embed", "block0", "block1", "head")}
+    costs = stage_costs([("embed", "block0"), ("block1", "head")], child)
+    # torch runs no input backward for the first stage (the batch takes no gradient): its W does it all.
+    assert (costs[(0, "F")], costs[(0, "B")], costs[(0, "I")], costs[(0, "W")]) == (2.0, 4.0, 0.0, 4.0)
+    assert costs[(1, "I")] == pytest.approx(2.4) and costs[(1, "W")] == pytest.approx(1.6)
 
 
 def test_plan_ranks_valid_candidates_and_explains_invalid_ones():

@@ -167,8 +167,7 @@ def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_g
     # One GPU runs the device section only; pp=4 efficiency needs 4.
     assert [bench["ranks_needed"](s, args) for s in ("device", "planner", "efficiency")] == [1, 2, 4]
 
-    stage = {"forward_s": 0.01, "backward_s": 0.03, "input_backward_s": 0.012, "update_s": 0.002,
-             "saved_bytes": 3 * 2**20}
+    stage = {"F_s": 0.01, "B_s": 0.03, "I_s": 0.012, "W_s": 0.018, "update_s": 0.002, "saved_bytes": 3 * 2**20}
     runs = [{"config": c, "repeat": 0, "status": "ok", "steady_s": t, "first_step_s": t, "second_step_s": t,
              "overrides": ["parallel.pp=1"], "peak_mem_bytes": [m * 2**20]}
             for c, t, m in [("pp1", 1.0, 300), ("pp1+ac", 1.25, 200), ("pp1+compile", 0.8, 320)]]
