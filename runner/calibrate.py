@@ -1,7 +1,7 @@
 """What the planner cannot learn from timing modules in one process: the cost of a message
 between two ranks (latency and bandwidth, over the transport the runs use: gloo on CPU, NCCL
-between two GPUs) and what the
-pipelining runtime adds to every compute action (stage bookkeeping, buffers, Python).
+between two GPUs) and what the pipelining runtime adds to every compute action (stage
+bookkeeping, buffers, Python).
 
 Measured on two real ranks, started the way a run starts them: a ping-pong for the message
 cost, then a 1F1B pipeline of almost-free stages, whose step time the simulator must reproduce
