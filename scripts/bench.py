@@ -1,11 +1,13 @@
 """Benchmarks: pipeline efficiency, scaling and memory, training options, runner overhead, startup,
-profiling cost. Each section saves its raw results to benchmarks/<section>.json; BENCHMARKS.md is
-rendered from every JSON file present, so re-running one section refreshes only that part.
+profiling cost, the planner against real runs, and what one device measures alone. Each section
+saves its raw results to benchmarks/<section>.json; BENCHMARKS.md is rendered from every JSON file
+present, so re-running one section refreshes only that part.
 
-    python scripts/bench.py                                # every section (~30 min on 2 cores, plus waits)
+    python scripts/bench.py                                # every section (~1 h on 2 cores, plus waits)
     python scripts/bench.py --only options startup         # these sections; the others' JSON is kept
     python scripts/bench.py --only efficiency --pp 2 --microbatches 8
     python scripts/bench.py --render                       # re-render BENCHMARKS.md (and the plot) only
+    python scripts/bench.py --device cuda                  # on GPUs: benchmarks/cuda/, BENCHMARKS-cuda.md
 
 Before each long run the script waits (up to --max-wait s) until the 1-minute load average is at
 most 1.0 and no pytest is running, and records per section whether it ran under load. Benchmarks
