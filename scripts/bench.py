@@ -1190,6 +1190,10 @@ def _render_profiling(data: Mapping[str, Any]) -> list[str]:
             + _ratios_line(res.get("pairs", [])), ""]
 
 
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
 def _planner_rows(res: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per (schedule, m): the medians over rounds of predicted and measured step times, the
     measured range, and the replay of each run's own costs."""
@@ -1207,8 +1211,8 @@ def _planner_rows(res: Mapping[str, Any]) -> list[dict[str, Any]]:
                          "measured_s": statistics.median(steps), "measured_min": min(steps),
                          "measured_max": max(steps),
                          "predicted_bubble": statistics.median(x["bubble"] for x in pred),
-                         "measured_bubble": statistics.median(x["bubble"] for x in meas if x["bubble"] is not None),
-                         "replayed": statistics.median(replayed) if replayed else None})
+                         "measured_bubble": _median([x["bubble"] for x in meas if x.get("bubble") is not None]),
+                         "replayed": _median(replayed)})
     return rows
 
 
