@@ -163,21 +163,26 @@ def _costs_from_summary(path: str, layout: Layout) -> dict[tuple[int, str], floa
     return {(int(k[:-1]), k[-1]): v for k, v in summary["bubble"]["mean_costs_s"].items()}
 
 
-def peak_in_flight(order: dict[int, list[Op]]) -> dict[int, dict[int, int]]:
-    """Per rank, per stage: the most microbatches whose forward activations are held at once
-    (from the forward until the backward that frees them: B, or W after an I)."""
-    peaks: dict[int, dict[int, int]] = {}
+def peak_in_flight(order: Mapping[int, Sequence[Op]],
+                   weights: Mapping[int, float] | None = None) -> dict[int, float]:
+    """Per rank, the most forward activations held at once, walking the rank's order: a forward
+    adds its stage-microbatch, the backward that frees it removes it (its B, or its W where the
+    backward is split: after an I the weight gradient still needs the layer inputs). Counted in
+    stage-microbatches, or in bytes with ``weights`` (stage -> bytes of one stage-microbatch)."""
+    peaks: dict[int, float] = {}
     for rank, ops in order.items():
-        held: dict[int, int] = {}
-        peak_total, at_peak = 0, {}
+        live: set[tuple[int, int]] = set()
+        held = peak = 0.0
         for op in ops:
-            if op.kind == "F":
-                held[op.stage] = held.get(op.stage, 0) + 1
-            elif op.kind in "BW":
-                held[op.stage] -= 1
-            if sum(held.values()) > peak_total:
-                peak_total, at_peak = sum(held.values()), dict(held)
-        peaks[rank] = at_peak
+            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
+            if op.kind == "F" and key not in live:
+                live.add(key)
+                held += w
+            elif op.kind in "BW" and key in live:
+                live.remove(key)
+                held -= w
+            peak = max(peak, held)
+        peaks[rank] = peak if weights is not None else int(peak)
     return peaks
 
 
@@ -243,7 +248,6 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         except ValueError as e:
             candidate.reason = f"the order cannot run: {e}"
             continue
-        peaks = peak_in_flight(order)
         saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
         update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
                                                           for n in layout.stages[s])
@@ -253,8 +257,9 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         candidate.predicted_step_time_s = (max(a.end for a in timeline) + calibration.latency_s
                                            + max(update.values()))
         candidate.bubble = sum(bubbles.values()) / len(bubbles)
-        candidate.peak_activations = [sum(peaks[r].values()) for r in sorted(peaks)]
-        candidate.peak_activation_bytes = [sum(n * saved[s] for s, n in peaks[r].items()) for r in sorted(peaks)]
+        counts, nbytes = peak_in_flight(order), peak_in_flight(order, saved)
+        candidate.peak_activations = [counts[r] for r in sorted(counts)]
+        candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
         limit = cfg.plan.memory_limit
         candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
         timelines[id(candidate)] = timeline

@@ -134,6 +134,9 @@ class RunProfiler:
             "theoretical": formula if formula is not None else sim_mean,
             "theoretical_source": "formula" if formula is not None else "simulated with measured costs",
             "simulated": sim_mean,
+            # The executed order replayed with each action's mean time and nothing else: how much of
+            # step_time_s the simulator (and so the planner) can account for.
+            "simulated_step_s": max(a.end for a in simulated),
             "steps": [s.step for s in spans[0]],
             "mean_costs_s": {f"{stage}{kind}": c for (stage, kind), c in sorted(costs.items())},
         }

@@ -71,30 +71,6 @@ MIB = 2**20
 # Pure helpers (unit-tested in tests/test_scripts.py)
 
 
-def in_flight_peaks(order: Mapping[int, Sequence[Any]], weights: Mapping[int, float] | None = None) -> dict[int, float]:
-    """Per rank, the most forward activations held at once, walking the rank's op order (ops with
-    ``.stage``, ``.kind`` in F/B/I/W and ``.microbatch``): a forward adds its stage-microbatch; the
-    backward that frees it removes it: its ``B``, or its ``W`` where backward is split (an ``I``
-    frees nothing: the weight gradient still needs the layer inputs). Without ``weights`` the
-    peak counts stage-microbatches; with ``weights`` (stage -> bytes of one stage-microbatch) it
-    is in bytes."""
-    peaks: dict[int, float] = {}
-    for rank, ops in order.items():
-        live: set[tuple[int, int]] = set()
-        held = peak = 0.0
-        for op in ops:
-            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
-            if op.kind == "F" and key not in live:
-                live.add(key)
-                held += w
-            elif op.kind in ("B", "W") and key in live:
-                live.remove(key)
-                held -= w
-            peak = max(peak, held)
-        peaks[rank] = peak if weights is not None else int(peak)
-    return peaks
-
-
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float] | None:
     """Least squares y = a + b x: (a, b, Pearson r), or None for fewer than 3 distinct x."""
     if len(xs) < 3 or len(set(xs)) < 2:
@@ -299,7 +275,8 @@ def read_run(run_dir: Path, done: subprocess.CompletedProcess | None = None) -> 
         "step_time_s": s.get("step_time_s"), "tokens_per_s": s.get("tokens_per_s"), "step_times": step_times,
         "bubble": bubble.get("mean"), "bubble_per_rank": bubble.get("per_rank"),
         "bubble_theoretical": bubble.get("theoretical"), "theoretical_source": bubble.get("theoretical_source"),
-        "bubble_simulated": bubble.get("simulated"), "mean_costs_s": bubble.get("mean_costs_s", {}),
+        "bubble_simulated": bubble.get("simulated"), "simulated_step_s": bubble.get("simulated_step_s"),
+        "mean_costs_s": bubble.get("mean_costs_s", {}),
         "peak_mem_bytes": s.get("peak_mem_bytes"), "stages": s.get("stages"), "num_stages": s.get("num_stages"),
         "startup_s": s.get("startup_s"), "startup_phases_s": s.get("startup_phases_s"),
         "final_loss": s.get("final_loss"), "started_at": s.get("started_at"), "finished_at": s.get("finished_at"),
@@ -455,7 +432,7 @@ def _efficiency_rows(ctx: Context) -> list[dict[str, Any]]:
 def scaling(ctx: Context) -> dict[str, Any]:
     """Step time over pp and m, and peak memory per rank against the activations each schedule's
     order keeps in flight (no runs of its own: the efficiency sweep's)."""
-    from runner.plan import schedule_order
+    from runner.plan import peak_in_flight, schedule_order
     from runner.schedule import is_single_stage
 
     runs = _efficiency_rows(ctx)
@@ -473,11 +450,11 @@ def scaling(ctx: Context) -> dict[str, Any]:
             row["order_error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
             continue
-        row["expected_in_flight"] = [in_flight_peaks(order)[k] for k in sorted(order)]
+        row["expected_in_flight"] = [peak_in_flight(order)[k] for k in sorted(order)]
         if r.get("stages"):
             stage_bytes = {int(s): sum(per_sample.get(n, 0.0) for n in names) * batch / r["m"]
                            for s, names in r["stages"].items()}
-            peaks = in_flight_peaks(order, stage_bytes)
+            peaks = peak_in_flight(order, stage_bytes)
             row["expected_activation_bytes"] = [round(peaks[k]) for k in sorted(order)]
         rows.append(row)
     return {"model": SWEEP_MODEL, "activation_bytes_per_sample": per_sample, "rows": rows}
@@ -716,19 +693,6 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
 
 
-def _replayed_s(run: Mapping[str, Any], comm_s: float) -> float | None:
-    """The simulator's step for a measured run, fed that run's own per-action costs: how far the
-    simulation itself is from the run, apart from how well the planner estimates costs."""
-    from runner.schedule import default_stages_per_rank, schedule_order
-    from runner.simulate import simulate
-
-    costs = {(int(k[:-1]), k[-1]): v for k, v in run.get("mean_costs_s", {}).items()}
-    if not costs:
-        return None
-    order = schedule_order(run["schedule"], run["pp"], run["m"], default_stages_per_rank(run["schedule"]))
-    return max(a.end for a in simulate(order, costs, num_stages=run["num_stages"], comm_s=comm_s))
-
-
 def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int]) -> dict[str, Any]:
     from runner.schedule import default_stages_per_rank
 
@@ -756,10 +720,9 @@ def planner(ctx: Context) -> dict[str, Any]:
             return {"error": plan["error"]}
         runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, a.planner_microbatches, a.planner_steps, model=MODEL,
                                                      sweep=ctx.work / f"planner-{r}" / "runs")]
-        comm_s = plan["calibration"]["latency_s"]
         measured = {f"{run['schedule']}/{run['m']}": {
             "step_s": run.get("step_time_s"), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
-            "replayed_s": _replayed_s(run, comm_s) if run["status"] == "ok" else None,
+            "replayed_s": run.get("simulated_step_s"),
             **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
         rounds.append({**plan, "measured": measured})
         print(f"[bench] planner round {r + 1}/{a.planner_rounds}: {time.time() - started:.0f} s", flush=True)
@@ -1254,8 +1217,8 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
               f"{cal_range('bandwidth', 1e-9, '.2f')} GB/s, runtime overhead "
               f"{cal_range('action_overhead_s', 1e6, '.0f')} us per action, co-running compute "
               f"x{cal_range('corunning_slowdown', 1, '.2f')}. *Replayed* is the "
-              "simulator fed each run's own recorded per-action costs, over that run's step: the simulation's "
-              "share of the error, apart from the cost estimates.", "",
+              "simulator fed each run's own recorded per-action costs (the run's `bubble.simulated_step_s`), "
+              "over that run's step: the simulation's share of the error, apart from the cost estimates.", "",
               "| schedule | m | predicted (s) | measured (s) | measured range | predicted / measured | replayed / "
               "measured | bubble predicted | measured |",
               "|---|---|---|---|---|---|---|---|---|"]

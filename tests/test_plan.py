@@ -12,7 +12,7 @@ import pytest
 
 from runner.calibrate import calibrate, solve_action_overhead
 from runner.plan import ChildCost, peak_in_flight, plan, schedule_order, stage_costs
-from runner.simulate import simulate
+from runner.simulate import Op, simulate
 from runner.validate import validate
 
 from conftest import ROOT, TINY, compose
@@ -22,11 +22,21 @@ FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_ove
          "plan.corunning_slowdown=1"]
 
 
+def _ops(text: str) -> list[Op]:
+    return [Op(int(a[0]), a[1], int(a[2:])) for a in text.split()]
+
+
 def test_in_flight_activations_follow_the_schedule():
-    assert peak_in_flight(schedule_order("gpipe", 2, 4, 1)) == {0: {0: 4}, 1: {1: 4}}  # all m
-    assert peak_in_flight(schedule_order("1f1b", 2, 4, 1)) == {0: {0: 2}, 1: {1: 1}}  # p - rank
+    assert peak_in_flight(schedule_order("gpipe", 2, 4, 1)) == {0: 4, 1: 4}  # all m
+    assert peak_in_flight(schedule_order("1f1b", 4, 8, 1)) == {0: 4, 1: 3, 2: 2, 3: 1}  # p - rank
     order = schedule_order("1f1b", 2, 4, 1)  # torch declares the last rank's forwards as 1..m
     assert [op.name for op in order[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
+    assert peak_in_flight({0: _ops("0F0 0F1 0B0 0F2 0B1 0B2"), 1: _ops("1F0 1B0 1F1 1B1")}) == {0: 2, 1: 1}
+    # Split backward: an I frees nothing, the W does.
+    assert peak_in_flight({0: _ops("0F0 0F1 0I0 0I1 0W0 0W1")}) == {0: 2}
+    assert peak_in_flight({0: _ops("0F0 0I0 0W0 0F1 0I1 0W1")}) == {0: 1}
+    # In bytes per stage-microbatch (two stages on one rank): the peak of bytes, not of counts.
+    assert peak_in_flight({0: _ops("0F0 2F0 2B0 0F1 0B0 0B1")}, {0: 10.0, 2: 1.0}) == {0: 20.0}
 
 
 def test_stage_costs_put_the_first_stages_whole_backward_in_its_weight_step():

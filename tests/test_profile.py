@@ -91,6 +91,12 @@ def check_profiled_run(run_dir: Path, *, pp: int, microbatches: int, active_step
     assert sum(e["ph"] == "f" for e in events) == sum(starts.values())
     sim = json.loads((run_dir / "schedule_sim.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in sim) == 2 * microbatches * pp
+    # The replay's step: at least one rank's mean compute, at most the whole measured step (it leaves
+    # out the time between actions and the optimizer).
+    mean_busy = max(microbatches * (bubble["mean_costs_s"][f"{r}F"] + bubble["mean_costs_s"][f"{r}B"])
+                    for r in range(pp))
+    assert mean_busy <= bubble["simulated_step_s"] <= summary["step_time_s"] * 1.5
+    assert max(e["ts"] + e["dur"] for e in sim if e["ph"] == "X") == pytest.approx(bubble["simulated_step_s"] * 1e6)
     assert (run_dir / "schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = (run_dir / "schedule.csv").read_text().splitlines()
     assert rows[-1] == ",".join(f"{pp - 1}{k}{i}" for i in range(microbatches) for k in "FB")  # last rank: F,B,...

@@ -32,30 +32,6 @@ def bench():
     return runpy.run_path(BENCH, run_name="bench")
 
 
-def _ops(text: str):
-    from runner.simulate import Op
-
-    return [Op(int(a[0]), a[1], int(a[2:])) for a in text.split()]
-
-
-def test_bench_in_flight_counts_forwards_until_their_freeing_backward(bench):
-    peaks = bench["in_flight_peaks"]
-    assert peaks({0: _ops("0F0 0F1 0B0 0F2 0B1 0B2"), 1: _ops("1F0 1B0 1F1 1B1")}) == {0: 2, 1: 1}
-    # Split backward: an I frees nothing, the W does.
-    assert peaks({0: _ops("0F0 0F1 0I0 0I1 0W0 0W1")}) == {0: 2}
-    assert peaks({0: _ops("0F0 0I0 0W0 0F1 0I1 0W1")}) == {0: 1}
-    # Weighted by bytes per stage-microbatch (two stages on one rank).
-    assert peaks({0: _ops("0F0 2F0 2B0 0F1 0B0 0B1")}, {0: 10.0, 2: 1.0}) == {0: 20.0}
-
-
-def test_bench_in_flight_matches_the_textbook_counts(bench):
-    from runner.plan import schedule_order
-
-    peaks = bench["in_flight_peaks"]
-    assert peaks(schedule_order("gpipe", 2, 4, 1)) == {0: 4, 1: 4}
-    assert peaks(schedule_order("1f1b", 4, 8, 1)) == {0: 4, 1: 3, 2: 2, 3: 1}
-
-
 def test_bench_fit_and_steady(bench):
     a, b, r = bench["linear_fit"]([1.0, 2.0, 3.0], [12.0, 14.0, 16.0])
     assert (round(a, 6), round(b, 6), round(r, 6)) == (10.0, 2.0, 1.0)
@@ -184,3 +160,21 @@ def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_g
     assert "| compile / eager | 0.800 | 0.800 |" in text and "| bf16 / fp32 | n/a |" in text
     assert "| pp1+ac | `parallel.pp=1` | 1.250 | 1.25 | 1.25 | 200 |" in text
     assert "1 x NVIDIA H100, NCCL." in text and "GPU runs:" not in text
+
+
+def test_bench_on_one_gpu_runs_only_the_sections_whose_ranks_fit(bench, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    ran = []
+    monkeypatch.setitem(bench["RUNNERS"], "device", lambda ctx: ran.append("device") or {"ok": True})
+    monkeypatch.setitem(bench["RUNNERS"], "planner", lambda ctx: ran.append("planner") or {"ok": True})
+    args = bench["parse_args"](["--device", "cuda", "--max-wait", "0", "--results", str(tmp_path / "cuda")])
+    ctx = bench["Context"](args, tmp_path)
+    for section in ("planner", "device"):
+        bench["run_section"](section, ctx)
+    assert ran == ["device"] and "planner: skipped, it needs 2 GPUs" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "cuda" / "device.json").read_text())
+    assert saved["meta"]["machine"]["device_name"] == "1 x Fake GPU"
+    assert not (tmp_path / "cuda" / "planner.json").exists()
