@@ -13,6 +13,7 @@ from unittest import mock
 
 import torch
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
     _Action,
@@ -31,6 +32,8 @@ __all__ = [
     "csv_schedule",
     "replicate",
     "allow_eval",
+    "backward_input",
+    "backward_weight",
 ]
 
 Action = _Action
@@ -93,6 +96,20 @@ def allow_eval(stage: PipelineStage) -> None:
     get, put = stage.get_local_bwd_output, stage.set_local_bwd_input
     stage.get_local_bwd_output = lambda mb_index: get(mb_index) if stage.has_backward else ()
     stage.set_local_bwd_input = lambda grads, mb_index: put(grads, mb_index) if stage.has_backward else None
+
+
+def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, inputs: list[torch.Tensor],
+                   module: torch.nn.Module) -> list[dict]:
+    """What a zero-bubble stage's I runs: the input gradient only, keeping what its W needs.
+    Returns the parameter groups to hand to ``backward_weight``."""
+    _, param_groups = stage_backward_input([output], None if output_grad is None else [output_grad], inputs,
+                                           module.parameters())
+    return param_groups
+
+
+def backward_weight(module: torch.nn.Module, param_groups: list[dict]) -> None:
+    """What a zero-bubble stage's W runs after its I: the weight gradients, group by group."""
+    stage_backward_weight(module.parameters(), param_groups)
 
 
 def replicate(module, *, mesh):

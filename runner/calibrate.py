@@ -4,9 +4,10 @@ between two GPUs) and what the pipelining runtime adds to every compute action (
 bookkeeping, buffers, Python).
 
 Measured on two real ranks, started the way a run starts them: a ping-pong for the message
-cost, then a 1F1B pipeline of almost-free stages, whose step time the simulator must reproduce
-with a per-action overhead (solved for, since the predicted time is linear in it); and how much
-slower a rank computes while its neighbour computes too.
+cost, and the same message sent while its sender computes (as in a pipeline); then a 1F1B pipeline
+of almost-free stages, whose step time the simulator must reproduce with a per-action overhead
+(solved for, since the predicted time is linear in it); and how much slower, and how much less
+evenly, a rank computes while its neighbour computes too.
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ class Calibration:
     # Compute time with the other rank computing too, over alone: ranks of one host share caches
     # and memory bandwidth, and the planner times each child alone.
     corunning_slowdown: float = 1.0
+    # Added to a message whose sender is computing when its receiver asks for it, as in a running
+    # pipeline: the sender's transport thread first has to get a core (gloo on shared CPU cores).
+    busy_delay_s: float = 0.0
+    # Coefficient of variation of a compute's time with both ranks busy. A pipeline waits on its
+    # slower actions, so varying times make a step longer than the one of mean times.
+    action_jitter: float = 0.0
 
     def message_s(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth
+        """A message between two busy ranks of a pipeline."""
+        return self.latency_s + nbytes / self.bandwidth + self.busy_delay_s
 
 
 def _sync(device: torch.device) -> None:
@@ -68,6 +76,34 @@ def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
     return statistics.median(samples[2:])  # the first exchanges set up the connection
 
 
+def _compute_for(seconds: float, device: torch.device) -> None:
+    """Keep this rank's thread (and its device) computing for ``seconds``."""
+    a = torch.randn(128, 128, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+        _sync(device)
+
+
+def _busy_one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
+    """Mean time rank 0 waits for ``tensor`` from rank 1, asking for it while rank 1 computes on
+    after sending it: what a pipeline's receive costs (the mean, since every wait adds up)."""
+    samples = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        if rank == 1:
+            request = dist.isend(tensor, 0)
+            _compute_for(0.025, tensor.device)
+            request.wait()
+        else:
+            _compute_for(0.005, tensor.device)
+            start = time.perf_counter()
+            dist.recv(tensor, 1)
+            _sync(tensor.device)
+            samples.append(time.perf_counter() - start)
+    return statistics.fmean(samples[2:]) if rank == 0 else 0.0
+
+
 def _pipeline_step_s(rank: int, repeats: int, device: torch.device) -> float:
     """Median step time of a 2-stage 1F1B pipeline whose stages compute next to nothing."""
     torch.manual_seed(0)
@@ -84,11 +120,12 @@ def _pipeline_step_s(rank: int, repeats: int, device: torch.device) -> float:
     return statistics.median(samples[2:])  # the first step infers shapes
 
 
-def _corunning_slowdown(rank: int, repeats: int, device: torch.device) -> float:
+def _corunning(rank: int, repeats: int, device: torch.device) -> tuple[float, float]:
     """How much slower rank 0 runs a transformer feed-forward block's forward and backward (1024
     tokens of width 256: weights and activations beyond a core's private caches) while rank 1 runs
-    the same than while rank 1 waits. Alone and together alternate and each pair gives a ratio, so
-    that a slow spell of a shared host lands on both sides of a ratio, not on one."""
+    the same than while rank 1 waits, and the coefficient of variation of its times together.
+    Alone and together alternate and each pair gives a ratio, so that a slow spell of a shared
+    host lands on both sides of a ratio, not on one."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(device)
     x = torch.randn(1024, 256, device=device)
@@ -103,27 +140,34 @@ def _corunning_slowdown(rank: int, repeats: int, device: torch.device) -> float:
         dist.barrier()
         return elapsed
 
-    ratios = []
-    for i in range(repeats + 2):
+    ratios, together = [], []
+    for i in range(2 * repeats + 2):  # twice: a spread needs more samples than a median
         alone = timed(rank == 0)  # rank 1 only waits at the barriers
         both = timed(True)
         if rank == 0 and i >= 2:  # the first blocks warm up
             ratios.append(both / alone)
-    return statistics.median(ratios) if rank == 0 else 0.0
+            together.append(both)
+    if rank != 0:
+        return 0.0, 0.0
+    return statistics.median(ratios), statistics.stdev(together) / statistics.fmean(together)
 
 
-def _rank(rank: int, store_path: str, kind: str, message_bytes: int, repeats: int, out: str) -> None:
+def _rank(rank: int, store_path: str, kind: str, message_bytes: int, bandwidth_bytes: int, repeats: int,
+          out: str) -> None:
     torch.set_num_threads(1)
     device = pick_device(kind, rank)
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.FileStore(store_path, 2), rank=rank,
                             world_size=2, device_id=device if kind == "cuda" else None)
     try:
         small = _one_way_s(torch.zeros(1, device=device), rank, repeats)
-        large = _one_way_s(torch.zeros(message_bytes // 4, device=device), rank, repeats)
+        large = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)
+        message = torch.zeros(message_bytes // 4, device=device)
+        idle, busy = _one_way_s(message, rank, repeats), _busy_one_way_s(message, rank, repeats)
         step = _pipeline_step_s(rank, repeats, device)
-        slowdown = _corunning_slowdown(rank, repeats, device)
+        slowdown, jitter = _corunning(rank, repeats, device)
         if rank == 0:
-            torch.save({"small": small, "large": large, "step": step, "slowdown": slowdown}, out)
+            torch.save({"small": small, "large": large, "step": step, "slowdown": slowdown, "jitter": jitter,
+                        "busy_delay": busy - idle}, out)
     finally:
         dist.destroy_process_group()
 
@@ -142,16 +186,18 @@ def solve_action_overhead(step_s: float, comm_s: float) -> float:
 def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20) -> Calibration:
     """Two ranks on this host, on ``device`` (``cpu``: gloo, forked where the runner would fork
     them; ``cuda``: NCCL between GPUs 0 and 1): the message cost at 4 bytes and at
-    ``message_bytes`` (at least 4 MiB, so that the transfer, not the noise, sets the bandwidth),
-    then the runtime's per-action overhead and the co-running slowdown."""
-    message_bytes = max(message_bytes, 4 * 2**20)
+    ``message_bytes`` or 4 MiB, whichever is larger (so that the transfer, not the noise, sets the
+    bandwidth), what a ``message_bytes`` message costs more while its sender computes, then the
+    runtime's per-action overhead and the co-running slowdown and jitter."""
+    bandwidth_bytes = max(message_bytes, 4 * 2**20)
     with tempfile.TemporaryDirectory(prefix="runner-calibrate-") as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.start_processes(_rank, args=(str(Path(tmp) / "store"), device, message_bytes, repeats, out), nprocs=2,
-                           join=True, start_method=start_method("auto", device))
+        mp.start_processes(_rank, args=(str(Path(tmp) / "store"), device, max(message_bytes, 4), bandwidth_bytes,
+                                        repeats, out),
+                           nprocs=2, join=True, start_method=start_method("auto", device))
         result = torch.load(out, weights_only=True)
-    bandwidth = (message_bytes - 4) / max(result["large"] - result["small"], 1e-9)
+    bandwidth = (bandwidth_bytes - 4) / max(result["large"] - result["small"], 1e-9)
     latency = result["small"]
     comm_s = latency + 8 * 4 / bandwidth  # one microbatch of Linear(8, 8) outputs: 8 floats
     return Calibration(latency, bandwidth, solve_action_overhead(result["step"], comm_s),
-                       max(1.0, result["slowdown"]))
+                       max(1.0, result["slowdown"]), max(0.0, result["busy_delay"]), result["jitter"])

@@ -144,6 +144,8 @@ class PlanConfig:
     comm_bandwidth: Optional[float] = None  # bytes/s between ranks
     action_overhead_s: Optional[float] = None  # the pipelining runtime's cost per F/B/I/W action
     corunning_slowdown: Optional[float] = None  # compute time with every rank busy / alone
+    comm_busy_delay_s: Optional[float] = None  # added to a message whose sender is computing
+    action_jitter: Optional[float] = None  # coefficient of variation of an action's time
     repeats: int = 5  # timings per child; the median is used
 
 

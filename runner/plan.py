@@ -28,12 +28,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import runner.config  # noqa: F401  (registers the config schemas)
+from runner import _torch_pp
 from runner.calibrate import Calibration, calibrate
 from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.schedule import SCHEDULES, is_single_stage, schedule_order
-from runner.simulate import Op, bubble_fractions, simulate
+from runner.simulate import Op, expected_makespan, simulate
 from runner.split import build_meta_model, materialize
 from runner.timeline import simulated_slices, write_chrome_trace
 from runner.validate import Layout, validate
@@ -62,20 +63,23 @@ class Candidate:
 class ChildCost:
     forward_s: float
     backward_s: float  # full backward
-    input_backward_s: float  # gradient w.r.t. the input only
+    input_backward_s: float  # a zero-bubble I: the gradient w.r.t. the input only
+    weight_backward_s: float  # the W after it: the weight gradients, from what the I kept
     saved_bytes: int  # tensors autograd keeps from forward to backward
     output_bytes: int  # what the child sends on
     update_s: float = 0.0  # the optimizer step of its parameters, with the global-norm clip's share
 
 
-def _timed(fn, repeats: int, device: torch.device) -> float:
+def _timed(fn, repeats: int, device: torch.device, setup=lambda: None) -> float:
+    """Median seconds of ``fn(setup())``; the setup (a backward's forward) is not timed."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # kernels run asynchronously
-    fn()  # warm-up
+    fn(setup())  # warm-up
     samples = []
     for _ in range(repeats):
+        arg = setup()
         sync()
         start = time.perf_counter()
-        fn()
+        fn(arg)
         sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
@@ -99,15 +103,19 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
     grad = None if last else torch.ones_like(out)
-    # A backward needs its own forward's graph: time both, then take the forward away.
-    forward_s = _timed(forward, repeats, device)
-    backward_s = _timed(lambda: forward().backward(grad), repeats, device) - forward_s
-    input_s = (_timed(lambda: torch.autograd.grad(forward(), inp, grad), repeats, device) - forward_s
-               if inp.requires_grad else 0.0)
-    update_s = _update_s(list(child.parameters()), repeats, device)  # the backward above left gradients
+    forward_s = _timed(lambda _: forward(), repeats, device)
+    backward_s = _timed(lambda output: output.backward(grad), repeats, device, setup=forward)
+    # I and W as torch's zero-bubble stages run them: together they cost more than one backward
+    # (W takes one autograd pass per parameter group). The batch (integer ids) takes no gradient.
+    input_s = weight_s = 0.0
+    if inp.requires_grad:
+        input_s = _timed(lambda output: _torch_pp.backward_input(output, grad, [inp], child), repeats, device,
+                         setup=forward)
+        weight_s = _timed(lambda groups: _torch_pp.backward_weight(child, groups), repeats, device,
+                          setup=lambda: _torch_pp.backward_input(forward(), grad, [inp], child))
+    update_s = _update_s(list(child.parameters()), repeats, device)  # the backwards above left gradients
     child.zero_grad(set_to_none=True)
-    return ChildCost(forward_s, max(backward_s, 0.0), max(input_s, 0.0), saved[0], out.numel() * out.element_size(),
-                     update_s)
+    return ChildCost(forward_s, backward_s, input_s, weight_s, saved[0], out.numel() * out.element_size(), update_s)
 
 
 def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.device) -> float:
@@ -122,7 +130,7 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.devi
         torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
         optimizer.step()
 
-    return _timed(update, repeats, device)
+    return _timed(lambda _: update(), repeats, device)
 
 
 def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
@@ -151,7 +159,8 @@ def stage_costs(stages: Sequence[Sequence[str]], child: Mapping[str, ChildCost])
         # The first stage's input (the batch) takes no gradient: torch's I there does nothing and
         # its W runs the whole backward, at the W's place in the order (the tail of ZB schedules).
         i = sum(child[n].input_backward_s for n in names) if s > 0 else 0.0
-        costs.update({(s, "F"): f, (s, "B"): b, (s, "I"): i, (s, "W"): max(0.0, b - i)})
+        w = sum(child[n].weight_backward_s for n in names) if s > 0 else b
+        costs.update({(s, "F"): f, (s, "B"): b, (s, "I"): i, (s, "W"): w})
     return costs
 
 
@@ -199,9 +208,9 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int]]:
 
 def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calibration:
     """The configured message and action costs; whatever is null is measured on two ranks."""
-    fields = ("latency_s", "bandwidth", "action_overhead_s", "corunning_slowdown")
+    fields = ("latency_s", "bandwidth", "action_overhead_s", "corunning_slowdown", "busy_delay_s", "action_jitter")
     given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s,
-             plan_cfg.corunning_slowdown)
+             plan_cfg.corunning_slowdown, plan_cfg.comm_busy_delay_s, plan_cfg.action_jitter)
     measured = calibrate(message_bytes, device=device) if None in given else None
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
@@ -211,8 +220,9 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
     of each valid one (keyed by ``id(candidate)``), and the message and action costs used.
 
     A step is predicted as the simulated pipeline (compute + the runtime's per-action overhead,
-    + a message per cross-rank dependency), then the loss/norm all-reduce (one message) and the
-    slowest rank's optimizer update: what ``summary.json``'s ``step_time_s`` measures."""
+    + a message per cross-rank dependency; its mean length with action times varying as
+    calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
+    update: what ``summary.json``'s ``step_time_s`` measures."""
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
     kind = resolve_device(cfg.device, cfg.parallel.pp * cfg.parallel.dp)
     device = pick_device(kind, 0)
@@ -243,20 +253,24 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         if costs is None:
             slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
             costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
+        comm_s = calibration.message_s(sent)
         try:
-            timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=calibration.message_s(sent))
+            timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
         except ValueError as e:
             candidate.reason = f"the order cannot run: {e}"
             continue
+        makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                     jitter=calibration.action_jitter)
         saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
         update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
                                                           for n in layout.stages[s])
                   for r in range(layout.pp)}
-        bubbles = bubble_fractions(timeline)
+        busy = {r: 0.0 for r in range(layout.pp)}
+        for a in timeline:
+            busy[a.rank] += a.end - a.start
         candidate.valid = True
-        candidate.predicted_step_time_s = (max(a.end for a in timeline) + calibration.latency_s
-                                           + max(update.values()))
-        candidate.bubble = sum(bubbles.values()) / len(bubbles)
+        candidate.predicted_step_time_s = makespan + calibration.latency_s + max(update.values())
+        candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
         counts, nbytes = peak_in_flight(order), peak_in_flight(order, saved)
         candidate.peak_activations = [counts[r] for r in sorted(counts)]
         candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
@@ -289,9 +303,11 @@ def main(cfg: DictConfig) -> None:
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     if calibration is not None:
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
-        print(f"message: {calibration.latency_s * 1e6:.0f} us + bytes / {calibration.bandwidth / 1e9:.2f} GB/s; "
-              f"runtime overhead per action: {calibration.action_overhead_s * 1e6:.0f} us; compute "
-              f"x{calibration.corunning_slowdown:.2f} with both ranks busy")
+        c = calibration
+        print(f"message: {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth / 1e9:.2f} GB/s, "
+              f"+{c.busy_delay_s * 1e6:.0f} us while its sender computes; runtime overhead per action: "
+              f"{c.action_overhead_s * 1e6:.0f} us; compute x{c.corunning_slowdown:.2f} with both ranks busy, "
+              f"varying by {c.action_jitter:.0%}")
     print(_table(candidates))
     best = next((c for c in candidates if c.valid and c.fits_memory), None)
     if best is None:

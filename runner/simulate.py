@@ -10,10 +10,14 @@ one) and with unit costs (a readable picture of the order).
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
-__all__ = ["Op", "SimAction", "simulate", "bubble_fractions", "theoretical_bubble", "UNIT_COSTS"]
+__all__ = ["Op", "SimAction", "simulate", "expected_makespan", "bubble_fractions", "theoretical_bubble",
+           "UNIT_COSTS"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -60,11 +64,18 @@ def simulate(
     *,
     num_stages: int,
     comm_s: float = 0.0,
+    jitter: float = 0.0,
+    seed: int = 0,
 ) -> list[SimAction]:
-    """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds."""
+    """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
+    ``jitter`` > 0 each action's time is drawn around its cost (log-normal, mean the cost,
+    that coefficient of variation; ``seed`` picks the draw)."""
+    rng = random.Random(seed)
+    sigma = math.sqrt(math.log1p(jitter**2))
 
     def cost(op: Op) -> float:
-        return costs.get((op.stage, op.kind), costs.get(op.kind, 0.0))  # type: ignore[call-overload]
+        mean = costs.get((op.stage, op.kind), costs.get(op.kind, 0.0))  # type: ignore[call-overload]
+        return mean * rng.lognormvariate(-sigma**2 / 2, sigma) if jitter else mean
 
     rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
     position = {rank: 0 for rank in order}
@@ -91,6 +102,24 @@ def simulate(
             stuck = {r: ops[position[r]].name for r, ops in order.items() if position[r] < len(ops)}
             raise ValueError(f"the schedule cannot progress: ranks wait at {stuck}")
     return sorted(done.values(), key=lambda a: (a.rank, a.start))
+
+
+def expected_makespan(
+    order: Mapping[int, Sequence[Op]],
+    costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+    *,
+    num_stages: int,
+    comm_s: float = 0.0,
+    jitter: float = 0.0,
+    samples: int = 32,
+) -> float:
+    """The mean step length when action times vary by ``jitter`` around their costs: longer than
+    the step of mean times, since every dependency waits for the later of its inputs."""
+    if not jitter:
+        samples = 1
+    return statistics.fmean(
+        max(a.end for a in simulate(order, costs, num_stages=num_stages, comm_s=comm_s, jitter=jitter, seed=i))
+        for i in range(samples))
 
 
 def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:

@@ -1204,6 +1204,7 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
     rows = _planner_rows(res)
     cals = [r["calibration"] for r in res["rounds"]]
     n = len(res["rounds"])
+    busy = all("busy_delay_s" in c for c in cals)  # older results lack the busy delay and jitter
 
     def cal_range(key: str, scale: float, fmt: str) -> str:
         values = sorted(c[key] * scale for c in cals)
@@ -1214,10 +1215,13 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
               f"{n} rounds, each a fresh plan (calibration and child timings) followed by all the runs; the "
               "numbers are medians over rounds, and the measured range is min-max over rounds. Calibrated per "
               f"round: message {cal_range('latency_s', 1e6, '.0f')} us + bytes / "
-              f"{cal_range('bandwidth', 1e-9, '.2f')} GB/s, runtime overhead "
-              f"{cal_range('action_overhead_s', 1e6, '.0f')} us per action, co-running compute "
-              f"x{cal_range('corunning_slowdown', 1, '.2f')}. *Replayed* is the "
-              "simulator fed each run's own recorded per-action costs (the run's `bubble.simulated_step_s`), "
+              f"{cal_range('bandwidth', 1e-9, '.2f')} GB/s"
+              + (f", +{cal_range('busy_delay_s', 1e6, '.0f')} us while its sender computes" if busy else "")
+              + f", runtime overhead {cal_range('action_overhead_s', 1e6, '.0f')} us per action, co-running "
+              f"compute x{cal_range('corunning_slowdown', 1, '.2f')}"
+              + (f" (action times varying by {cal_range('action_jitter', 100, '.0f')}%)" if busy else "")
+              + ". *Replayed* is the simulator fed each run's own recorded per-action costs (the run's "
+              "`bubble.simulated_step_s`), "
               "over that run's step: the simulation's share of the error, apart from the cost estimates.", "",
               "| schedule | m | predicted (s) | measured (s) | measured range | predicted / measured | replayed / "
               "measured | bubble predicted | measured |",
