@@ -12,6 +12,7 @@ evenly, a rank computes while its neighbour computes too.
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
@@ -49,9 +50,10 @@ class Calibration:
     # slower actions, so varying times make a step longer than the one of mean times.
     action_jitter: float = 0.0
 
-    def message_s(self, nbytes: int) -> float:
-        """A message between two busy ranks of a pipeline."""
-        return self.latency_s + nbytes / self.bandwidth + self.busy_delay_s
+    def message_s(self, nbytes: int, sender_action_s: float = math.inf) -> float:
+        """A message between two busy ranks of a pipeline whose actions take ``sender_action_s``:
+        the busy delay waits out the sender's compute, so it is never longer than one action."""
+        return self.latency_s + nbytes / self.bandwidth + min(self.busy_delay_s, sender_action_s)
 
 
 def _sync(device: torch.device) -> None:

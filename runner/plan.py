@@ -253,7 +253,7 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         if costs is None:
             slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
             costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
-        comm_s = calibration.message_s(sent)
+        comm_s = calibration.message_s(sent, min(v for (_, kind), v in costs.items() if kind == "F"))
         try:
             timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
         except ValueError as e:
