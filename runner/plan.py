@@ -33,7 +33,7 @@ from runner.calibrate import Calibration, calibrate
 from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.losses import build_loss
-from runner.schedule import SCHEDULES, is_single_stage, schedule_order
+from runner.schedule import SCHEDULES, csv_order, is_single_stage, schedule_order
 from runner.simulate import Op, expected_makespan, simulate
 from runner.split import build_meta_model, materialize
 from runner.timeline import simulated_slices, write_chrome_trace
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class Candidate:
     schedule: str
     microbatches: int
-    stages_per_rank: int
+    stages_per_rank: int | None  # a CSV's own, once its file is read
     overrides: list[str]
     valid: bool
     reason: str = ""
@@ -195,15 +195,30 @@ def peak_in_flight(order: Mapping[int, Sequence[Op]],
     return peaks
 
 
-def _candidates(cfg: DictConfig) -> list[tuple[str, int, int]]:
+def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
+    """(schedule, microbatches, stages per rank): every torch schedule at every ``plan.microbatches``
+    that divides the batch, and the run's own CSV schedule if it has one (its file decides the
+    microbatches and the stages per rank)."""
     replica_batch = cfg.train.batch_size // cfg.parallel.dp
-    out = []
+    out: list[tuple[str, int, int | None]] = []
     for name in SCHEDULES:
         for m in cfg.plan.microbatches:
             if replica_batch % m == 0:
                 for spr in [1] if is_single_stage(name) else [2, 3, 4]:
                     out.append((name, m, spr))
+    if cfg.schedule.name == "csv":
+        try:
+            m = 1 + max(op.microbatch for ops in csv_order(cfg.schedule.csv).values() for op in ops)
+        except (OSError, RuntimeError, ValueError):
+            m = cfg.parallel.microbatches  # an unreadable file: validate() says what is wrong with it
+        out.append(("csv", m, None))
     return out
+
+
+def _overrides(name: str, m: int, spr: int | None, csv: str | None) -> list[str]:
+    if name == "csv":
+        return ["schedule=csv", f"schedule.csv={csv}", f"parallel.microbatches={m}", "parallel.stages_per_rank=null"]
+    return [f"schedule={name}", f"parallel.microbatches={m}", f"parallel.stages_per_rank={spr}"]
 
 
 def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calibration:
@@ -230,17 +245,20 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
     calibration: Calibration | None = None
     results, timelines = [], {}
     for name, m, spr in _candidates(cfg):
-        overrides = [f"schedule={name}", f"parallel.microbatches={m}", f"parallel.stages_per_rank={spr}"]
-        candidate = Candidate(name, m, spr, overrides, valid=False)
+        candidate = Candidate(name, m, spr, _overrides(name, m, spr, cfg.schedule.get("csv")), valid=False)
         results.append(candidate)
         trial = copy.deepcopy(cfg)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
         try:
-            layout = validate(trial)
+            layout = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
         except ConfigError as e:
             candidate.reason = str(e).splitlines()[0]
             continue
-        order = schedule_order(name, layout.pp, m, spr)
+        if name == "csv":
+            order = csv_order(layout.csv)
+            candidate.stages_per_rank = layout.num_stages // layout.pp
+        else:
+            order = schedule_order(name, layout.pp, m, spr)
         mb_size = cfg.train.batch_size // (cfg.parallel.dp * m)
         if mb_size not in child_costs:
             child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats, device)
@@ -315,7 +333,9 @@ def main(cfg: DictConfig) -> None:
         return
     timeline = timelines[id(best)]
     write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("plan.")]
+    # The user's overrides, less the planner's own and the ones each candidate sets itself.
+    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=")
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]
     print(f"\nbest: python -m runner {' '.join(overrides + best.overrides)}")
 
 

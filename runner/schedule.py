@@ -13,7 +13,7 @@ from runner.errors import ConfigError
 from runner.simulate import Op
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
-           "read_csv_schedule", "build_schedule", "schedule_order"]
+           "read_csv_schedule", "build_schedule", "schedule_order", "csv_order"]
 
 # Config name → torch.distributed.pipelining class name; "csv" runs a file's action order.
 SCHEDULES = {
@@ -173,3 +173,9 @@ def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) 
             ops = [op._replace(microbatch=op.microbatch - 1) if op.kind == "F" else op for op in ops]
         order[rank] = ops
     return order
+
+
+def csv_order(path: str) -> dict[int, list[Op]]:
+    """The per-rank compute order of a compute-only CSV schedule (one row per rank)."""
+    return {rank: [Op(a.stage_index, a.computation_type.value, a.microbatch_index) for a in row]
+            for rank, row in _torch_pp.read_actions(Path(path)).items()}

@@ -15,7 +15,7 @@ from runner.plan import ChildCost, peak_in_flight, plan, schedule_order, stage_c
 from runner.simulate import Op, simulate
 from runner.validate import validate
 
-from conftest import ROOT, TINY, compose
+from conftest import EXAMPLES, ROOT, TINY, compose
 
 # Fixed message and runtime costs: in-process tests need no calibration ranks.
 FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0",
@@ -90,7 +90,7 @@ def test_plan_cli_writes_its_files_and_its_best_candidate_runs_near_the_predicti
     timeline = json.loads((tmp_path / "plan" / "plan_timeline.json").read_text())["traceEvents"]
     assert any(e["ph"] == "X" for e in timeline)
     best = re.search(r"best: python -m runner (.*)", planned.stdout).group(1).split()
-    assert best[-3:] == records[0]["overrides"]
+    assert best[-len(records[0]["overrides"]):] == records[0]["overrides"]
     run = subprocess.run([sys.executable, "-m", "runner", *best, "hydra.run.dir=run"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -100,6 +100,28 @@ def test_plan_cli_writes_its_files_and_its_best_candidate_runs_near_the_predicti
     # the prediction is judged. The ratio is in the test output (-rA) for the record.
     print(f"predicted / measured step time: {ratio:.2f}")
     assert 0.1 < ratio < 10
+
+
+def test_plan_takes_the_runs_csv_schedule_and_reports_a_deadlocking_one_as_invalid(tmp_path):
+    common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1",
+              "schedule=csv"]
+    # Rank 0 waits for the backward of microbatch 0, which rank 1 runs after microbatch 1's, whose
+    # forward rank 0 runs after that backward: each rank waits on the other.
+    deadlock = tmp_path / "deadlock.csv"
+    deadlock.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+    candidates, _, _ = plan(compose(*common, f"schedule.csv={deadlock}"))
+    [csv] = [c for c in candidates if c.schedule == "csv"]
+    assert not csv.valid and "not a valid schedule" in csv.reason and csv.microbatches == 2  # the file's m
+    assert sum(c.valid for c in candidates) > 10  # the built-in schedules are still planned
+    # A CSV holding ZBV's order is predicted exactly as ZBV (same costs, same order), and its
+    # overrides run the file.
+    zbv_csv = EXAMPLES / "zbv_pp2_m4.csv"
+    candidates, _, _ = plan(compose(*common, f"schedule.csv={zbv_csv}"))
+    found = {(c.schedule, c.stages_per_rank): c for c in candidates if c.valid and c.microbatches == 4}
+    assert found[("csv", 2)].predicted_step_time_s == pytest.approx(found[("zbv", 2)].predicted_step_time_s)
+    assert found[("csv", 2)].peak_activations == found[("zbv", 2)].peak_activations
+    assert found[("csv", 2)].overrides == ["schedule=csv", f"schedule.csv={zbv_csv}", "parallel.microbatches=4",
+                                           "parallel.stages_per_rank=null"]
 
 
 def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
