@@ -1073,9 +1073,10 @@ def _render_device(data: Mapping[str, Any]) -> list[str]:
              _meta_line(data["meta"], runs), "",
              "Each stage of the efficiency model (`" + " ".join(res["model"]) + f"`) on one microbatch (m="
              f"{res['microbatches']}), split in 2 and in 4 stages, timed in one process as `python -m runner.plan` "
-             "times it (median of 5): forward, full backward, input-only backward (I) and the weight part "
-             "(W = B - I; the first stage's input takes no gradient, so its W is the whole backward), the "
-             "optimizer update of its parameters, and the activations its forward saves.", "",
+             "times it (median of 5): forward, full backward, and the zero-bubble split of it as torch's stages "
+             "run it, input backward (I) then weight backward (W; the first stage's input takes no gradient, so "
+             "its W is the whole backward), the optimizer update of its parameters, and the activations its "
+             "forward saves.", "",
              "| stages | stage | children | F (ms) | B (ms) | I (ms) | W (ms) | update (ms) | saved (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for st in res["stages"]:
