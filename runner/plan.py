@@ -271,7 +271,8 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         if costs is None:
             slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
             costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
-        comm_s = calibration.message_s(sent, min(v for (_, kind), v in costs.items() if kind == "F"))
+        # A busy sender holds its core for one action at a time: its shortest bounds the delay.
+        comm_s = calibration.message_s(sent, min(v for (_, k), v in costs.items() if k == "F"))
         try:
             timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
         except ValueError as e:
