@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -239,8 +240,14 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
     update: what ``summary.json``'s ``step_time_s`` measures."""
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
-    kind = resolve_device(cfg.device, cfg.parallel.pp * cfg.parallel.dp)
+    ranks = cfg.parallel.pp * cfg.parallel.dp
+    kind = resolve_device(cfg.device, ranks)
     device = pick_device(kind, 0)
+    cores = os.cpu_count() or 1
+    if kind == "cpu" and ranks > cores:
+        log.warning("%d ranks on %d CPU cores take turns on the cores, which the planner does not simulate: its "
+                    "step times assume a core per rank and will read low. Plan on a host with a core per rank.",
+                    ranks, cores)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
     results, timelines = [], {}

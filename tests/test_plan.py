@@ -76,6 +76,12 @@ def test_plan_ranks_valid_candidates_and_explains_invalid_ones():
     assert not any(c.fits_memory for c in limited if c.valid)
 
 
+def test_plan_warns_when_ranks_outnumber_the_cores(monkeypatch, caplog):
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1"))
+    assert "2 ranks on 1 CPU cores take turns" in caplog.text
+
+
 @pytest.mark.timeout(180)
 def test_plan_cli_writes_its_files_and_its_best_candidate_runs_near_the_prediction(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
