@@ -4,11 +4,13 @@ memory before running it, and recommend one.
     python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
     python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2e9
 
-Candidates are schedule x microbatches x stages per rank (balanced split). Each is checked with
-every check a run makes before spawning; the valid ones are simulated (``runner.simulate``) with
-per-stage F/B/I/W costs measured here, child by child on one microbatch in this process (or taken
-from a previous run's summary when its stages match), plus a message cost per send. Writes
-``plan.json`` (best first) and ``plan_timeline.json`` (the best candidate's predicted timeline).
+Candidates are schedule x microbatches x stages per rank x split (the run's own, and the one
+balancing measured time where it differs), plus the run's CSV schedule if it has one. Each is
+checked with every check a run makes before spawning; the valid ones are simulated
+(``runner.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
+microbatch in this process (or taken from a previous run's summary when its stages match), plus
+a message cost per send. Writes ``plan.json`` (best first) and ``plan_timeline.json`` (the best
+candidate's predicted timeline, with mean action times).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import copy
 import json
 import logging
 import os
+import shlex
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +39,7 @@ from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.schedule import SCHEDULES, csv_order, is_single_stage, schedule_order
 from runner.simulate import Op, expected_makespan, simulate
-from runner.split import build_meta_model, materialize
+from runner.split import build_meta_model, materialize, split_by_cost
 from runner.timeline import simulated_slices, write_chrome_trace
 from runner.validate import Layout, validate
 
@@ -53,6 +56,8 @@ class Candidate:
     overrides: list[str]
     valid: bool
     reason: str = ""
+    split_points: list[str] | None = None  # the children starting stages 1..; null: the run's own split
+    stage_sizes: list[int] = field(default_factory=list)  # top-level children per stage
     predicted_step_time_s: float | None = None
     bubble: float | None = None
     peak_activations: list[int] = field(default_factory=list)  # microbatches in flight, per rank
@@ -216,10 +221,10 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
     return out
 
 
-def _overrides(name: str, m: int, spr: int | None, csv: str | None) -> list[str]:
-    if name == "csv":
-        return ["schedule=csv", f"schedule.csv={csv}", f"parallel.microbatches={m}", "parallel.stages_per_rank=null"]
-    return [f"schedule={name}", f"parallel.microbatches={m}", f"parallel.stages_per_rank={spr}"]
+def _overrides(name: str, m: int, spr: int | None, csv: str | None, split_points: Sequence[str] | None) -> list[str]:
+    out = (["schedule=csv", f"schedule.csv={csv}", f"parallel.microbatches={m}", "parallel.stages_per_rank=null"]
+           if name == "csv" else [f"schedule={name}", f"parallel.microbatches={m}", f"parallel.stages_per_rank={spr}"])
+    return out + ([f"parallel.split_points=[{','.join(split_points)}]"] if split_points else [])
 
 
 def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calibration:
@@ -229,6 +234,44 @@ def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calib
              plan_cfg.corunning_slowdown, plan_cfg.comm_busy_delay_s, plan_cfg.action_jitter)
     measured = calibrate(message_bytes, device=device) if None in given else None
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
+
+
+def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], child: Mapping[str, ChildCost],
+             calibration: Calibration, plan_cfg: DictConfig) -> list | None:
+    """Fill in the candidate's prediction; returns its timeline of mean action times (None when
+    its order cannot run)."""
+    sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
+    # A previous run's costs were timed at the stage: they include the runtime's overhead.
+    costs = _costs_from_summary(plan_cfg.costs, layout) if plan_cfg.costs else None
+    if costs is None:
+        slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
+        costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
+    # A busy sender holds its core for one action at a time: its shortest bounds the delay.
+    comm_s = calibration.message_s(sent, min(v for (_, k), v in costs.items() if k == "F"))
+    candidate.stage_sizes = [len(names) for names in layout.stages]
+    try:
+        timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
+    except ValueError as e:
+        candidate.reason = f"the order cannot run: {e}"
+        return None
+    makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                 jitter=calibration.action_jitter)
+    saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
+    update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
+                                                      for n in layout.stages[s])
+              for r in range(layout.pp)}
+    busy = {r: 0.0 for r in range(layout.pp)}
+    for a in timeline:
+        busy[a.rank] += a.end - a.start
+    candidate.valid = True
+    candidate.predicted_step_time_s = makespan + calibration.latency_s + max(update.values())
+    candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
+    counts, nbytes = peak_in_flight(order), peak_in_flight(order, saved)
+    candidate.peak_activations = [counts[r] for r in sorted(counts)]
+    candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
+    limit = plan_cfg.memory_limit
+    candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
+    return timeline
 
 
 def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration]:
@@ -252,68 +295,58 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
     calibration: Calibration | None = None
     results, timelines = [], {}
     for name, m, spr in _candidates(cfg):
-        candidate = Candidate(name, m, spr, _overrides(name, m, spr, cfg.schedule.get("csv")), valid=False)
-        results.append(candidate)
+        own = Candidate(name, m, spr, _overrides(name, m, spr, cfg.schedule.get("csv"), cfg.parallel.split_points),
+                        valid=False, split_points=cfg.parallel.split_points)
+        results.append(own)
         trial = copy.deepcopy(cfg)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
         try:
             layout = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
         except ConfigError as e:
-            candidate.reason = str(e).splitlines()[0]
+            own.reason = str(e).splitlines()[0]
             continue
         if name == "csv":
             order = csv_order(layout.csv)
-            candidate.stages_per_rank = layout.num_stages // layout.pp
+            own.stages_per_rank = layout.num_stages // layout.pp
         else:
             order = schedule_order(name, layout.pp, m, spr)
         mb_size = cfg.train.batch_size // (cfg.parallel.dp * m)
         if mb_size not in child_costs:
             child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats, device)
         child = child_costs[mb_size]
-        sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
         if calibration is None:
+            sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
             calibration = _calibration(cfg.plan, sent, kind)
-        # A previous run's costs were timed at the stage: they include the runtime's overhead.
-        costs = _costs_from_summary(cfg.plan.costs, layout) if cfg.plan.costs else None
-        if costs is None:
-            slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
-            costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
-        # A busy sender holds its core for one action at a time: its shortest bounds the delay.
-        comm_s = calibration.message_s(sent, min(v for (_, k), v in costs.items() if k == "F"))
-        try:
-            timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
-        except ValueError as e:
-            candidate.reason = f"the order cannot run: {e}"
-            continue
-        makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                     jitter=calibration.action_jitter)
-        saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
-        update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
-                                                          for n in layout.stages[s])
-                  for r in range(layout.pp)}
-        busy = {r: 0.0 for r in range(layout.pp)}
-        for a in timeline:
-            busy[a.rank] += a.end - a.start
-        candidate.valid = True
-        candidate.predicted_step_time_s = makespan + calibration.latency_s + max(update.values())
-        candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
-        counts, nbytes = peak_in_flight(order), peak_in_flight(order, saved)
-        candidate.peak_activations = [counts[r] for r in sorted(counts)]
-        candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
-        limit = cfg.plan.memory_limit
-        candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
-        timelines[id(candidate)] = timeline
+        splits = [(own, layout)]
+        # The run's split balances parameter counts; the one balancing measured time may differ
+        # (an embedding is heavy in parameters and light in time).
+        points = split_by_cost(list(child), [c.forward_s + c.backward_s for c in child.values()], layout.num_stages)
+        if points != [names[0] for names in layout.stages[1:]]:
+            by_time = Candidate(name, m, own.stages_per_rank, _overrides(name, m, spr, cfg.schedule.get("csv"), points),
+                                valid=False, split_points=points)
+            results.append(by_time)
+            trial.parallel.split_points = points
+            try:
+                splits.append((by_time, validate(trial)))
+            except ConfigError as e:  # e.g. tied weights that this split would put on two stages
+                by_time.reason = str(e).splitlines()[0]
+        for candidate, split_layout in splits:
+            timeline = _predict(candidate, split_layout, order, child, calibration, cfg.plan)
+            if timeline is not None:
+                timelines[id(candidate)] = timeline
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     return ranked, timelines, calibration
 
 
 def _table(candidates: list[Candidate]) -> str:
-    rows = ["schedule          m  v  step (ms)  bubble  peak act (mb)  peak act (MiB)"]
+    rows = ["schedule          m  v  step (ms)  bubble  peak act (mb)  peak act (MiB)  children per stage"]
     for c in candidates:
         if c.valid:
+            split = "/".join(map(str, c.stage_sizes))
             rows.append(f"{c.schedule:<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
                         f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  {max(c.peak_activations):13d}  "
-                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}{'' if c.fits_memory else '  over limit'}")
+                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
+                        f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
     if invalid:
         rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
@@ -342,9 +375,9 @@ def main(cfg: DictConfig) -> None:
     timeline = timelines[id(best)]
     write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
     # The user's overrides, less the planner's own and the ones each candidate sets itself.
-    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=")
+    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]
-    print(f"\nbest: python -m runner {' '.join(overrides + best.overrides)}")
+    print(f"\nbest: python -m runner {shlex.join(overrides + best.overrides)}")  # quoted: a split is a [list]
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from torch import nn
 
 from runner.errors import ConfigError
 
-__all__ = ["StageModule", "build_meta_model", "plan_split", "check_tied_weights", "check_shapes", "materialize"]
+__all__ = ["StageModule", "build_meta_model", "split_by_cost", "plan_split", "check_tied_weights", "check_shapes",
+           "materialize"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def _unit_costs(model: nn.Sequential) -> list[int]:
     return [1 + sum(p.numel() for p in child.parameters()) for child in model.children()]
 
 
-def _balanced_bounds(costs: Sequence[int], num_stages: int) -> list[int]:
+def _balanced_bounds(costs: Sequence[float], num_stages: int) -> list[int]:
     """Start index of each stage for contiguous groups that minimise the costliest group."""
     n = len(costs)
     prefix = [0]
@@ -105,6 +106,12 @@ def _balanced_bounds(costs: Sequence[int], num_stages: int) -> list[int]:
         i = cut[k][i]
         starts.append(i)
     return starts[::-1]
+
+
+def split_by_cost(names: Sequence[str], costs: Sequence[float], num_stages: int) -> list[str]:
+    """``parallel.split_points`` (the children that start stages 1..) of the contiguous split
+    of ``names`` whose costliest stage costs least."""
+    return [names[i] for i in _balanced_bounds(costs, num_stages)[1:]]
 
 
 def plan_split(

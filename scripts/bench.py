@@ -700,10 +700,11 @@ def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int]) -> dict[st
                    f"hydra.run.dir={out}", module="runner.plan")
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["plan failed"])[-1][:300]}
-    # The candidates a plain run of each schedule uses (its default stages per rank).
+    # The candidates a plain run of each schedule uses (its default stages per rank and split).
     predicted = {f"{c['schedule']}/{c['microbatches']}": {"step_s": c["predicted_step_time_s"], "bubble": c["bubble"]}
                  for c in json.loads((out / "plan.json").read_text())
-                 if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])}
+                 if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])
+                 and c.get("split_points") is None}
     return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text())}
 
 

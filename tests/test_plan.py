@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -76,6 +77,29 @@ def test_plan_ranks_valid_candidates_and_explains_invalid_ones():
     assert not any(c.fits_memory for c in limited if c.valid)
 
 
+def test_plan_also_tries_the_split_that_balances_measured_time(monkeypatch):
+    # A large vocabulary makes the embedding heavy in parameters (what the run's own split
+    # balances: here embed + 3 blocks | 3 blocks + norm + head) but, in these child costs, light
+    # in time, and the head heavy in time.
+    def cost(f: float) -> ChildCost:
+        return ChildCost(forward_s=f, backward_s=2 * f, input_backward_s=f, weight_backward_s=f, saved_bytes=1,
+                         output_bytes=1)
+
+    times = {"embed": 0.001, **{f"block{i}": 1.0 for i in range(6)}, "norm": 0.001, "head": 3.5}
+    monkeypatch.setattr("runner.plan.measure_child_costs", lambda *args: {n: cost(f) for n, f in times.items()})
+    candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+                                    "data.vocab_size=8192", "schedule=gpipe"))
+    own, by_time = sorted((c for c in candidates if c.schedule == "gpipe" and c.valid),
+                          key=lambda c: c.split_points is not None)
+    assert own.split_points is None and own.stage_sizes == [4, 5]  # 3.0 | 6.5 s of forward
+    assert by_time.split_points == ["block5"] and by_time.stage_sizes == [6, 3]  # 5.0 | 4.5 s
+    assert by_time.overrides[-1] == "parallel.split_points=[block5]"
+    # GPipe, m=4, 2 stages: the forwards end after one forward of the faster stage and four of the
+    # slower, the backwards (twice as long) after as much again twice over; messages cost < 1 ms.
+    assert own.predicted_step_time_s == pytest.approx(3 * (3.001 + 4 * 6.501), abs=0.01)
+    assert by_time.predicted_step_time_s == pytest.approx(3 * (4 * 5.001 + 4.501), abs=0.01)
+
+
 def test_plan_warns_when_ranks_outnumber_the_cores(monkeypatch, caplog):
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1"))
@@ -95,7 +119,7 @@ def test_plan_cli_writes_its_files_and_its_best_candidate_runs_near_the_predicti
             "bubble", "peak_activations"} <= set(records[0])
     timeline = json.loads((tmp_path / "plan" / "plan_timeline.json").read_text())["traceEvents"]
     assert any(e["ph"] == "X" for e in timeline)
-    best = re.search(r"best: python -m runner (.*)", planned.stdout).group(1).split()
+    best = shlex.split(re.search(r"best: python -m runner (.*)", planned.stdout).group(1))
     assert best[-len(records[0]["overrides"]):] == records[0]["overrides"]
     run = subprocess.run([sys.executable, "-m", "runner", *best, "hydra.run.dir=run"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from runner.errors import ConfigError
-from runner.split import build_meta_model, materialize, plan_split
+from runner.split import build_meta_model, materialize, plan_split, split_by_cost
 
 from conftest import TINY, compose
 
@@ -46,6 +46,12 @@ def test_balanced_split_covers_every_child_once_in_order(num_stages):
     blocks = [sum(n.startswith("block") for n in s) for s in stages]
     if num_stages in (2, 3):  # parameter balance puts the 6 blocks evenly
         assert max(blocks) - min(blocks) <= 1
+
+
+def test_split_by_cost_minimises_the_costliest_stage():
+    names = ["embed", "block0", "block1", "block2", "head"]
+    assert split_by_cost(names, [10.0, 1.0, 1.0, 1.0, 10.0], 3) == ["block0", "head"]  # 10 | 3 | 10
+    assert split_by_cost(names, [0.1, 1.0, 1.0, 1.0, 1.0], 2) == ["block2"]  # 2.1 | 2
 
 
 def test_explicit_split_points_are_used_as_given():
