@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from runner.dist import pick_device
+from runner.dist import pick_device, synchronize
 from runner.launch import start_method
 from runner.schedule import schedule_order
 from runner.simulate import simulate
@@ -56,16 +56,11 @@ class Calibration:
         return self.latency_s + nbytes / self.bandwidth + min(self.busy_delay_s, sender_action_s)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # NCCL and kernels return before the work is done
-        torch.cuda.synchronize(device)
-
-
 def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
     """Median half round trip of ``tensor`` between ranks 0 and 1."""
     samples = []
     for _ in range(repeats + 2):
-        _sync(tensor.device)
+        synchronize(tensor.device)
         start = time.perf_counter()
         if rank == 0:
             dist.send(tensor, 1)
@@ -73,7 +68,7 @@ def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
         else:
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
-        _sync(tensor.device)
+        synchronize(tensor.device)
         samples.append((time.perf_counter() - start) / 2)
     return statistics.median(samples[2:])  # the first exchanges set up the connection
 
@@ -84,7 +79,7 @@ def _compute_for(seconds: float, device: torch.device) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a @ a
-        _sync(device)
+        synchronize(device)
 
 
 def _busy_one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
@@ -101,7 +96,7 @@ def _busy_one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
             _compute_for(0.005, tensor.device)
             start = time.perf_counter()
             dist.recv(tensor, 1)
-            _sync(tensor.device)
+            synchronize(tensor.device)
             samples.append(time.perf_counter() - start)
     return statistics.fmean(samples[2:]) if rank == 0 else 0.0
 
@@ -117,7 +112,7 @@ def _pipeline_step_s(rank: int, repeats: int, device: torch.device) -> float:
         dist.barrier()
         start = time.perf_counter()
         schedule.step(x) if rank == 0 else schedule.step(target=y)
-        _sync(device)
+        synchronize(device)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples[2:])  # the first step infers shapes
 
@@ -137,7 +132,7 @@ def _corunning(rank: int, repeats: int, device: torch.device) -> tuple[float, fl
         start = time.perf_counter()
         if active:
             block(x).sum().backward()
-            _sync(device)
+            synchronize(device)
         elapsed = time.perf_counter() - start
         dist.barrier()
         return elapsed

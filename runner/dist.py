@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "resolve_device", "pick_device", "init_distributed", "cleanup", "all_reduce_sum",
-           "gather_to_main"]
+__all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
+           "all_reduce_sum", "gather_to_main"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work: CUDA kernels and NCCL calls return before it is done,
+    so a wall-clock timing must sync on both ends."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def init_distributed(

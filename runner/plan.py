@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 import runner.config  # noqa: F401  (registers the config schemas)
 from runner import _torch_pp
 from runner.calibrate import Calibration, calibrate
-from runner.dist import pick_device, resolve_device
+from runner.dist import pick_device, resolve_device, synchronize
 from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.schedule import SCHEDULES, csv_order, is_single_stage, schedule_order
@@ -78,15 +78,14 @@ class ChildCost:
 
 def _timed(fn, repeats: int, device: torch.device, setup=lambda: None) -> float:
     """Median seconds of ``fn(setup())``; the setup (a backward's forward) is not timed."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # kernels run asynchronously
     fn(setup())  # warm-up
     samples = []
     for _ in range(repeats):
         arg = setup()
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         fn(arg)
-        sync()
+        synchronize(device)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 

@@ -1206,11 +1206,10 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
     rows = _planner_rows(res)
     cals = [r["calibration"] for r in res["rounds"]]
     n = len(res["rounds"])
-    busy = all("busy_delay_s" in c for c in cals)  # older results lack the busy delay and jitter
 
     def cal_range(key: str, scale: float, fmt: str) -> str:
-        values = sorted(c[key] * scale for c in cals)
-        return f"{values[0]:{fmt}}-{values[-1]:{fmt}}" if len(values) > 1 else f"{values[0]:{fmt}}"
+        low, high = (f"{v * scale:{fmt}}" for v in (min(c[key] for c in cals), max(c[key] for c in cals)))
+        return low if low == high else f"{low}-{high}"
 
     lines += ["`python -m runner.plan` on the model `" + " ".join(res["model"]) + "` at pp=2, against real runs "
               f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median). "
@@ -1218,10 +1217,10 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
               "numbers are medians over rounds, and the measured range is min-max over rounds. Calibrated per "
               f"round: message {cal_range('latency_s', 1e6, '.0f')} us + bytes / "
               f"{cal_range('bandwidth', 1e-9, '.2f')} GB/s"
-              + (f", +{cal_range('busy_delay_s', 1e6, '.0f')} us while its sender computes" if busy else "")
+              + f", +{cal_range('busy_delay_s', 1e6, '.0f')} us while its sender computes"
               + f", runtime overhead {cal_range('action_overhead_s', 1e6, '.0f')} us per action, co-running "
               f"compute x{cal_range('corunning_slowdown', 1, '.2f')}"
-              + (f" (action times varying by {cal_range('action_jitter', 100, '.0f')}%)" if busy else "")
+              + f" (action times varying by {cal_range('action_jitter', 100, '.0f')}%)"
               + ". *Replayed* is the simulator fed each run's own recorded per-action costs (the run's "
               "`bubble.simulated_step_s`), "
               "over that run's step: the simulation's share of the error, apart from the cost estimates.", "",

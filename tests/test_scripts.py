@@ -106,7 +106,8 @@ def test_bench_load_monitor_flags_runs_that_overlap_other_load(bench, monkeypatc
 
 
 def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_run_spread(bench, tmp_path):
-    cal = {"latency_s": 2e-4, "bandwidth": 1e9, "action_overhead_s": 5e-4, "corunning_slowdown": 1.0}
+    cal = {"latency_s": 2e-4, "bandwidth": 1e9, "action_overhead_s": 5e-4, "corunning_slowdown": 1.0,
+           "busy_delay_s": 2e-3, "action_jitter": 0.12}
 
     def round_(gpipe, zbv, dualpipev):  # measured step times; the predictions stay 2.0 / 1.0 / 1.5
         return {"calibration": cal,
@@ -130,6 +131,8 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     results = tmp_path / "benchmarks"
     _section(results, "planner", res)
     text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    assert ("message 200 us + bytes / 1.00 GB/s, +2000 us while its sender computes, runtime overhead 500 us per "
+            "action, co-running compute x1.00 (action times varying by 12%)") in text
     assert "| gpipe | 8 | 2.000 | 2.000 | 1.900-2.200 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
     assert "Within 10% of the measured step: 2 of 3 (median error 0.0%, worst 25.0%)" in text
     assert "Of the 2 pairs whose measured ranges do not overlap, the prediction orders 2 the same way" in text
