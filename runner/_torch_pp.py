@@ -83,7 +83,7 @@ def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatch
 
 def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, path: Path):
     """The schedule runtime that executes the action order of a CSV file."""
-    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule._load_csv(str(path), format="compute_only")
     return schedule
 

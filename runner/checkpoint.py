@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError
 from runner.faults import fault_point
+from runner.split import StageModule
+from runner.tied import TiedWeights
 
 __all__ = ["CheckpointError", "find_checkpoint", "checkpoint_step", "Checkpointer"]
 
@@ -89,31 +90,62 @@ def checkpoint_step(path: Path) -> int:
     return json.loads((path / "train_state.json").read_text())["step"]
 
 
-class _Named(nn.Module):
-    """This rank's stage modules seen as one module whose children carry the full model's names,
-    so state-dict keys are the unsplit model's (``block3.attn.qkv.weight``) on every rank."""
+def _named(modules: list[StageModule]) -> StageModule:
+    """This rank's stage modules seen as one module holding their units under the full model's
+    names, so state-dict keys are the unsplit model's (``block3.attn.qkv.weight``) on every rank."""
+    spec = modules[0].spec
+    units = [u for m in modules for u in m.units]
+    return StageModule(spec, units, {n: m.get_submodule(n) for m in modules for u in m.units
+                                     for n in spec.unit(u).modules})
 
-    def __init__(self, modules: list[nn.Module]):
-        super().__init__()
-        for module in modules:
-            for name, child in module.named_children():
-                self.add_module(name, child)
+
+def _renamed(state: dict, stored: dict[str, str], equal: dict[str, str]) -> dict:
+    """Model or (flattened) optimizer state with each tied copy stored once, under the unsplit
+    model's name: ``stored`` renames a rank's copy, the keys of ``equal``'s copies are dropped."""
+    def new_key(key: str) -> str | None:
+        for prefix in ("", "state.", "param_groups."):
+            for local, canonical in stored.items():
+                if key == f"{prefix}{local}" or key.startswith(f"{prefix}{local}."):
+                    return f"{prefix}{canonical}{key[len(prefix) + len(local):]}"
+            if any(key == f"{prefix}{n}" or key.startswith(f"{prefix}{n}.") for n in equal):
+                return None
+        return key
+
+    return {k2: v for k, v in state.items() if (k2 := new_key(k)) is not None}
+
+
+def _fill_copies(state: dict, equal: dict[str, str]) -> None:
+    """Give the dropped copies' entries the loaded values of the copy stored in their place."""
+    for key in state:
+        for prefix in ("", "state.", "param_groups."):
+            for copy, rep in equal.items():
+                if key == f"{prefix}{copy}" or key.startswith(f"{prefix}{copy}."):
+                    source = f"{prefix}{rep}{key[len(prefix) + len(copy):]}"
+                    if isinstance(state[key], torch.Tensor):
+                        state[key].copy_(state[source])
+                    else:
+                        state[key] = state[source]
 
 
 class Checkpointer:
-    def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[nn.Module], optimizer, scheduler):
+    def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
+                 *, tied: TiedWeights | None = None):
         self.every, self.keep = cfg.every, cfg.keep
         self.dir = run_dir / "checkpoints"
         self.env = env
-        self.model = _Named(modules)
+        self.model = _named(modules)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.stored, self.equal = tied.renames() if tied else ({}, {})
 
-    def _state(self) -> dict:
+    def _local_state(self) -> dict:
         return {
             "model": get_model_state_dict(self.model, options=_OPTIONS),
             "optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS),
         }
+
+    def _state(self) -> dict:
+        return {k: _renamed(v, self.stored, self.equal) for k, v in self._local_state().items()}
 
     def maybe_save(self, steps_done: int) -> None:
         if self.every and steps_done % self.every == 0:
@@ -126,6 +158,8 @@ class Checkpointer:
         partial = self.dir / name[0]
         partial.mkdir(parents=True, exist_ok=True)
         dcp.save(self._state(), checkpoint_id=str(partial))
+        if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
+            self.model.spec.save_metadata(partial / "hf")
         torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
         if self.env.world_size > 1:
             dist.barrier()  # every rank's shards are on disk
@@ -147,13 +181,18 @@ class Checkpointer:
         """Restore model, optimizer, LR schedule and (same world size) RNG; returns steps done.
         The data position is the step: every batch is a function of (seed, step)."""
         train_state = json.loads((path / "train_state.json").read_text())
-        state = self._state()
+        local = self._local_state()
+        stored = {k: _renamed(v, self.stored, self.equal) for k, v in local.items()}  # the same tensors
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(stored, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise CheckpointError(f"checkpoint {path} could not be loaded: {e}") from e
-        set_model_state_dict(self.model, state["model"], options=_OPTIONS)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS)
+        for key in local:  # values DCP placed in new objects (non-tensor entries), and the tied copies
+            renamed = _renamed({k: k for k in local[key]}, self.stored, self.equal)
+            local[key].update({orig: stored[key][new] for new, orig in renamed.items()})
+            _fill_copies(local[key], self.equal)
+        set_model_state_dict(self.model, local["model"], options=_OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
         steps_done = train_state["step"]
         self.scheduler.load_state_dict(train_state["lr_scheduler"])
         rng = path / f"rng-rank{self.env.rank}.pt"

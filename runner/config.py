@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
@@ -41,8 +41,14 @@ class ParallelConfig:
     microbatches: int = 4  # microbatches per step, per pipeline
     # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
     stages_per_rank: Optional[int] = None
-    # Names of top-level model children where a new stage starts; null = balanced automatically.
+    # Names of the pipeline units where a new stage starts (model.layers.4); null = balanced by
+    # parameter count. Units: an nn.Sequential's children (a nested Sequential's entries), a
+    # Hugging Face model's embedding, layers, norm and head, or what stage_modules lists.
     split_points: Optional[List[str]] = None
+    # The units of each stage, torchtitan's form: [[embed,layers.0],[layers.1,norm,head]]; a
+    # container stands for its entries. Needed for a model that is neither an nn.Sequential nor
+    # declares its units; otherwise an alternative to split_points.
+    stage_modules: Optional[List[List[str]]] = None
 
 
 @dataclass
@@ -176,6 +182,21 @@ class MLPConfig(ModelConfig):
 
 
 @dataclass
+class HFModelConfig:
+    """``model=hf``: a Hugging Face causal LM from a local directory (runner.hf)."""
+
+    _target_: str = "runner.hf.causal_lm"
+    path: str = MISSING  # a directory with config.json, optionally *.safetensors and tokenizer files
+    pretrained: bool = True  # read the directory's weights (each rank its own stages'); false = random init
+    # Run a family outside the tested list (Llama-like reading of its pipeline plan); check with verify=true.
+    allow_unlisted: bool = False
+    # config.json values to change, as AutoConfig.from_pretrained(path, **overrides): e.g. dropout off,
+    # +model.config_overrides.resid_pdrop=0.0
+    config_overrides: Dict[str, Any] = field(default_factory=dict)
+    attn_implementation: Optional[str] = None  # eager | sdpa | ...; null = transformers' default
+
+
+@dataclass
 class SyntheticDataConfig:
     _target_: str = "runner.data.SyntheticData"
     vocab_size: int = 64
@@ -189,9 +210,35 @@ class SyntheticDataConfig:
 @dataclass
 class TextDataConfig:
     _target_: str = "runner.data.TextData"
-    path: str = MISSING  # any local text file, read as bytes
-    vocab_size: int = 256  # byte-level: fixed
-    val_fraction: float = 0.1  # the file's tail held out for evaluation
+    path: str = MISSING  # a local text file (bytes), or with a tokenizer also a directory or glob of them
+    tokenizer: Optional[str] = None  # a local Hugging Face tokenizer directory; null = bytes (vocabulary 256)
+    vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},256")  # the tokenizer's, or 256 bytes
+    val_fraction: float = 0.1  # the tail of the token stream held out for evaluation
+    cache_dir: Optional[str] = None  # tokenized files; null = $XDG_CACHE_HOME/runner/tokens
+
+
+@dataclass
+class HFDataConfig:
+    """Local json/jsonl/parquet/arrow/csv files through ``datasets``, tokenized once and cached."""
+
+    _target_: str = "runner.data.HFData"
+    path: str = MISSING  # a file, directory or glob of one format
+    field: str = "text"  # the column holding each document
+    tokenizer: str = MISSING  # a local Hugging Face tokenizer directory (a model=hf directory has one)
+    vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},null")
+    val_fraction: float = 0.01
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class TokensDataConfig:
+    """A pre-tokenized corpus: one flat binary of token ids (numpy memmap), or a .npy file."""
+
+    _target_: str = "runner.data.TokensData"
+    path: str = MISSING
+    dtype: str = "uint16"  # uint16 (vocabularies up to 65536) | uint32
+    vocab_size: Optional[int] = None  # needed by the built-in models; checked against every batch
+    val_fraction: float = 0.01
 
 
 @dataclass
@@ -215,17 +262,28 @@ class RunConfig:
     verify: bool = False
 
 
+def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
+    from runner.tokens import tokenizer_vocab  # reads tokenizer.json only when one is named
+
+    return tokenizer_vocab(tokenizer, default)
+
+
 def register_configs() -> None:
     if not OmegaConf.has_resolver("mul"):  # ${mul:${parallel.pp},${parallel.dp}}: ranks per job
         OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
+    if not OmegaConf.has_resolver("runner_vocab"):  # ${runner_vocab:<tokenizer dir or null>,<default>}
+        OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
     cs.store(group="schedule", name="base_csv_schedule", node=CsvScheduleConfig)
     cs.store(group="model", name="base_transformer", node=TransformerConfig)
     cs.store(group="model", name="base_mlp", node=MLPConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
     cs.store(group="data", name="base_text", node=TextDataConfig)
+    cs.store(group="data", name="base_hf", node=HFDataConfig)
+    cs.store(group="data", name="base_tokens", node=TokensDataConfig)
 
 
 register_configs()

@@ -39,7 +39,7 @@ from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.schedule import SCHEDULES, csv_order, is_single_stage, schedule_order
 from runner.simulate import Op, expected_makespan, simulate
-from runner.split import build_meta_model, materialize, split_by_cost
+from runner.split import StageModule, build_meta_model, materialize, split_by_cost
 from runner.timeline import simulated_slices, write_chrome_trace
 from runner.validate import Layout, validate
 
@@ -141,17 +141,19 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.devi
 def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
                         device: torch.device) -> dict[str, ChildCost]:
     """Time every top-level child's forward, backward and input-only backward on one microbatch."""
-    meta = build_meta_model(cfg.model)
-    model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=device)
-    x = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len), device=device)
-    targets = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len), device=device)
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
+    model = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=device)
+    vocab = cfg.data.get("vocab_size") or 2
+    x = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
+    targets = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
     costs, loss_fn = {}, build_loss(cfg.loss)
-    names = list(model._modules)
+    names = meta.unit_names
     for i, name in enumerate(names):
-        child = model._modules[name]
-        costs[name] = _measure_child(child, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
+        unit = StageModule(meta.spec, [name], {n: model.get_submodule(n) for n in [*meta.spec.unit(name).modules,
+                                                                                   *meta.spec.shared]})
+        costs[name] = _measure_child(unit, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
         with torch.no_grad():
-            x = child(x)
+            x = unit(x)
     return costs
 
 

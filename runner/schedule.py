@@ -143,14 +143,15 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable, csv: str | None):
-    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch and
-    ``scale_grads`` divides gradients by the microbatch count: the step's loss and gradients are
-    those of the mean over microbatches, the same quantity as the unsplit model's."""
+    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch;
+    the schedule sums their gradients (``scale_grads=False``) and the step divides them by the
+    microbatch count once (``pipeline.PipelinedStep``): the step's loss and gradients are those of
+    the mean over microbatches, the same quantity as the unsplit model's."""
     if name == "csv":
         return _torch_pp.csv_schedule(stages, microbatches, loss_fn, Path(csv))
     cls = _schedule_class(name)
     target = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
-    return cls(target, microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(target, microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[Op]]:

@@ -107,11 +107,17 @@ def train(
     t = cfg.train
     data = build_dataset(cfg.data, seed=t.seed)
     mesh = build_mesh(env, pp=layout.pp, dp=cfg.parallel.dp)
-    step_fn = build_step(cfg, layout, env, mesh)
+    step_fn, tied = build_step(cfg, layout, env, mesh)
     marks = {**(startup_marks or {}), "build": time.time()}
-    params = [p for m in step_fn.modules for p in m.parameters()]
-    optimizer, scheduler = build_optimizer(step_fn.modules, t)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler)
+    named = {n: p for m in step_fn.modules for n, p in m.named_parameters(remove_duplicate=False)}
+    params = list({id(p): p for p in named.values()}.values())  # a weight two local stages share: once
+    # The global norm counts a tied weight once: not its copies on other stages.
+    skip = {id(named[n]) for n in tied.not_counted()}
+    norm_params = [p for p in params if id(p) not in skip]
+    # A head tied to the embedding is an embedding wherever it sits (no weight decay).
+    embeddings = {id(named[n]) for n in tied.embedding_names if n in named}
+    optimizer, scheduler = build_optimizer(step_fn.modules, t, embeddings=embeddings)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler, tied=tied)
     first_step = checkpointer.load(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else 0
     profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir)
     step_fn.attach(profiler.recorder)
@@ -136,18 +142,19 @@ def train(
                 local_loss = step_fn(inputs, targets, **kwargs)
             if fault == "nan" and local_loss is not None:
                 local_loss = local_loss * float("nan")
-            loss, grad_norm = reduce_loss_and_grad_norm(local_loss, params, env, mesh)
+            tied.sync_grads()
+            loss, grad_norm = reduce_loss_and_grad_norm(local_loss, norm_params, env, mesh)
             if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
                 raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
                                          "tighter train.grad_clip; checkpoints before this step are intact.")
             if step == first_step and keep_first_grads:
-                result.first_grads = gather_grads(step_fn.modules, env)
+                result.first_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
             if step == first_step and cfg.verify:
-                verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env)
+                verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env, skip=tied.not_counted())
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
             if step == first_step and keep_first_grads:
-                result.first_clipped_grads = gather_grads(step_fn.modules, env)
+                result.first_clipped_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

@@ -20,7 +20,8 @@ from runner.losses import build_loss
 from runner.optim import LR_SCHEDULES, NO_DECAY_KINDS
 from runner.outputs import check_loggers
 from runner.parallelize import AC_MODES, PRECISIONS
-from runner.split import build_meta_model, check_shapes, check_tied_weights, plan_split
+from runner.split import build_meta_model, check_init, check_shapes, plan_split
+from runner.units import describe_names
 
 __all__ = ["Layout", "validate"]
 
@@ -35,7 +36,7 @@ class Layout:
     csv: str | None
     pp: int
     microbatches: int
-    stages: tuple[tuple[str, ...], ...]  # the model's top-level children in each stage
+    stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.units)
     stage_to_rank: dict[int, int]
 
     @property
@@ -49,7 +50,7 @@ class Layout:
         lines = [f"schedule={self.schedule} pp={self.pp} stages={self.num_stages} "
                  f"microbatches={self.microbatches}"]
         for s, names in enumerate(self.stages):
-            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {', '.join(names)}")
+            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
         return "\n".join(lines)
 
 
@@ -160,7 +161,8 @@ def _check_loss(cfg: DictConfig) -> None:
     """Call the loss on a tiny real microbatch: a wrong target or signature fails here."""
     target = cfg.loss.get("_target_")
     try:
-        loss = build_loss(cfg.loss)(torch.randn(1, 2, cfg.data.vocab_size), torch.zeros(1, 2, dtype=torch.long))
+        vocab = cfg.data.get("vocab_size") or 8
+        loss = build_loss(cfg.loss)(torch.randn(1, 2, vocab), torch.zeros(1, 2, dtype=torch.long))
     except Exception as e:
         raise ConfigError(f"loss._target_={target!r} could not be built or called as loss(logits, targets): {e}\n"
                           "Fix: a function (logits (batch, seq, vocab), targets (batch, seq)) -> scalar tensor; "
@@ -170,11 +172,39 @@ def _check_loss(cfg: DictConfig) -> None:
                           f"{tuple(getattr(loss, 'shape', ()))}, not a scalar tensor. Fix: return the mean loss.")
 
 
+def _check_keyword_inputs(meta, kwargs: dict[str, torch.Tensor]) -> None:
+    consumed = meta.spec.keyword_inputs()
+    unused = sorted(set(kwargs) - consumed) if consumed is not None else []
+    if unused:
+        raise ConfigError(f"The dataset returns keyword inputs {unused}, which the {meta.spec.family} model does not "
+                          f"take (it takes {sorted(consumed)}). Fix: a dataset that returns only those.")
+
+
+def _check_vocab(cfg: DictConfig, model_vocab: int) -> None:
+    """Token ids index the embedding: the data's vocabulary must fit the model's."""
+    data_vocab = cfg.data.get("vocab_size")
+    if data_vocab is not None and data_vocab > model_vocab:
+        raise ConfigError(f"data.vocab_size={data_vocab} is larger than the model's vocabulary ({model_vocab}): "
+                          "token ids would fall outside its embedding. Fix: a tokenizer or data of the model's "
+                          "vocabulary, or a model with a larger one.")
+
+
+def _log_tied(meta, stages) -> None:
+    stage_of = {u: i for i, units in enumerate(stages) for u in units}
+    for names in meta.tied:
+        owners = sorted({stage_of[u] for n in names for u in meta.unit_names
+                         if any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
+        if len(owners) > 1:
+            log.info("Tied weight %s spans stages %s: each holds a copy, gradients summed every step",
+                     " = ".join(names), owners)
+
+
 def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
     """(number of stages, stage → rank) as the schedule dictates."""
     p, name = cfg.parallel, cfg.schedule.name
     if p.pp == 1:  # the unsplit reference: one stage, no schedule
-        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points") if p[k] is not None]
+        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points", "stage_modules")
+               if p.get(k) is not None]
         if ignored:
             log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
         return 1, {0: 0}
@@ -207,14 +237,21 @@ def validate(cfg: DictConfig) -> Layout:
     num_stages, stage_to_rank = _schedule_layout(cfg)
     kwargs = _check_batches(cfg)
     _check_loss(cfg)
-    model = build_meta_model(cfg.model)
-    stages = plan_split(model, num_stages, cfg.parallel.split_points if cfg.parallel.pp > 1 else None)
-    check_tied_weights(model, stages)
-    check_shapes(model, stages, microbatch=cfg.train.batch_size // (cfg.parallel.dp * cfg.parallel.microbatches),
-                 seq_len=cfg.train.seq_len, vocab_size=cfg.data.vocab_size, kwargs=kwargs)
+    p = cfg.parallel
+    stage_modules = p.get("stage_modules")
+    meta = build_meta_model(cfg.model, stage_modules)
+    pipelined = p.pp > 1
+    stages = plan_split(meta, num_stages, p.split_points if pipelined else None,
+                        stage_modules if pipelined else None)
+    check_init(meta)
+    _check_keyword_inputs(meta, kwargs)
+    vocab = check_shapes(meta, stages, microbatch=cfg.train.batch_size // (p.dp * p.microbatches),
+                         seq_len=cfg.train.seq_len, kwargs=kwargs)
+    _check_vocab(cfg, vocab)
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
-        log.info("Uneven split (children per stage): %s", sizes)
+        log.info("Uneven split (units per stage): %s", sizes)
+    _log_tied(meta, stages)
     layout = Layout(
         schedule=cfg.schedule.name,
         csv=cfg.schedule.get("csv"),

@@ -388,12 +388,12 @@ def activation_bytes_per_sample(overrides: Sequence[str], samples: int = 4) -> d
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
     meta = build_meta_model(cfg.model)
-    model = materialize(meta, list(meta._modules), seed=0, device=torch.device("cpu"))
+    model = materialize(meta, meta.unit_names, seed=0, device=torch.device("cpu"))
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randint(cfg.data.vocab_size, (samples, cfg.train.seq_len))
     targets = torch.randint(cfg.data.vocab_size, (samples, cfg.train.seq_len))
     out: dict[str, float] = {}
-    names = list(model._modules)
+    names = meta.unit_names
     kept = {"bytes": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -406,7 +406,7 @@ def activation_bytes_per_sample(overrides: Sequence[str], samples: int = 4) -> d
     for i, name in enumerate(names):
         kept["bytes"] = 0
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x = model._modules[name](x)
+            x = model.get_submodule(name)(x)
             if i == len(names) - 1:
                 cross_entropy(x, targets)
         out[name] = kept["bytes"] / samples

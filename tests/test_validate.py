@@ -64,13 +64,16 @@ BAD = [
     (["parallel.split_points=[block1,block3]"], ["3 stages", "has 2"]),
     (["parallel.split_points=[embed]"], ["out of order or start the first stage"]),
     (["schedule=interleaved_1f1b", "parallel.pp=4", "model.n_layers=1", "parallel.microbatches=8",
-      "train.batch_size=8"], ["4 top-level children", "8 stages"]),
-    (["model.tie_embeddings=true"], ["Tied parameters", "embed.tok.weight", "head.weight"]),
+      "train.batch_size=8"], ["4 pipeline units", "8 stages"]),
     (["parallel.dp=2"], ["parallel.dp=2", "parallel.dp_mode=ddp"]),
     (["parallel.dp_mode=zero3"], ["parallel.dp_mode='zero3'"]),
     (["parallel.microbatches=0"], ["parallel.microbatches=0"]),
     (["device=tpu"], ["device='tpu'"]),
-    (["model._target_=_models.not_sequential"], ["model._target_='_models.not_sequential'", "nn.Sequential"]),
+    (["model._target_=_models.not_sequential"], ["Linear, not an nn.Sequential", "parallel.stage_modules="]),
+    (["parallel.stage_modules=[[embed,block0],[block1]]"], ["parallel.stage_modules", "every unit exactly once",
+                                                             "embed, block0 … block5, norm, head"]),
+    (["parallel.stage_modules=[[embed,block0,block1,block2,block3,block4,block5,norm,head]]"],
+     ["lists 1 stages but the layout has 2"]),
     (["model._target_=nowhere.factory"], ["model._target_='nowhere.factory'"]),
     (["model=mlp", "model._target_=_models.mismatched_mlp"], ["'block0' (stage 0)", "(2, 16, 64)"]),
     (["data=text", "data.vocab_size=256", "data.path=/no/such/file.txt"], ["data.path='/no/such/file.txt'"]),
@@ -124,9 +127,10 @@ def test_compile_on_cpu_without_a_cxx_compiler_is_refused_before_launch(monkeypa
         validate(compose(*PP2, "train.compile=true"))
 
 
-def test_tied_weights_are_fine_when_they_share_a_stage():
-    layout = validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true"))
-    assert layout.num_stages == 1
+def test_tied_weights_may_share_a_stage_or_span_stages():
+    assert validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true")).num_stages == 1
+    layout = validate(compose(*PP2, "model.tie_embeddings=true"))  # embedding and head on two ranks
+    assert layout.stages[0][0] == "embed" and layout.stages[-1][-1] == "head"
 
 
 def _csv(tmp_path, text: str) -> str:
