@@ -185,6 +185,8 @@ def train(
     progress.close()
     bubble = profiler.finish(layout)
     peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
+    # Pretrained weights: what each rank read (its own stages' tensors only).
+    weights_read = gather_to_main(getattr(step_fn.modules[0].spec, "bytes_read", 0), env)
     if env.is_main:
         result.summary = make_summary(
             cfg=cfg, layout=layout, first_step=first_step, losses=result.losses, step_times=step_times,
@@ -192,6 +194,8 @@ def train(
         )
         result.summary["bubble"] = bubble
         result.summary["startup_phases_s"] = _phases(launch_time, marks)
+        if any(weights_read):
+            result.summary["weights_read_bytes"] = weights_read
         if val_losses:
             result.summary["val_loss"] = val_losses[-1][1]
             result.summary["val_losses"] = [{"step": st, "val_loss": v} for st, v in val_losses]

@@ -141,3 +141,49 @@ def test_pp4_and_fsdp_layouts_match_and_resume_across_layouts(models, pp2, tmp_p
         assert "error" not in got, got.get("traceback")
         assert got["summary"]["first_step"] == 3
         assert got["losses"] == pytest.approx(full[3:], rel=1e-4, abs=0), case
+
+
+@pytest.mark.timeout(200)
+def test_the_command_line_trains_a_pretrained_model_on_a_local_dataset_and_exports_it(tmp_path):
+    """What the README's "Hugging Face models" section tells a user to type, without code."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from _hf import write_tokenizer
+    from conftest import ROOT
+
+    model_dir = write_model(tmp_path / "model", "llama", weights=True)
+    write_tokenizer(model_dir)  # a model directory with its tokenizer, as on the Hub
+    words = "the pipeline stage runs every microbatch forward and backward while another rank waits".split()
+    (tmp_path / "corpus.jsonl").write_text("\n".join(json.dumps({"text": " ".join(words[i % 5:] + words[:i % 5])})
+                                                     for i in range(200)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(ROOT)]),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", "model=hf", f"model.path={model_dir}", "data=hf",
+         f"data.path={tmp_path / 'corpus.jsonl'}", f"data.tokenizer={model_dir}", "train.seq_len=16",
+         "train.batch_size=8", "train.steps=4", "eval.every=2", "checkpoint.every=4", "verify=true",
+         "profile.enabled=false", f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["verify"]["passed"] and summary["val_loss"] > 0
+    assert summary["stages"]["0"][0] == "model.embed_tokens" and summary["stages"]["1"][-1] == "lm_head"
+    # Each rank read its own stages' weights: together the file once (the untied head is its own).
+    size = sum(AutoModelForCausalLM.from_pretrained(model_dir).state_dict()[k].numel() * 4
+               for k in AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
+    read = summary["weights_read_bytes"]
+    assert len(read) == 2 and sum(read) == size and min(read) > 0.2 * size
+    assert list((tmp_path / "cache" / "runner" / "tokens").glob("*.uint16"))  # tokenized once, cached
+    exported = subprocess.run([sys.executable, "-m", "runner.export", str(run), str(tmp_path / "out")], env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == 19
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    before = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert not torch.equal(model.lm_head.weight, before.lm_head.weight)  # trained
