@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "device"]
+SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "device", "hf"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 ZERO_BUBBLE = ["interleaved_zb", "zbv", "dualpipev"]
 _SHAPE = ["model.dim=256", "model.n_layers=8", "train.seq_len=128"]  # every run also gets device=<--device>
@@ -65,6 +65,12 @@ OPTION_RATIOS = [  # (label, config, baseline)
     ("zbv / 1f1b (no options)", "zbv", "1f1b"),
 ]
 MIB = 2**20
+# A Llama-shaped Hugging Face model (random weights saved in its directory: the pretrained path),
+# 8 layers of width 256, a 8192-token vocabulary; at pp=2 against its unsplit run.
+HF_LLAMA = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256}
+HF_RUNS = {"pp1": ["parallel.pp=1"], "pp2-1f1b": ["parallel.pp=2", "schedule=1f1b"],
+           "pp2-zbv": ["parallel.pp=2", "schedule=zbv"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +286,7 @@ def read_run(run_dir: Path, done: subprocess.CompletedProcess | None = None) -> 
         "peak_mem_bytes": s.get("peak_mem_bytes"), "stages": s.get("stages"), "num_stages": s.get("num_stages"),
         "startup_s": s.get("startup_s"), "startup_phases_s": s.get("startup_phases_s"),
         "final_loss": s.get("final_loss"), "started_at": s.get("started_at"), "finished_at": s.get("finished_at"),
+        "weights_read_bytes": s.get("weights_read_bytes"),
     }
 
 
@@ -731,9 +738,36 @@ def planner(ctx: Context) -> dict[str, Any]:
             "rounds": rounds}
 
 
+def hf_models(ctx: Context) -> dict[str, Any]:
+    """``model=hf``: a Llama-shaped model read from its directory's safetensors, pipelined at pp=2
+    (1F1B, ZBV) against its unsplit run in alternating order: step time, peak memory per rank, and
+    the bytes each rank read of the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model_dir = ctx.work / "hf-llama"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**HF_LLAMA)).save_pretrained(model_dir)
+    file_bytes = sum(p.numel() * p.element_size()
+                     for p in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values())
+    common = ["model=hf", f"model.path={model_dir}", f"data.vocab_size={HF_LLAMA['vocab_size']}",
+              "train.seq_len=128", "train.batch_size=32", "parallel.microbatches=8", "profile.enabled=false",
+              f"train.steps={ctx.args.option_steps}"]
+    runs = []
+    for repeat in range(ctx.args.option_repeats):
+        for name in HF_RUNS if repeat % 2 == 0 else reversed(HF_RUNS):
+            run_dir = ctx.work / f"hf-{name}-{repeat}"
+            run = read_run(run_dir, _runner(ctx, *common, *HF_RUNS[name], f"hydra.run.dir={run_dir}"))
+            if run["status"] == "ok":
+                run["steady_s"] = steady(run["step_times"], skip=2)
+            runs.append(ctx.mark({"config": name, "repeat": repeat, **run}))
+            print(f"[bench] hf {name} #{repeat}: {run.get('steady_s') or run.get('error')}", flush=True)
+    return {"model": HF_LLAMA, "file_bytes": file_bytes, "overrides": common, "runs": runs}
+
+
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "efficiency": efficiency, "scaling": scaling, "options": options, "overhead": overhead, "startup": startup,
-    "profiling": profiling, "planner": planner, "device": single_device,
+    "profiling": profiling, "planner": planner, "device": single_device, "hf": hf_models,
 }
 
 
@@ -1253,6 +1287,35 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _render_hf(data: Mapping[str, Any]) -> list[str]:
+    res, runs = data["results"], data["results"]["runs"]
+    model, total = res["model"], res["file_bytes"]
+    lines = ["## Hugging Face models", "", _meta_line(data["meta"], runs), "",
+             f"A Llama-shaped `model=hf` model ({model['num_hidden_layers']} layers of width "
+             f"{model['hidden_size']}, {model['vocab_size']}-token vocabulary, untied head; "
+             f"{total / MIB:.1f} MiB of fp32 weights) read from its directory's safetensors, "
+             "`train.batch_size=32 train.seq_len=128 parallel.microbatches=8`. Steady step: the median from "
+             "step 2 on, the median over repeats (runs alternate between the configurations).", "",
+             "| config | steady step (s) | / unsplit | peak memory per rank (MiB) | weights read per rank (MiB) "
+             "| share of the file per rank |", "|---|---|---|---|---|---|"]
+    base = _median([r["steady_s"] for r in runs if r["config"] == "pp1" and r.get("steady_s")])
+    for name in dict.fromkeys(r["config"] for r in runs):
+        ok = [r for r in runs if r["config"] == name and r.get("status") == "ok"]
+        if not ok:
+            lines.append(f"| {name} | failed: {next(r for r in runs if r['config'] == name).get('error')} | | | | |")
+            continue
+        step = _median([r["steady_s"] for r in ok if r.get("steady_s")])
+        mem = ", ".join(f"{b / MIB:.0f}" for b in ok[-1]["peak_mem_bytes"])
+        read = ok[-1].get("weights_read_bytes") or []
+        ratio = _num(step / base if step and base else None, ".2f")
+        lines.append(f"| {name} | {_num(step, '.4f')} | {ratio} | {mem} | {', '.join(f'{b / MIB:.1f}' for b in read)} "
+                     f"| {', '.join(f'{b / total:.2f}' for b in read)} |")
+    return lines + ["", "Each rank reads only its own stages' tensors: at pp=2 about half the file each (the "
+                        "embedding and the head are the largest tensors, on the first and the last stage). Peak "
+                        "memory is the process's RSS high-water mark on CPU (interpreter, torch and transformers "
+                        "included).", ""]
+
+
 def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> str:
     """BENCHMARKS.md from every benchmarks/<section>.json present; sections without one are listed."""
     found = {}
@@ -1279,7 +1342,8 @@ def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> st
         lines += ["Sections ran on different machines or torch versions: see each section's line.", ""]
     renderers = {"efficiency": lambda d: _render_efficiency(d, out_dir, plot_path), "scaling": _render_scaling,
                  "options": _render_options, "overhead": _render_overhead, "startup": _render_startup,
-                 "profiling": _render_profiling, "planner": _render_planner, "device": _render_device}
+                 "profiling": _render_profiling, "planner": _render_planner, "device": _render_device,
+                 "hf": _render_hf}
     for section in SECTIONS:
         if section in found:
             try:

@@ -181,3 +181,19 @@ def test_bench_on_one_gpu_runs_only_the_sections_whose_ranks_fit(bench, tmp_path
     saved = json.loads((tmp_path / "cuda" / "device.json").read_text())
     assert saved["meta"]["machine"]["device_name"] == "1 x Fake GPU"
     assert not (tmp_path / "cuda" / "planner.json").exists()
+
+
+def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(bench, tmp_path):
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+    mib = 2**20
+    runs = [{"config": c, "repeat": r, "status": "ok", "steady_s": s * (1 + r / 10), "peak_mem_bytes": mem,
+             "weights_read_bytes": read}
+            for r in range(2)
+            for c, s, mem, read in [("pp1", 1.0, [600 * mib], [40 * mib]),
+                                    ("pp2-1f1b", 0.6, [400 * mib, 380 * mib], [22 * mib, 18 * mib])]]
+    model = {"vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 8}
+    _section(results, "hf", {"model": model, "file_bytes": 40 * mib, "runs": runs})
+    text = bench["render"](results, out)
+    assert "40.0 MiB of fp32 weights" in text
+    assert "| pp1 | 1.0500 | 1.00 | 600 | 40.0 | 1.00 |" in text
+    assert "| pp2-1f1b | 0.6300 | 0.60 | 400, 380 | 22.0, 18.0 | 0.55, 0.45 |" in text
