@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -109,10 +108,12 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
 
 def test_the_attention_mask_reaches_every_block_and_changes_only_what_it_should():
     from runner.split import StageModule
+    from runner.units import SequentialSpec
 
     torch.manual_seed(0)
-    model = StageModule(OrderedDict(transformer(vocab_size=16, max_seq_len=8, dim=16, n_layers=2, n_heads=2,
-                                                ffn_mult=2).named_children()))
+    whole = transformer(vocab_size=16, max_seq_len=8, dim=16, n_layers=2, n_heads=2, ffn_mult=2)
+    spec = SequentialSpec(whole)
+    model = StageModule(spec, spec.unit_names, dict(whole.named_children()))
     tokens = torch.randint(16, (2, 8))
     full = torch.ones(2, 8, dtype=torch.bool)
     left_pad = torch.arange(8) >= torch.tensor([[3], [0]])
