@@ -494,6 +494,9 @@ def main(cfg: DictConfig) -> None:
     # The user's overrides, less the planner's own and the ones each candidate sets itself.
     chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]
+    searched = next((c for c in candidates if c.schedule == "synthesized" and c.valid and c.fits_memory), None)
+    if searched is not None:
+        print(f"\nfastest synthesized: python -m runner {shlex.join(overrides + searched.overrides)}")
     print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
 
 
