@@ -66,6 +66,8 @@ class Candidate:
     peak_activation_bytes: list[int] = field(default_factory=list)
     fits_memory: bool = True
     pipeline_s: float | None = None  # the simulated pipeline with mean action times (no jitter)
+    after_pipeline_s: float | None = None  # of the predicted step: the loss/norm all-reduce and the optimizer
+    stage_costs_s: dict[str, float] = field(default_factory=dict)  # "<stage><F|B|I|W>": seconds, as simulated
     lower_bound_s: float | None = None  # no order of this layout's actions runs its pipeline faster
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
     recommended: bool = False  # the one the best line names
@@ -256,7 +258,9 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     for a in timeline:
         busy[a.rank] += a.end - a.start
     candidate.valid = True
-    candidate.predicted_step_time_s = makespan + calibration.latency_s + max(update.values())
+    candidate.after_pipeline_s = calibration.latency_s + max(update.values())
+    candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
+    candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
     candidate.pipeline_s = max(a.end for a in timeline)
     candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s))
