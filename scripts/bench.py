@@ -754,6 +754,14 @@ def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int], model: Seq
             "tied": [_label(c) for c in plan if c.get("tie")]}
 
 
+def _steady_s(run: Mapping[str, Any]) -> float | None:
+    """A run's steady step time: the median over its last two thirds of steps. The first steps of a
+    run are slower (1-3 ms actions: steps 2-5 measured x1.03-1.3 the later ones, with and without
+    the profiler), and what the planner predicts is the steady state."""
+    times = run.get("step_times") or []
+    return steady(times, skip=max(1, len(times) // 3)) if len(times) > 3 else run.get("step_time_s")
+
+
 def _planner_size(ctx: Context, name: str, model: Sequence[str], microbatches: list[int], steps: int
                   ) -> dict[str, Any]:
     rounds = []
@@ -765,7 +773,7 @@ def _planner_size(ctx: Context, name: str, model: Sequence[str], microbatches: l
             return {"error": plan["error"]}
         runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, microbatches, steps, model=model, sweep=work / "runs")]
         measured = {f"{run['schedule']}/{run['m']}": {
-            "step_s": run.get("step_time_s"), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
+            "step_s": _steady_s(run), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
             "replayed_s": run.get("simulated_step_s"), "pipeline_s": run.get("pipeline_step_s"),
             "costs": run.get("mean_costs_s"),
             **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
@@ -821,7 +829,8 @@ def _synthesis_model(ctx: Context, name: str, model: Sequence[str], pp: int) -> 
             config = configs[(i + r) % len(configs)]
             run_dir = work / f"round{r}" / config["label"].replace("/", "-").replace(" ", "_")
             done = _runner(ctx, *common, *config["overrides"], f"hydra.run.dir={run_dir}")
-            config.setdefault("runs", []).append(ctx.mark(read_run(run_dir, done)))
+            run = ctx.mark(read_run(run_dir, done))
+            config.setdefault("runs", []).append({**run, "steady_s": _steady_s(run)})
         print(f"[bench] synthesis {name} pp={pp} round {r + 1}/{a.synthesis_rounds}", flush=True)
     return {"model": list(model), "pp": pp, "steps": a.synthesis_steps, "microbatches": microbatches,
             "configs": configs}
@@ -1398,7 +1407,8 @@ def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
         return low if low == high else f"{low}-{high}"
 
     lines += ["`python -m runner.plan` on the model `" + " ".join(res["model"]) + "` at pp=2, against real runs "
-              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median). "
+              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median: over "
+              "the last two thirds of the steps; in results from before the model sizes, all but the first). "
               f"{n} rounds, each a fresh plan (calibration and child timings) followed by all the runs; the "
               "numbers are medians over rounds, and the measured range is min-max over rounds. Calibrated per "
               f"round: message {cal_range('latency_s', 1e6, '.0f')} us + bytes / "
@@ -1462,8 +1472,8 @@ def _render_synthesis(data: Mapping[str, Any]) -> list[str]:
                   "(min-max) | predicted ratio | peak activations (MiB) |", "|---|---|---|---|---|---|---|"]
         wins, losses = [], []
         for c in configs:
-            steps = [r.get("step_time_s") for r in c.get("runs", [])]
-            own = [(s, t.get("step_time_s")) for s, t in zip(steps, synth.get("runs", []))]
+            steps = [r.get("steady_s") or r.get("step_time_s") for r in c.get("runs", [])]
+            own = [(s, t.get("steady_s") or t.get("step_time_s")) for s, t in zip(steps, synth.get("runs", []))]
             ratios = [s / t for s, t in own if s and t]
             measured = _median([s for s in steps if s])
             ratio = _median(ratios)
