@@ -292,6 +292,14 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
         log.warning("%d ranks on %d CPU cores take turns on the cores, which the planner does not simulate: its "
                     "step times assume a core per rank and will read low. Plan on a host with a core per rank.",
                     ranks, cores)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if kind == "cpu" and load > cores / 2:
+        # Measured under a load average of 4 on 2 cores: a 4-byte message took 4 ms (a scheduler
+        # time slice, not the transport's 60 us) and a 4 MiB one no longer, the runtime overhead
+        # came out anywhere in 0-1.8 ms and the co-running slowdown 1.8-2.6.
+        log.warning("the 1-minute load average is %.1f on %d CPU cores: other processes share this host, and the "
+                    "calibration and the child timings measure them too. Plan on a quiet host, or set plan.comm_*, "
+                    "plan.action_overhead_s and plan.corunning_slowdown from a quiet calibration.json.", load, cores)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
     results, timelines = [], {}
@@ -434,7 +442,7 @@ def _table(candidates: list[Candidate]) -> str:
             mark = "*" if c.recommended else "=" if c.tie else " "
             rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
                         f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  "
-                        f"{c.pipeline_s / c.lower_bound_s - 1:+8.1%}  {max(c.peak_activations):13d}  "
+                        f"{max(0.0, c.pipeline_s / c.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
                         f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
                         f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
