@@ -21,7 +21,7 @@ import math
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from runner.simulate import Op, peak_in_flight, simulate
@@ -311,7 +311,6 @@ class Synthesis:
     rejected: int  # of those: could not run, over the budget, or refused by ``check``
     improved_by_moves: int  # accepted local moves that made the best better
     seconds: float
-    history: list[float] = field(default_factory=list)  # the best makespan after each improvement
 
 
 def _score(p: Problem, order: Order) -> tuple[float, float] | None:
@@ -337,7 +336,6 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
     rng = random.Random(seed)
     stats = {"evaluated": 0, "rejected": 0, "moves": 0}
     best: list = []  # [score, order, origin]
-    history: list[float] = []
 
     def consider(order: Order | None, origin: str) -> tuple[float, float] | None:
         stats["evaluated"] += 1
@@ -353,7 +351,6 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
                     stats["rejected"] += 1
                     return None
             best[:] = [score, order, origin]
-            history.append(score[0])
         return score
 
     for name, order in seeds.items():
@@ -384,4 +381,4 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
             current, current_score, stale = best[1], best[0], 0
     return Synthesis(order=best[1], makespan_s=best[0][0], lower_bound_s=lower_bound(p), origin=best[2],
                      evaluated=stats["evaluated"], rejected=stats["rejected"], improved_by_moves=stats["moves"],
-                     seconds=time.perf_counter() - started, history=history)
+                     seconds=time.perf_counter() - started)
