@@ -9,8 +9,11 @@ balancing measured time where it differs), plus the run's CSV schedule if it has
 checked with every check a run makes before spawning; the valid ones are simulated
 (``runner.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
 microbatch in this process (or taken from a previous run's summary when its stages match), plus
-a message cost per send. Writes ``plan.json`` (best first) and ``plan_timeline.json`` (the best
-candidate's predicted timeline, with mean action times).
+a message cost per send. With ``plan.synthesize=true`` it also searches action orders for these
+costs under ``plan.memory_limit`` (``runner.synthesize``) and lists them as CSV schedules.
+Candidates predicted within ``plan.tie_tolerance`` of the fastest tie; the recommended one is the
+tied candidate with the least activation memory. Writes ``plan.json`` (fastest first) and
+``plan_timeline.json`` (the recommended candidate's predicted timeline, with mean action times).
 """
 
 from __future__ import annotations
@@ -509,6 +512,7 @@ def main(cfg: DictConfig) -> None:
     searched = next((c for c in candidates if c.schedule == "synthesized" and c.valid and c.fits_memory), None)
     if searched is not None:
         print(f"\nfastest synthesized: python -m runner {shlex.join(overrides + searched.overrides)}")
+    # Quoted: a split is a [list].
     print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
 
 
