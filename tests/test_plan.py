@@ -173,8 +173,12 @@ def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
     candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
                                     "plan.repeats=1", f"plan.costs={tmp_path / 'summary.json'}"))
     by_name = {c.schedule: c for c in candidates if c.valid}
-    # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus messages and the optimizer (ms).
-    assert by_name["1f1b"].predicted_step_time_s == pytest.approx(15.0, abs=0.01)
+    # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus messages (ms); then the all-reduce
+    # and the optimizer (timed here: milliseconds, more on a busy host).
+    one_f_one_b = by_name["1f1b"]
+    assert one_f_one_b.pipeline_s == pytest.approx(15.0, abs=0.01)
+    assert one_f_one_b.predicted_step_time_s == pytest.approx(one_f_one_b.pipeline_s + one_f_one_b.after_pipeline_s)
+    assert 0 < one_f_one_b.after_pipeline_s < 0.5
     assert by_name["interleaved_1f1b"].predicted_step_time_s < 1.0
 
 
