@@ -4,7 +4,7 @@ built-ins, and what one device measures alone. Each section
 saves its raw results to benchmarks/<section>.json; BENCHMARKS.md is rendered from every JSON file
 present, so re-running one section refreshes only that part.
 
-    python scripts/bench.py                                # every section (~1 h on 2 cores, plus waits)
+    python scripts/bench.py                                # every section (~1.5 h on 2 cores, plus waits)
     python scripts/bench.py --only options startup         # these sections; the others' JSON is kept
     python scripts/bench.py --only efficiency --pp 2 --microbatches 8
     python scripts/bench.py --render                       # re-render BENCHMARKS.md (and the plot) only
