@@ -1436,8 +1436,8 @@ def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
                   f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%}, median signed "
                   f"{statistics.median(signed):+.1%}); a configuration's "
                   f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."
-                  + (f" Recommended per round: {_recommendations(res)}." if any("recommended" in r for r in res["rounds"])
-                     else "")]
+                  + (f" Recommended per round: {_recommendations(res)}."
+                     if any("recommended" in r for r in res["rounds"]) else "")]
     for m in sorted({r["m"] for r in rows}):
         at_m = [r for r in rows if r["m"] == m]
         rho = _ranks_agree([(r["predicted_s"], r["measured_s"]) for r in at_m])
