@@ -153,6 +153,15 @@ class PlanConfig:
     comm_busy_delay_s: Optional[float] = None  # added to a message whose sender is computing
     action_jitter: Optional[float] = None  # coefficient of variation of an action's time
     repeats: int = 5  # timings per child; the median is used
+    # Candidates predicted within this fraction of the fastest tie (the prediction's own error:
+    # BENCHMARKS.md, planner section); the recommended one is then the one with least memory.
+    tie_tolerance: float = 0.05
+    # Also search action orders for the measured costs under memory_limit: one per microbatch
+    # count, placement (1 or 2 stages per rank, looped or V) and split, written as CSV files
+    # into the plan directory and listed beside the built-in schedules.
+    synthesize: bool = False
+    search_budget: int = 200  # orders evaluated per searched layout: bounds the search, not the clock
+    search_seed: int = 0
 
 
 @dataclass

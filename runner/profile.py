@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from runner.timeline import (
     mean_costs,
     measured_bubble,
     measured_slices,
+    pipeline_spans,
     plot_schedule,
     simulated_slices,
     write_chrome_trace,
@@ -137,6 +139,9 @@ class RunProfiler:
             # The executed order replayed with each action's mean time and nothing else: how much of
             # step_time_s the simulator (and so the planner) can account for.
             "simulated_step_s": max(a.end for a in simulated),
+            # The pipeline call alone (median over the recorded steps, first rank in to last out):
+            # step_time_s less this is the loss/norm all-reduce, the clip and the optimizer.
+            "pipeline_step_s": statistics.median(hi - lo for lo, hi in pipeline_spans(spans).values()) / 1e9,
             "steps": [s.step for s in spans[0]],
             "mean_costs_s": {f"{stage}{kind}": c for (stage, kind), c in sorted(costs.items())},
         }

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 from runner.record import Action, StepSpan
 from runner.simulate import Op, SimAction
 
-__all__ = ["executed_order", "write_schedule_csv", "mean_costs", "measured_bubble",
+__all__ = ["executed_order", "write_schedule_csv", "mean_costs", "pipeline_spans", "measured_bubble",
            "write_chrome_trace", "measured_slices", "simulated_slices", "plot_schedule"]
 
 COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#88D27A", "W": "#F58518"}
@@ -44,17 +44,23 @@ def mean_costs(actions: Mapping[int, Sequence[Action]]) -> dict[tuple[int, str],
     return {key: statistics.fmean(v) for key, v in samples.items()}
 
 
+def pipeline_spans(steps: Mapping[int, Sequence[StepSpan]]) -> dict[int, tuple[int, int]]:
+    """Per recorded step, the pipeline's span: the first rank's start to the last rank's end (ns)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for per_rank in steps.values():
+        for s in per_rank:
+            lo, hi = spans.get(s.step, (s.start_ns, s.end_ns))
+            spans[s.step] = (min(lo, s.start_ns), max(hi, s.end_ns))
+    return spans
+
+
 def measured_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]) -> list[float]:
     """Per rank: 1 - (time in the stage's own compute calls) / (wall time of the pipeline steps),
     over the recorded steps. A step's wall time is the pipeline's, the same for every rank: from
     the first rank's start to the last rank's end (the ranks share a clock origin), as in the
     closed forms. A rank that returns early (1F1B's last rank, before the drain) is idle until
     the pipeline ends; waiting for a neighbour's tensor counts as idle too."""
-    spans: dict[int, list[int]] = {}
-    for per_rank in steps.values():
-        for s in per_rank:
-            lo_hi = spans.setdefault(s.step, [s.start_ns, s.end_ns])
-            lo_hi[0], lo_hi[1] = min(lo_hi[0], s.start_ns), max(lo_hi[1], s.end_ns)
+    spans = pipeline_spans(steps)
     out = []
     for rank in sorted(steps):
         wall = sum(spans[s.step][1] - spans[s.step][0] for s in steps[rank])

@@ -1,13 +1,15 @@
 """Benchmarks: pipeline efficiency, scaling and memory, training options, runner overhead, startup,
-profiling cost, the planner against real runs, and what one device measures alone. Each section
+profiling cost, the planner against real runs (three model sizes), synthesized schedules against the
+built-ins, and what one device measures alone. Each section
 saves its raw results to benchmarks/<section>.json; BENCHMARKS.md is rendered from every JSON file
 present, so re-running one section refreshes only that part.
 
-    python scripts/bench.py                                # every section (~1 h on 2 cores, plus waits)
+    python scripts/bench.py                                # every section (~1.5 h on 2 cores, plus waits)
     python scripts/bench.py --only options startup         # these sections; the others' JSON is kept
     python scripts/bench.py --only efficiency --pp 2 --microbatches 8
     python scripts/bench.py --render                       # re-render BENCHMARKS.md (and the plot) only
     python scripts/bench.py --device cuda                  # on GPUs: benchmarks/cuda/, BENCHMARKS-cuda.md
+    python scripts/bench.py --only planner synthesis --quick   # do they run (tiny models, ~5 min)
 
 Before each long run the script waits (up to --max-wait s) until the 1-minute load average is at
 most 1.0 and no pytest is running, and records per section whether it ran under load. Benchmarks
@@ -31,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "device", "hf"]
+SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "synthesis",
+            "device", "hf"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 ZERO_BUBBLE = ["interleaved_zb", "zbv", "dualpipev"]
 _SHAPE = ["model.dim=256", "model.n_layers=8", "train.seq_len=128"]  # every run also gets device=<--device>
@@ -71,6 +74,24 @@ HF_LLAMA = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688, "n
             "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256}
 HF_RUNS = {"pp1": ["parallel.pp=1"], "pp2-1f1b": ["parallel.pp=2", "schedule=1f1b"],
            "pp2-zbv": ["parallel.pp=2", "schedule=zbv"]}
+
+# Planner validation over model sizes: name -> (model overrides, microbatch counts, steps per run).
+# Actions of ~0.2-0.6 ms (the smoke model), 1-3 ms (issue 19's model at the default width) and
+# 30-250 ms (MODEL): the planner must hold at each, not only where compute dwarfs the runtime.
+PLANNER_SIZES = {
+    "smoke": (["model.dim=32", "model.n_layers=2", "train.seq_len=16", "train.batch_size=8"], [2, 4], 30),
+    "small": (["model.n_layers=8", "train.batch_size=32"], [2, 4], 20),
+    "benchmark": (MODEL, [4, 8], 8),
+}
+# Synthesis against the built-ins: a large-vocabulary head (a last stage 2-3x the others) and
+# equal stages (8 blocks of width 128, a small head).
+SYNTH_MODELS = {
+    "heavy-last": ["model.dim=64", "model.n_layers=6", "data.vocab_size=8192", "train.batch_size=32"],
+    "equal": ["model.dim=128", "model.n_layers=8", "train.seq_len=64", "train.batch_size=32"],
+}
+QUICK_SIZES = {"smoke": PLANNER_SIZES["smoke"]}  # --quick: does the section run at all (minutes)
+QUICK_SYNTH = {"heavy-last": ["model.dim=32", "model.n_layers=2", "data.vocab_size=1024", "train.seq_len=16",
+                              "train.batch_size=8"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +303,7 @@ def read_run(run_dir: Path, done: subprocess.CompletedProcess | None = None) -> 
         "bubble": bubble.get("mean"), "bubble_per_rank": bubble.get("per_rank"),
         "bubble_theoretical": bubble.get("theoretical"), "theoretical_source": bubble.get("theoretical_source"),
         "bubble_simulated": bubble.get("simulated"), "simulated_step_s": bubble.get("simulated_step_s"),
+        "pipeline_step_s": bubble.get("pipeline_step_s"),
         "mean_costs_s": bubble.get("mean_costs_s", {}),
         "peak_mem_bytes": s.get("peak_mem_bytes"), "stages": s.get("stages"), "num_stages": s.get("num_stages"),
         "startup_s": s.get("startup_s"), "startup_phases_s": s.get("startup_phases_s"),
@@ -700,42 +722,136 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
 
 
-def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int]) -> dict[str, Any]:
+def _label(c: Mapping[str, Any]) -> str:
+    """A plan.json candidate as ``schedule/m`` (the key of a plain run), plus its stages per rank
+    and split where they differ from a plain run's."""
     from runner.schedule import default_stages_per_rank
 
-    done = _runner(ctx, *MODEL, "parallel.pp=2", f"plan.microbatches=[{','.join(map(str, microbatches))}]",
+    name = c["schedule"] + (f"-{c['search']['placement']}" if c.get("search") else "")
+    extra = "" if c["schedule"] == "synthesized" or c["stages_per_rank"] == default_stages_per_rank(c["schedule"]) \
+        else f" v={c['stages_per_rank']}"
+    return f"{name}/{c['microbatches']}{extra}" + (f" split {','.join(c['split_points'])}" if c.get("split_points")
+                                                   else "")
+
+
+def _plan(ctx: Context, out: Path, model: Sequence[str], microbatches: Sequence[int], *extra: str
+          ) -> list[dict[str, Any]] | dict[str, Any]:
+    """``python -m runner.plan`` at pp=2 (or ``extra``'s pp): its plan.json, or an error."""
+    done = _runner(ctx, *model, "parallel.pp=2", f"plan.microbatches=[{','.join(map(str, microbatches))}]", *extra,
                    f"hydra.run.dir={out}", module="runner.plan")
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["plan failed"])[-1][:300]}
+    return json.loads((out / "plan.json").read_text())
+
+
+def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int], model: Sequence[str] = MODEL) -> dict[str, Any]:
+    from runner.schedule import default_stages_per_rank
+
+    plan = _plan(ctx, out, model, microbatches)
+    if "error" in plan:
+        return plan
     # The candidates a plain run of each schedule uses (its default stages per rank and split).
-    predicted = {f"{c['schedule']}/{c['microbatches']}": {"step_s": c["predicted_step_time_s"], "bubble": c["bubble"]}
-                 for c in json.loads((out / "plan.json").read_text())
-                 if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])
-                 and c.get("split_points") is None}
-    return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text())}
+    predicted = {f"{c['schedule']}/{c['microbatches']}": {
+        "step_s": c["predicted_step_time_s"], "bubble": c["bubble"], "after_s": c.get("after_pipeline_s"),
+        "costs": c.get("stage_costs_s")}
+        for c in plan if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])
+        and c.get("split_points") is None}
+    recommended = next((c for c in plan if c.get("recommended")), None)
+    return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text()),
+            "recommended": None if recommended is None else _label(recommended),
+            "tied": [_label(c) for c in plan if c.get("tie")]}
+
+
+def _steady_s(run: Mapping[str, Any]) -> float | None:
+    """A run's steady step time: the median over its last two thirds of steps. The first steps of a
+    run are slower (1-3 ms actions: steps 2-5 measured x1.03-1.3 the later ones, with and without
+    the profiler), and what the planner predicts is the steady state."""
+    times = run.get("step_times") or []
+    return steady(times, skip=max(1, len(times) // 3)) if len(times) > 3 else run.get("step_time_s")
+
+
+def _planner_size(ctx: Context, name: str, model: Sequence[str], microbatches: list[int], steps: int
+                  ) -> dict[str, Any]:
+    rounds = []
+    for r in range(ctx.args.planner_rounds):
+        started = time.time()
+        work = ctx.work / f"planner-{name}-{r}"
+        plan = _plan_round(ctx, work / "plan", microbatches, model)
+        if "error" in plan:
+            return {"error": plan["error"]}
+        runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, microbatches, steps, model=model, sweep=work / "runs")]
+        measured = {f"{run['schedule']}/{run['m']}": {
+            "step_s": _steady_s(run), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
+            "replayed_s": run.get("simulated_step_s"), "pipeline_s": run.get("pipeline_step_s"),
+            "costs": run.get("mean_costs_s"),
+            **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
+        rounds.append({**plan, "measured": measured})
+        print(f"[bench] planner {name} round {r + 1}/{ctx.args.planner_rounds}: {time.time() - started:.0f} s",
+              flush=True)
+    return {"model": list(model), "pp": 2, "steps": steps, "microbatches": microbatches, "rounds": rounds}
 
 
 def planner(ctx: Context) -> dict[str, Any]:
-    """Rounds of: ``python -m runner.plan`` at pp=2 (calibrated on this host, child costs timed
-    in-process), then every schedule x m run for real. Rounds spread each schedule's runs over the
-    section, so that a slow spell of this shared machine does not land on one schedule only."""
+    """Per model size: rounds of ``python -m runner.plan`` at pp=2 (calibrated on this host, child
+    costs timed in-process), then every schedule x m run for real. Rounds spread each schedule's
+    runs over the section, so that a slow spell of this shared machine does not land on one
+    schedule only."""
     a = ctx.args
-    rounds = []
-    for r in range(a.planner_rounds):
-        started = time.time()
-        plan = _plan_round(ctx, ctx.work / f"planner-{r}" / "plan", a.planner_microbatches)
-        if "error" in plan:
-            return {"error": plan["error"]}
-        runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, a.planner_microbatches, a.planner_steps, model=MODEL,
-                                                     sweep=ctx.work / f"planner-{r}" / "runs")]
-        measured = {f"{run['schedule']}/{run['m']}": {
-            "step_s": run.get("step_time_s"), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
-            "replayed_s": run.get("simulated_step_s"),
-            **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
-        rounds.append({**plan, "measured": measured})
-        print(f"[bench] planner round {r + 1}/{a.planner_rounds}: {time.time() - started:.0f} s", flush=True)
-    return {"model": MODEL, "pp": 2, "steps": a.planner_steps, "microbatches": a.planner_microbatches,
-            "rounds": rounds}
+    sizes = QUICK_SIZES if a.quick else {k: v for k, v in PLANNER_SIZES.items() if k in a.planner_sizes}
+    out = {}
+    for name, (model, microbatches, steps) in sizes.items():
+        if name == "benchmark":
+            microbatches = a.planner_microbatches or microbatches
+        out[name] = _planner_size(ctx, name, model, microbatches, a.planner_steps or steps)
+    return {"sizes": out}
+
+
+def _synthesis_configs(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fastest synthesized candidate that fits, then each built-in schedule's fastest (any
+    microbatch count, stages per rank and split the plan tried)."""
+    configs = []
+    for name in ["synthesized", *SCHEDULES]:
+        best = next((c for c in plan if c["schedule"] == name and c["valid"] and c["fits_memory"]), None)
+        if best is not None:
+            configs.append({"label": _label(best), "schedule": name, "overrides": best["overrides"],
+                            "predicted_s": best["predicted_step_time_s"],
+                            "peak_activation_bytes": max(best["peak_activation_bytes"])})
+    return configs
+
+
+def _synthesis_model(ctx: Context, name: str, model: Sequence[str], pp: int) -> dict[str, Any]:
+    a = ctx.args
+    work = ctx.work / f"synthesis-{name}-pp{pp}"
+    microbatches = [2, 4] if a.quick else [4, 8]
+    plan = _plan(ctx, work / "plan", model, microbatches, f"parallel.pp={pp}", "plan.synthesize=true")
+    if "error" in plan:
+        return {"error": plan["error"]}
+    configs = _synthesis_configs(plan)
+    if not configs or configs[0]["schedule"] != "synthesized":
+        return {"error": "the plan has no synthesized candidate that fits", "configs": configs}
+    common = [*model, f"parallel.pp={pp}", f"train.steps={a.synthesis_steps}", "profile.enabled=false",
+              "profile.wait=1", "profile.warmup=0", f"profile.active={a.synthesis_steps - 1}"]
+    for r in range(a.synthesis_rounds):
+        # Alternating: every config once per round, the order rotated so none always runs first.
+        for i in range(len(configs)):
+            config = configs[(i + r) % len(configs)]
+            run_dir = work / f"round{r}" / config["label"].replace("/", "-").replace(" ", "_")
+            done = _runner(ctx, *common, *config["overrides"], f"hydra.run.dir={run_dir}")
+            run = ctx.mark(read_run(run_dir, done))
+            config.setdefault("runs", []).append({**run, "steady_s": _steady_s(run)})
+        print(f"[bench] synthesis {name} pp={pp} round {r + 1}/{a.synthesis_rounds}", flush=True)
+    return {"model": list(model), "pp": pp, "steps": a.synthesis_steps, "microbatches": microbatches,
+            "configs": configs}
+
+
+def synthesis(ctx: Context) -> dict[str, Any]:
+    """``python -m runner.plan plan.synthesize=true`` on a model with a heavy last stage and one with
+    equal stages, at pp=2 (and pp=4 on a host with 4 cores or more), then the fastest synthesized
+    schedule against every built-in schedule's best plan, in alternating runs."""
+    models = QUICK_SYNTH if ctx.args.quick else SYNTH_MODELS
+    pps = [2] + ([4] if (os.cpu_count() or 1) >= 4 and not ctx.args.quick else [])
+    return {"cases": [{"name": name, **_synthesis_model(ctx, name, model, pp)}
+                      for name, model in models.items() for pp in pps]}
 
 
 def hf_models(ctx: Context) -> dict[str, Any]:
@@ -767,7 +883,7 @@ def hf_models(ctx: Context) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "efficiency": efficiency, "scaling": scaling, "options": options, "overhead": overhead, "startup": startup,
-    "profiling": profiling, "planner": planner, "device": single_device, "hf": hf_models,
+    "profiling": profiling, "planner": planner, "synthesis": synthesis, "device": single_device, "hf": hf_models,
 }
 
 
@@ -1232,11 +1348,91 @@ def _separated_pairs(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int, list[
     return agree, total, wrong
 
 
+def _ratio_median(pairs: Iterable[tuple[float | None, float | None]]) -> float | None:
+    return _median([p / m for p, m in pairs if p is not None and m])
+
+
+def _attribution(res: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a size's error sits, as medians over every (round, configuration): the predicted
+    pipeline over the run's ``pipeline_step_s``, the predicted rest of the step (all-reduce, clip,
+    optimizer) over the run's, and each recorded action's mean cost over the planned one, forwards
+    apart from backwards (B, I and W)."""
+    pipe, after, cost = [], [], {"F": [], "B": []}
+    for r in res["rounds"]:
+        for key, p in r["predicted"].items():
+            m = r["measured"].get(key) or {}
+            if not m.get("step_s") or p.get("after_s") is None:
+                continue
+            if m.get("pipeline_s"):
+                pipe.append((p["step_s"] - p["after_s"], m["pipeline_s"]))
+                after.append((p["after_s"], m["step_s"] - m["pipeline_s"]))
+            for action, seconds in (m.get("costs") or {}).items():
+                planned = (p.get("costs") or {}).get(action)
+                if planned:
+                    cost["F" if action.endswith("F") else "B"].append((seconds, planned))
+    return {"pipeline": _ratio_median(pipe), "after": _ratio_median(after),
+            "cost_f": _ratio_median(cost["F"]), "cost_b": _ratio_median(cost["B"])}
+
+
+def _recommendations(res: Mapping[str, Any]) -> str:
+    """The recommended candidate of each round, with how many rounds named it and declared a tie."""
+    picks: dict[str, list[bool]] = {}
+    for r in res["rounds"]:
+        if r.get("recommended"):
+            picks.setdefault(r["recommended"], []).append(bool(r.get("tied")))
+    if not picks:
+        return "not recorded"
+    return ", ".join(f"{label} x{len(ties)}" + (f" ({sum(ties)} as a tie)" if any(ties) else "")
+                     for label, ties in sorted(picks.items(), key=lambda kv: -len(kv[1])))
+
+
+def _planner_summary(sizes: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    lines = ["| size | model | median F (ms) | within 10% | median error | bias (median signed) | pipeline "
+             "predicted / measured | rest of step predicted / measured | action cost run / planned, F | B | "
+             "recommended per round |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in sizes.items():
+        if "error" in res:
+            lines.append(f"| {name} | failed: {res['error']} |||||||||")
+            continue
+        rows = _planner_rows(res)
+        errors = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+        forwards = [v for r in res["rounds"] for m in r["measured"].values() for k, v in (m.get("costs") or {}).items()
+                    if k.endswith("F")]
+        att = _attribution(res)
+        forward_ms = _median(forwards) * 1e3 if forwards else None
+        lines.append(f"| {name} | `{' '.join(res['model'])}` | {_num(forward_ms, '.2f')}"
+                     f" | {sum(abs(e) <= 0.10 for e in errors)} of {len(errors)} | "
+                     f"{_num(_median([abs(e) for e in errors]), '.1%')} | {_num(_median(errors), '+.1%')} | "
+                     f"{_num(att['pipeline'])} | {_num(att['after'])} | {_num(att['cost_f'])} | "
+                     f"{_num(att['cost_b'])} | {_recommendations(res)} |")
+    return lines + [""]
+
+
 def _render_planner(data: Mapping[str, Any]) -> list[str]:
     res = data["results"]
     lines = ["## Planner: predicted vs measured", "", _meta_line(data["meta"]), ""]
     if "error" in res:
         return lines + [f"The planner failed: {res['error']}", ""]
+    sizes = res["sizes"] if "sizes" in res else {"benchmark": res}  # results from before the sizes
+    if len(sizes) > 1:
+        lines += ["Per model size (pp=2; medians over rounds and configurations). *Pipeline* compares the predicted "
+                  "pipeline with the run's `pipeline_step_s`, *rest of step* the predicted all-reduce + clip + "
+                  "optimizer with the run's `step_time_s - pipeline_step_s`, and *action cost* each recorded "
+                  "action's mean (the run's `mean_costs_s`) with the planned one: where an error comes from. "
+                  "*Recommended per round*: the plan's recommendation each round, and how often it was declared "
+                  "a tie (`plan.tie_tolerance`).", "", *_planner_summary(sizes)]
+    for name, size in sizes.items():
+        if len(sizes) > 1:
+            lines += [f"### {name}", ""]
+        if "error" in size:
+            lines += [f"The planner failed: {size['error']}", ""]
+            continue
+        lines += _render_planner_size(size)
+    return lines
+
+
+def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
+    lines = []
     rows = _planner_rows(res)
     cals = [r["calibration"] for r in res["rounds"]]
     n = len(res["rounds"])
@@ -1246,7 +1442,8 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
         return low if low == high else f"{low}-{high}"
 
     lines += ["`python -m runner.plan` on the model `" + " ".join(res["model"]) + "` at pp=2, against real runs "
-              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median). "
+              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median: over "
+              "the last two thirds of the steps; in results from before the model sizes, all but the first). "
               f"{n} rounds, each a fresh plan (calibration and child timings) followed by all the runs; the "
               "numbers are medians over rounds, and the measured range is min-max over rounds. Calibrated per "
               f"round: message {cal_range('latency_s', 1e6, '.0f')} us + bytes / "
@@ -1258,19 +1455,24 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
               + ". *Replayed* is the simulator fed each run's own recorded per-action costs (the run's "
               "`bubble.simulated_step_s`), "
               "over that run's step: the simulation's share of the error, apart from the cost estimates.", "",
-              "| schedule | m | predicted (s) | measured (s) | measured range | predicted / measured | replayed / "
+              "| schedule | m | predicted (ms) | measured (ms) | measured range | predicted / measured | replayed / "
               "measured | bubble predicted | measured |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda x: (x["m"], SCHEDULES.index(x["schedule"]))):
-        lines.append(f"| {r['schedule']} | {r['m']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
-                     f"{r['measured_min']:.3f}-{r['measured_max']:.3f} | {r['predicted_s'] / r['measured_s']:.3f} | "
+        lines.append(f"| {r['schedule']} | {r['m']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{r['measured_min'] * 1e3:.2f}-{r['measured_max'] * 1e3:.2f} | "
+                     f"{r['predicted_s'] / r['measured_s']:.3f} | "
                      f"{_num(r['replayed'])} | {_num(r['predicted_bubble'])} | {_num(r['measured_bubble'])} |")
-    errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
+    signed = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+    errors = [abs(e) for e in signed]
     if errors:
         noise = statistics.median(r["measured_max"] / r["measured_min"] - 1 for r in rows)
         lines += ["", f"Within 10% of the measured step: {sum(e <= 0.10 for e in errors)} of {len(errors)} "
-                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%}); a configuration's "
-                  f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."]
+                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%}, median signed "
+                  f"{statistics.median(signed):+.1%}); a configuration's "
+                  f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."
+                  + (f" Recommended per round: {_recommendations(res)}."
+                     if any("recommended" in r for r in res["rounds"]) else "")]
     for m in sorted({r["m"] for r in rows}):
         at_m = [r for r in rows if r["m"] == m]
         rho = _ranks_agree([(r["predicted_s"], r["measured_s"]) for r in at_m])
@@ -1315,6 +1517,44 @@ def _render_hf(data: Mapping[str, Any]) -> list[str]:
                         "memory is the process's RSS high-water mark on CPU (interpreter, torch and transformers "
                         "included).", ""]
 
+def _render_synthesis(data: Mapping[str, Any]) -> list[str]:
+    lines = ["## Synthesized schedules against the built-ins", "", _meta_line(data["meta"]), "",
+             "`python -m runner.plan plan.synthesize=true` (no memory limit) on each model, then the fastest "
+             "synthesized schedule that plan found and each built-in schedule at its own best planned layout "
+             "(microbatches, stages per rank, split), run in alternating rounds (every configuration once per "
+             "round, the order rotated). *Ratio to synthesized*: a configuration's step over the synthesized "
+             "schedule's in the same round, median and min-max over rounds (above 1: the synthesized one is "
+             "faster); *predicted* is the plan's ratio. Peak activations: the plan's in-flight bytes per rank.", ""]
+    for case in data["results"]["cases"]:
+        lines += [f"### {case['name']}, pp={case.get('pp')}: `{' '.join(case.get('model', []))}`", ""]
+        if "error" in case:
+            lines += [f"Not measured: {case['error']}.", ""]
+            continue
+        configs = case["configs"]
+        synth = configs[0]
+        lines += ["| configuration | predicted (ms) | measured (ms) | predicted / measured | ratio to synthesized "
+                  "(min-max) | predicted ratio | peak activations (MiB) |", "|---|---|---|---|---|---|---|"]
+        wins, losses = [], []
+        for c in configs:
+            steps = [r.get("steady_s") or r.get("step_time_s") for r in c.get("runs", [])]
+            own = [(s, t.get("steady_s") or t.get("step_time_s")) for s, t in zip(steps, synth.get("runs", []))]
+            ratios = [s / t for s, t in own if s and t]
+            measured = _median([s for s in steps if s])
+            ratio = _median(ratios)
+            spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else ""
+            lines.append(f"| {c['label']}{'*' if any(r.get('under_load') for r in c.get('runs', [])) else ''} | "
+                         f"{c['predicted_s'] * 1e3:.2f} | {_num(measured and measured * 1e3, '.2f')} | "
+                         f"{_num(measured and c['predicted_s'] / measured)} | {_num(ratio)}{spread} | "
+                         f"{c['predicted_s'] / synth['predicted_s']:.3f} | {c['peak_activation_bytes'] / MIB:.1f} |")
+            if c is not synth and ratios:
+                (wins if min(ratios) > 1 else losses if max(ratios) < 1 else []).append(c["label"])
+        others = len(configs) - 1
+        lines += ["", f"The synthesized schedule was faster than {len(wins)} of {others} built-ins in every round"
+                  + (f", slower than {', '.join(losses)} in every round" if losses else "")
+                  + (f"; against the other {others - len(wins) - len(losses)} the rounds disagree (within the "
+                     "run-to-run spread)" if others - len(wins) - len(losses) else "") + ".", ""]
+    return lines
+
 
 def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> str:
     """BENCHMARKS.md from every benchmarks/<section>.json present; sections without one are listed."""
@@ -1342,8 +1582,8 @@ def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> st
         lines += ["Sections ran on different machines or torch versions: see each section's line.", ""]
     renderers = {"efficiency": lambda d: _render_efficiency(d, out_dir, plot_path), "scaling": _render_scaling,
                  "options": _render_options, "overhead": _render_overhead, "startup": _render_startup,
-                 "profiling": _render_profiling, "planner": _render_planner, "device": _render_device,
-                 "hf": _render_hf}
+                 "profiling": _render_profiling, "planner": _render_planner, "synthesis": _render_synthesis,
+                 "device": _render_device, "hf": _render_hf}
     for section in SECTIONS:
         if section in found:
             try:
@@ -1385,8 +1625,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of profiling, startup and overhead")
     parser.add_argument("--planner-rounds", type=int, default=5, help="rounds of plan + every (schedule, m) run")
-    parser.add_argument("--planner-steps", type=int, default=8)
-    parser.add_argument("--planner-microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--planner-sizes", nargs="+", choices=list(PLANNER_SIZES), default=list(PLANNER_SIZES))
+    parser.add_argument("--planner-steps", type=int, default=None, help="steps per run (default: per size)")
+    parser.add_argument("--planner-microbatches", type=int, nargs="+", default=None,
+                        help="m values of the benchmark size (default 4 8)")
+    parser.add_argument("--synthesis-rounds", type=int, default=4, help="alternating rounds of every configuration")
+    parser.add_argument("--synthesis-steps", type=int, default=16)
+    parser.add_argument("--quick", action="store_true",
+                        help="planner and synthesis on tiny models, one round of 3 steps, results into the work "
+                             "directory: checks that the sections run, measures nothing worth keeping")
     parser.add_argument("--max-wait", type=float, default=1200.0,
                         help="seconds to wait for a quiet machine before each long run (0: do not wait)")
     parser.add_argument("--rerun-loaded", action=argparse.BooleanOptionalAction, default=True,
@@ -1398,6 +1645,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="default: benchmarks/ (cpu), benchmarks/cuda/ (cuda)")
     parser.add_argument("--output", type=Path, default=None, help="default: BENCHMARKS.md (cpu), BENCHMARKS-cuda.md")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.planner_rounds, args.planner_steps, args.synthesis_rounds, args.synthesis_steps = 1, 3, 1, 3
+        args.work = args.work or Path(tempfile.mkdtemp(prefix="runner-bench-quick-"))
+        args.results = args.results or args.work / "results"
+        args.output = args.output or args.work / "BENCHMARKS.md"
     cuda = args.device == "cuda"  # GPU numbers never mix with the CPU ones
     args.results = args.results or ROOT / "benchmarks" / ("cuda" if cuda else "")
     args.output = args.output or ROOT / ("BENCHMARKS-cuda.md" if cuda else "BENCHMARKS.md")

@@ -15,11 +15,15 @@ from omegaconf import OmegaConf
 
 from runner.dist import DistEnv
 from runner.plan import schedule_order
+from runner.schedule import placement
+from runner.synthesize import Problem, synthesize
+from runner.timeline import write_schedule_csv
 from runner.train import train
 from runner.validate import validate
 
 from _ranks import spawn, train_cases
 from conftest import EXAMPLES, TINY, compose
+from test_synthesize import _costs
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 # Clipping must bind, or a per-rank clip would pass: gradient norms here are ~1.
@@ -88,6 +92,15 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
                                "parallel.microbatches=4", "train.batch_size=8"]
     cases["explicit-split"] = ["schedule=1f1b", "parallel.pp=2", "parallel.microbatches=4",
                                "train.batch_size=8", "parallel.split_points=[block1]"]
+    # Orders the planner's search writes (plan.synthesize=true): B, I and put-off W mixed on one
+    # stage, in a loop and in a V.
+    for name, spr, v_shape, skew in (("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3.0)):
+        found = synthesize(Problem(4, placement("zbv" if v_shape else "1f1b", 2, 2 * spr), _costs(2 * spr, skew),
+                                   comm_s=0.1), seeds={}, budget=100, seed=0)
+        assert {op.kind for ops in found.order.values() for op in ops} == set("FBIW"), name
+        write_schedule_csv(tmp_path / f"{name}.csv", found.order)
+        cases[name] = ["schedule=csv", f"schedule.csv={tmp_path / f'{name}.csv'}", "parallel.pp=2",
+                       "parallel.microbatches=4", "train.batch_size=8"]
     cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
     cases["verify-catches-dropout"] = ["model=mlp", "model._target_=_models.dropout_mlp", "verify=true",
@@ -121,6 +134,7 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     assert results["explicit-split"]["summary"]["stages"]["0"] == ["embed", "block0"]
     assert results["zbv"]["summary"]["num_stages"] == 4
     assert results["csv-gpipe_pp2_m4.csv"]["summary"]["num_stages"] == 2
+    assert results["synthesized-v"]["summary"]["num_stages"] == 4
     # The planner's reading of torch's declared orders is what actually ran, for every schedule.
     for name in SCHEDULES:
         spr = results[name]["summary"]["num_stages"] // 2

@@ -109,12 +109,17 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     cal = {"latency_s": 2e-4, "bandwidth": 1e9, "action_overhead_s": 5e-4, "corunning_slowdown": 1.0,
            "busy_delay_s": 2e-3, "action_jitter": 0.12}
 
-    def round_(gpipe, zbv, dualpipev):  # measured step times; the predictions stay 2.0 / 1.0 / 1.5
-        return {"calibration": cal,
-                "predicted": {"gpipe/8": {"step_s": 2.0, "bubble": 0.2}, "zbv/8": {"step_s": 1.0, "bubble": 0.05},
-                              "dualpipev/8": {"step_s": 1.5, "bubble": 0.1}},
-                "measured": {"gpipe/8": {"step_s": gpipe, "bubble": 0.21, "replayed_s": gpipe * 0.9},
-                             "zbv/8": {"step_s": zbv, "bubble": 0.06, "replayed_s": zbv},
+    def round_(gpipe, zbv, dualpipev, pick="zbv/8"):  # measured step times; the predictions stay 2.0 / 1.0 / 1.5
+        # Predicted: 0.1 s after the pipeline and forwards of 0.1 s; measured: 0.2 s after it, forwards of 0.12 s.
+        planned = {"0F": 0.1, "0B": 0.2}
+        return {"calibration": cal, "recommended": pick, "tied": [pick, "dualpipev/8"] if pick == "zbv/8" else [],
+                "predicted": {"gpipe/8": {"step_s": 2.0, "bubble": 0.2, "after_s": 0.1, "costs": planned},
+                              "zbv/8": {"step_s": 1.0, "bubble": 0.05, "after_s": 0.1, "costs": planned},
+                              "dualpipev/8": {"step_s": 1.5, "bubble": 0.1, "after_s": 0.1, "costs": planned}},
+                "measured": {"gpipe/8": {"step_s": gpipe, "bubble": 0.21, "replayed_s": gpipe * 0.9,
+                                         "pipeline_s": gpipe - 0.2, "costs": {"0F": 0.12, "0B": 0.2}},
+                             "zbv/8": {"step_s": zbv, "bubble": 0.06, "replayed_s": zbv, "pipeline_s": zbv - 0.2,
+                                       "costs": {"0F": 0.12, "0B": 0.2}},
                              "dualpipev/8": {"step_s": dualpipev, "bubble": 0.12, "replayed_s": None}}}
 
     # zbv and dualpipev overlap (0.9-1.2 vs 1.1-1.3); both are clearly faster than gpipe.
@@ -133,10 +138,22 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     text = bench["render"](results, tmp_path / "BENCHMARKS.md")
     assert ("message 200 us + bytes / 1.00 GB/s, +2000 us while its sender computes, runtime overhead 500 us per "
             "action, co-running compute x1.00 (action times varying by 12%)") in text
-    assert "| gpipe | 8 | 2.000 | 2.000 | 1.900-2.200 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
-    assert "Within 10% of the measured step: 2 of 3 (median error 0.0%, worst 25.0%)" in text
+    assert "| gpipe | 8 | 2000.00 | 2000.00 | 1900.00-2200.00 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
+    assert ("Within 10% of the measured step: 2 of 3 (median error 0.0%, worst 25.0%, median signed +0.0%)"
+            in text)
     assert "Of the 2 pairs whose measured ranges do not overlap, the prediction orders 2 the same way" in text
     assert "Fastest predicted: zbv, measured +0.0% against the measured fastest (zbv)" in text
+    assert "Recommended per round: zbv/8 x3 (3 as a tie)." in text
+    # Over model sizes: a summary row per size, with where the error sits.
+    small = {**res, "rounds": [round_(2.0, 1.2, 1.1, "dualpipev/8"), round_(2.2, 0.9, 1.3)]}
+    _section(results, "planner", {"sizes": {"smoke": small, "benchmark": res}})
+    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    assert "### smoke" in text and "### benchmark" in text
+    # Medians over 2 rounds: gpipe 2.1 s and zbv 1.05 s measured (4.8% low), dualpipev 1.2 s (25% high). Pipeline
+    # predicted / measured: 1.9/1.8, 0.9/1.0, 1.9/2.0, 0.9/0.7: median 1.003; the rest of the step 0.1 / 0.2;
+    # forwards cost 1.2x the plan, backwards as planned.
+    assert ("| smoke | `model.dim=8` | 120.00 | 2 of 3 | 4.8% | -4.8% | 1.003 | 0.500 | 1.200 | 1.000 | "
+            "dualpipev/8 x1, zbv/8 x1 (1 as a tie) |") in text
 
 
 def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_go_elsewhere(bench, tmp_path):
@@ -197,3 +214,23 @@ def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(b
     assert "40.0 MiB of fp32 weights" in text
     assert "| pp1 | 1.0500 | 1.00 | 600 | 40.0 | 1.00 |" in text
     assert "| pp2-1f1b | 0.6300 | 0.60 | 400, 380 | 22.0, 18.0 | 0.55, 0.45 |" in text
+
+
+def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_round(bench, tmp_path):
+    def config(label, predicted, steps, peak=2**20):
+        return {"label": label, "schedule": label.split("/")[0].split("-")[0], "overrides": [],
+                "predicted_s": predicted, "peak_activation_bytes": peak,
+                "runs": [{"status": "ok", "step_time_s": s, "under_load": False} for s in steps]}
+
+    case = {"name": "heavy-last", "pp": 2, "model": ["data.vocab_size=8192"], "steps": 16, "microbatches": [4, 8],
+            "configs": [config("synthesized-loop/4", 0.10, [0.11, 0.12, 0.10]),
+                        config("gpipe/4", 0.12, [0.13, 0.15, 0.12]),  # slower every round
+                        config("zbv/8", 0.11, [0.10, 0.13, 0.11]),  # the rounds disagree
+                        config("1f1b/4", 0.09, [0.10, 0.11, 0.09])]}  # faster every round
+    results = tmp_path / "benchmarks"
+    _section(results, "synthesis", {"cases": [case, {"name": "equal", "pp": 2, "error": "the plan failed"}]})
+    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    assert "| gpipe/4 | 120.00 | 130.00 | 0.923 | 1.200 (1.182-1.250) | 1.200 | 1.0 |" in text
+    assert ("faster than 1 of 3 built-ins in every round, slower than 1f1b/4 in every round; against the other 1 the "
+            "rounds disagree") in text
+    assert "### equal, pp=2" in text and "Not measured: the plan failed." in text
