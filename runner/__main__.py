@@ -1,8 +1,12 @@
-"""``python -m runner``: compose the config with Hydra, launch the ranks, print the summary.
+"""``python -m runner`` (or the ``runner`` console script): compose the config with Hydra, check
+it, launch the ranks, print the summary.
 
 Only this outermost entry turns a ``RunnerError`` into an exit code; inside, errors are raised.
+Nothing imported at the top imports torch: Hydra's own errors (a misspelt key, a wrong type, an
+unknown option), the checks that need no torch, ``--version`` and shell completion answer in a
+fraction of a second; torch, the pipelining runtime and DCP load once a run needs them.
 """
-# ruff: noqa: E402  (the launch clock starts before the heavy imports)
+# ruff: noqa: E402  (the launch clock starts before the imports)
 
 from __future__ import annotations
 
@@ -22,18 +26,23 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-import runner.config  # noqa: F401  (registers the config schemas)
+from runner.config import config_dir  # also registers the config schemas
 from runner.errors import RunnerError
-from runner.launch import adopt_slurm_ranks, launch, under_torchrun
 from runner.outputs import format_table
+from runner.provenance import versions
+from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.report import ERROR_FILE, write_report
+from runner.validate import check_config
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """The Hydra task: returns tokens/s, the objective of ``hparams_search=optuna``."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        check_config(cfg)  # before torch is imported: a wrong value fails at once
+        from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
+
         summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else time.time())
     except Exception as e:  # leave the reason in the job directory for the sweep report
         (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
@@ -53,7 +62,16 @@ def _failed_jobs() -> str:
     return f"{len(failed)} of {len(rows)} jobs failed (report: {sweep_dir}/sweep.md):\n" + "\n".join(failed)
 
 
+def _version() -> str:
+    v = versions()
+    return (f"runner {v['runner']} (torch {v['torch']}, Hydra {v['hydra']}, Python {v['python']}; "
+            f"configs: {config_dir()})")
+
+
 def cli() -> None:
+    if "--version" in sys.argv[1:]:  # Hydra's own --version names only Hydra's
+        print(_version())
+        return
     adopt_slurm_ranks()  # `srun python -m runner`: one task per rank
     if under_torchrun() and os.environ["RANK"] != "0":
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.

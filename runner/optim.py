@@ -9,15 +9,17 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from runner.config import LR_SCHEDULES, NO_DECAY_NAMES
+
 __all__ = ["LR_SCHEDULES", "NO_DECAY_KINDS", "lr_factor", "param_groups", "build_optimizer"]
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
 NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
 NO_DECAY_KINDS = {
     "bias": lambda module, name: name == "bias",
     "norm": lambda module, name: isinstance(module, NORMS),
     "embedding": lambda module, name: isinstance(module, nn.Embedding),
 }
+assert tuple(NO_DECAY_KINDS) == NO_DECAY_NAMES, "the names checked before launch (runner.config)"
 
 
 def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
