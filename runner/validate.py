@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
@@ -219,13 +218,12 @@ def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
 
 def _splits_backward(cfg: DictConfig, layout: Layout) -> bool:
     """Whether the schedule runs separate input (I) and weight (W) backward actions."""
-    from runner import _torch_pp
     from runner import schedule as sched
 
     if layout.schedule == "csv":
-        actions = _torch_pp.read_actions(Path(layout.csv))
-        return any(a.computation_type.value in ("I", "W") for row in actions.values() for a in row)
-    order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
+        order = sched.csv_order(layout.csv)
+    else:
+        order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
     return any(op.kind in ("I", "W") for ops in order.values() for op in ops)
 
 

@@ -39,7 +39,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     created = _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv), cwd=tmp, env=env)
     assert created.returncode == 0, created.stderr
     bin_dir = venv / "bin"
-    done = _run(str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel), cwd=tmp, env=env)
+    done = _run(str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel), cwd=tmp,
+                env=env)
     assert done.returncode == 0, done.stderr
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return bin_dir, env

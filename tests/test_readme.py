@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from hydra import compose as hydra_compose
@@ -27,7 +26,8 @@ PLACEHOLDERS = {
     "mypkg.models.build": "runner.models.transformer",  # the user's factory
 }
 # What follows `runner`/`python -m runner` in a shell command (the runner's own arguments).
-_COMMAND = re.compile(r"^(?:.*&&\s*|srun\s+|torchrun\s.*?-m\s+)?(?:python -m (runner(?:\.plan)?)|(runner))(?=\s|$)(.*)$")
+_COMMAND = re.compile(r"^(?:.*&&\s*|srun\s+|torchrun\s.*?-m\s+)?"  # a shell prefix
+                      r"(?:python -m (runner(?:\.plan)?)|(runner))(?=\s|$)(.*)$")
 
 
 def _shell_commands(text: str) -> list[str]:

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from runner.schedule import SCHEDULES, csv_order, default_stages_per_rank, read_csv_schedule, schedule_order
+
 from conftest import ROOT
 
 SCRIPT = str(ROOT / "scripts" / "schedule_csv.py")
@@ -16,11 +18,25 @@ def _run(monkeypatch, *args: str) -> int:
     return done.value.code
 
 
-def test_schedule_csv_script_writes_a_runnable_csv_or_refuses(monkeypatch, capsys):
-    assert _run(monkeypatch, "interleaved_1f1b", "--pp", "2", "--microbatches", "4") == 0
-    assert capsys.readouterr().out == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv").read_text()
-    assert _run(monkeypatch, "1f1b") == 1
-    assert "not runnable" in capsys.readouterr().err
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_schedule_csv_script_exports_every_schedule_as_it_runs_and_the_file_reads_back(monkeypatch, capsys,
+                                                                                      tmp_path, pp, m):
+    for name in SCHEDULES:
+        assert _run(monkeypatch, name, "--pp", str(pp), "--microbatches", str(m)) == 0, capsys.readouterr().err
+        path = tmp_path / f"{name}.csv"
+        path.write_text(capsys.readouterr().out)
+        order = schedule_order(name, pp, m, default_stages_per_rank(name))  # what runs (checked in test_parity)
+        assert csv_order(str(path)) == order, name
+        num_stages, _ = read_csv_schedule(str(path), pp=pp, stages_per_rank=None, microbatches=m)
+        assert num_stages == pp * default_stages_per_rank(name)
+    if pp == 2:  # the example file is this export
+        assert (tmp_path / "interleaved_1f1b.csv").read_text() == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv"
+                                                                   ).read_text()
+
+
+def test_schedule_csv_script_refuses_a_layout_torch_rejects(monkeypatch, capsys):
+    assert _run(monkeypatch, "dualpipev", "--microbatches", "2") == 1
+    assert "at least as many microbatches as stages" in capsys.readouterr().err
 
 
 # scripts/bench.py: its pure parts and its rendering only; the benchmarks themselves never run here.
