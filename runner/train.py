@@ -119,7 +119,8 @@ def train(
     optimizer, scheduler = build_optimizer(step_fn.modules, t)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler)
     first_step = checkpointer.load(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else 0
-    profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir)
+    profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir,
+                           first_step=first_step + 1)
     step_fn.attach(profiler.recorder)
     metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg) if env.is_main else None
     result = TrainResult(losses=[])
