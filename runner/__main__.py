@@ -53,13 +53,24 @@ def main(cfg: DictConfig) -> float | None:
     return summary["tokens_per_s"]
 
 
-def _failed_jobs() -> str:
+def _sweep_jobs() -> tuple[str | None, list[dict]]:
+    """In a sweep: its directory and the rows of its rebuilt report; else (None, [])."""
     sweep_dir = os.environ.get("RUNNER_SWEEP_DIR")
-    if not sweep_dir:
+    return (sweep_dir, write_report(Path(sweep_dir))) if sweep_dir else (None, [])
+
+
+def _listed(sweep_dir: str | None, rows: list[dict], statuses: tuple[str, ...]) -> str:
+    """The jobs with these statuses and why; empty if none."""
+    listed = [r for r in rows if r["status"] in statuses]
+    if not listed:
         return ""
-    rows = write_report(Path(sweep_dir))
-    failed = [f"  job {r['job']} ({r['overrides']}): {r.get('error', '')}" for r in rows if r["status"] == "failed"]
-    return f"{len(failed)} of {len(rows)} jobs failed (report: {sweep_dir}/sweep.md):\n" + "\n".join(failed)
+    lines = [f"  job {r['job']} ({r['overrides']}): {r['status']}: {r.get('error', '')}" for r in listed]
+    return (f"{len(listed)} of {len(rows)} jobs {' or '.join(statuses)} (report: {sweep_dir}/sweep.md):\n"
+            + "\n".join(lines))
+
+
+def _failed_jobs() -> str:
+    return _listed(*_sweep_jobs(), ("failed", "rejected"))
 
 
 def _version() -> str:
@@ -82,6 +93,15 @@ def cli() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
+        # A search (optuna) records failing trials and carries on; its exit status says they failed.
+        # Rejected trials (invalid combinations of its search space) are listed, but are no failure.
+        sweep_dir, rows = _sweep_jobs()
+        rejected, failed = _listed(sweep_dir, rows, ("rejected",)), _listed(sweep_dir, rows, ("failed",))
+        if rejected:
+            print(rejected, file=sys.stderr)
+        if failed:
+            print(failed, file=sys.stderr)
+            sys.exit(2)
     except RunnerError as e:
         print(_failed_jobs() or f"error: {e}", file=sys.stderr)
         sys.exit(2)
