@@ -41,9 +41,11 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         check_config(cfg)  # before torch is imported: a wrong value fails at once
+        composed_at = time.time()
         from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
 
-        summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else time.time())
+        summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else composed_at,
+                         composed_at=composed_at)
     except Exception as e:  # leave the reason in the job directory for the sweep report
         (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
         raise

@@ -244,11 +244,15 @@ def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: 
         cleanup()
 
 
-def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) -> dict | None:
+def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None,
+           composed_at: float | None = None) -> dict | None:
     """Validate, run every rank to the end, and return the run's summary (None on torchrun
     ranks other than 0). Raises ``RunnerError`` for anything that went wrong."""
     launch_time = launch_time or time.time()
-    marks = {"compose": time.time()}  # from the launch: the interpreter, imports, Hydra's compose
+    # From the launch: the interpreter, Hydra's compose and the checks that need no torch (until
+    # ``composed_at``), then the imports a run needs (torch, the pipelining runtime, DCP).
+    now = time.time()
+    marks = {"compose": composed_at or now, "imports": now}
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     layout = validate(cfg)
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.pp * cfg.parallel.dp))

@@ -96,14 +96,18 @@ def test_bench_renders_whatever_results_exist(bench, tmp_path):
     assert "**1 of 3 kept results ran under load** (marked *), after re-running 1 that had" in text
     assert "![measured vs theoretical bubble](benchmarks/bubble.png)" in text and (results / "bubble.png").is_file()
     assert "| activation checkpointing full / none, 1f1b | 1.300 | 1.300 |" in text
-    assert "**ran under load**" in text and "No per-phase split" in text
+    assert "**ran under load**" in text and "No per-phase split" in text and "No config-error timings" in text
     assert "No results yet for: overhead, profiling" in text
 
     (results / "notes.md").write_text("## Notes\n\nWritten by hand.\n")
     phases = {"compose_validate": 1.0, "spawn": 3.0, "init": 1.0, "build": 2.0, "first_step": 3.0}
-    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases}] * 2})
+    errors = {name: {"s": s, "returncode": code, "error": "x"} for name, s, code in
+              [("misspelt key", 0.5, 1), ("unknown value", 0.7, 2), ("rejected combination", 0.6, 2)]}
+    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases,
+                                             "config_errors": errors}] * 2})
     text = bench["render"](results, out)
     assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
+    assert "| unknown value | `train.precision=fp16` | 2 | 0.70, 0.70 | 0.70 |" in text
     assert "## Notes\n\nWritten by hand.\n\n## Not measured" in text
 
 
