@@ -119,9 +119,9 @@ def rank_logging(rank: int, run_dir: Path, console_queue) -> None:
 
 
 @contextmanager
-def console_listener(queue) -> Iterator[Console]:
+def console_listener(queue, stream: TextIO | None = None) -> Iterator[Console]:
     """The launcher's end of ``rank_logging``: prints what the ranks send until the block ends."""
-    console = Console()
+    console = Console(stream)
     listener = logging.handlers.QueueListener(queue, console)
     listener.start()
     try:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runner.launch import launch
+from runner.provenance import git_commit
 
 from conftest import ROOT, TINY, compose
 from test_profile import check_profiled_run
@@ -42,6 +43,9 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     for rc, out, err in results:
         assert rc == 0, err
         assert "throughput" in out and "verify" in out
+        # Not a terminal: a plain line per step (numbered from 1), printed by the launcher.
+        assert [line.split(" - step ")[1].split()[0] for line in err.splitlines() if " - step " in line] == [
+            "1/4", "2/4", "3/4", "4/4"]
     run_dirs = sorted(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 2  # same second, distinct directories, no port to collide on
     for run_dir in run_dirs:
@@ -58,7 +62,13 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         assert [m["loss"] for m in lines] == summary["losses"]
         assert all(m["lr"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0 for m in lines)
         assert (run_dir / ".hydra" / "config.yaml").is_file()
-        assert "rank 0" in (run_dir / "runner.log").read_text()
+        log = (run_dir / "runner.log").read_text()
+        assert "[rank 0][runner.train][INFO] - step 4/4" in log
+        assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log  # every rank's lines
+        summary_provenance = {k: summary[k] for k in ("runner_version", "host", "torch_version", "hydra_version")}
+        assert None not in summary_provenance.values() and summary["git_commit"] == git_commit()
+        assert summary["device_names"][0].startswith("CPU") and len(summary["device_names"]) == 2
+        assert (run_dir / "resolved_config.yaml").resolve() == Path(summary["config"])
         assert not list(run_dir.glob(".rendezvous*"))
         phases = summary["startup_phases_s"]
         assert list(phases) == ["compose", "imports", "validate", "spawn", "process_group", "build", "setup",
