@@ -133,6 +133,7 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["pp"] == 2 and len(summary["losses"]) == 4 and len(summary["peak_mem_bytes"]) == 2
     assert not list(tmp_path.glob("*.log"))  # rank 1 wrote no outputs of its own
+    assert "[rank 1][runner.pipeline][INFO] - stage 1: " in (run_dirs[0] / "runner.log").read_text()
 
 
 def test_pp1_trains_the_unsplit_model_in_this_process_with_tensorboard_scalars(tmp_path):

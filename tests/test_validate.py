@@ -199,3 +199,16 @@ def test_checkpointing_with_split_backward_warns_of_the_recompute_cost(caplog):
         assert not caplog.records
         validate(compose(*PP2, "schedule=zbv", "train.activation_checkpointing=full"))
     assert "per parameter group" in caplog.text and "schedule=zbv" in caplog.text
+
+
+def test_memory_sizes_take_the_forms_users_type():
+    from runner.config import parse_bytes
+
+    forms = [(2000000000, 2 * 10**9), ("2e9", 2 * 10**9), (2e9, 2 * 10**9), ("2GB", 2 * 10**9),
+             ("1.5GiB", 3 * 2**29), ("512 MiB", 2**29), ("100kb", 10**5), (None, None)]
+    assert [(form, parse_bytes("plan.memory_limit", form)) for form, _ in forms] == forms
+    with pytest.raises(ConfigError, match=r"plan.memory_limit='2XB' is not a memory size\. Fix: .*2GB"):
+        parse_bytes("plan.memory_limit", "2XB")
+    assert compose(*TINY, "plan.memory_limit=2e9").plan.memory_limit == "2000000000.0"  # a float, as typed
+    with pytest.raises(ConfigError, match="plan.memory_limit='lots'"):
+        validate(compose(*TINY, "plan.memory_limit=lots"))
