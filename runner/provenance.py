@@ -12,7 +12,7 @@ from pathlib import Path
 
 import runner
 
-__all__ = ["versions", "git_commit", "device_name", "provenance"]
+__all__ = ["versions", "git_commit", "cpu_name", "device_name", "provenance"]
 
 
 def _distribution_version(name: str) -> str | None:
@@ -46,7 +46,7 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -62,7 +62,7 @@ def device_name(device) -> str:
         import torch
 
         return torch.cuda.get_device_name(device)
-    return f"CPU ({_cpu_name()})"
+    return f"CPU ({cpu_name()})"
 
 
 def provenance() -> dict[str, str | None]:

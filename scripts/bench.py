@@ -94,16 +94,6 @@ def steady(step_times: Sequence[float], skip: int = 1) -> float | None:
 # Machine, load and runs
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _device_name(device: str) -> str:
     import torch
 
@@ -113,7 +103,9 @@ def _device_name(device: str) -> str:
 def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    return {"arch": platform.machine(), "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+    from runner.provenance import cpu_name
+
+    return {"arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "device": device,
             "device_name": _device_name(device)}
 
