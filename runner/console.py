@@ -6,7 +6,8 @@ launcher, whose ``Console`` handler prints them. On a terminal, rank 0's per-ste
 one progress bar instead, and other lines print above it (tqdm's ``write``), so nothing breaks the
 bar; elsewhere (a file, a pipe, CI) each step is a plain line. Each rank also writes all of its
 own INFO lines to ``runner.log``. A run in the launcher's own process (pp=1, torchrun's rank 0)
-swaps the console handler for a ``Console`` for the duration of the run. Imports no torch.
+swaps the console handler for a ``Console`` for the duration of the run; torchrun's other ranks
+keep their own consoles and write their INFO lines to rank 0's ``runner.log``. Imports no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, TextIO
 
-__all__ = ["Console", "step_record", "rank_logging", "console_listener", "console_for_run", "RANK_FORMAT"]
+__all__ = ["Console", "step_record", "rank_logging", "console_listener", "console_for_run", "torchrun_rank_log",
+           "RANK_FORMAT"]
 
 RANK_FORMAT = "[%(asctime)s][rank %(rank)s][%(name)s][%(levelname)s] - %(message)s"
 STEP_LOGGER = "runner.steps"  # rank 0's record of each finished step
@@ -150,3 +152,28 @@ def console_for_run() -> Iterator[None]:
             root.removeHandler(new)
             new.close()
             root.addHandler(old)
+
+
+@contextmanager
+def torchrun_rank_log(rank: int, run_dir: Path) -> Iterator[None]:
+    """torchrun's ranks other than 0 log into rank 0's runner.log too (the run directory is on a
+    filesystem every node shares); their consoles are torchrun's."""
+    if rank == 0:  # Hydra's file handler already writes runner.log
+        yield
+        return
+    handler = logging.FileHandler(run_dir / "runner.log")
+    handler.setFormatter(logging.Formatter(RANK_FORMAT.replace("%(rank)s", str(rank))))
+    root = logging.getLogger()
+    level, consoles = root.level, [h for h in root.handlers if h.level == logging.NOTSET]
+    for console in consoles:  # the file gets INFO; the console keeps showing what it showed
+        console.setLevel(level)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for console in consoles:
+            console.setLevel(logging.NOTSET)
+        handler.close()

@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.checkpoint import checkpoint_step, find_checkpoint
-from runner.console import RANK_FORMAT, console_for_run, console_listener, rank_logging
+from runner.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
 from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device, resolve_device
 from runner.errors import ConfigError, RankFailedError, RunnerError
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
@@ -196,31 +196,6 @@ def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float, m
             Path(address).unlink(missing_ok=True)
 
 
-@contextmanager
-def _torchrun_logging(rank: int, run_dir: Path) -> Iterator[None]:
-    """torchrun's ranks other than 0 log into rank 0's runner.log too (the run directory is on a
-    filesystem every node shares); their consoles are torchrun's."""
-    if rank == 0:  # Hydra's file handler already writes runner.log
-        yield
-        return
-    handler = logging.FileHandler(run_dir / "runner.log")
-    handler.setFormatter(logging.Formatter(RANK_FORMAT.replace("%(rank)s", str(rank))))
-    root = logging.getLogger()
-    level, consoles = root.level, [h for h in root.handlers if h.level == logging.NOTSET]
-    for console in consoles:  # the file gets INFO; the console keeps showing what it showed
-        console.setLevel(level)
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-        for console in consoles:
-            console.setLevel(logging.NOTSET)
-        handler.close()
-
-
 def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float,
                    marks: dict[str, float]) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -238,7 +213,7 @@ def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: 
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
         box = [str(run_dir)]
         dist.broadcast_object_list(box, src=0)
-        with _torchrun_logging(rank, Path(box[0])), console_for_run():
+        with torchrun_rank_log(rank, Path(box[0])), console_for_run():
             train(cfg, layout, env, Path(box[0]), launch_time=launch_time, startup_marks=marks)
     finally:
         cleanup()
