@@ -52,16 +52,6 @@ def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
     return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // (ranks_on_host * _concurrent_jobs()))
 
 
-def _setup_rank_logging(rank: int, run_dir: Path) -> None:
-    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
-    root = logging.getLogger()
-    root.handlers.clear()
-    for handler in (logging.StreamHandler(), logging.FileHandler(run_dir / "runner.log")):
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-
-
 def _rendezvous(cfg: DictConfig, run_dir: Path) -> tuple[str, str, dist.Store | None]:
     """(kind, address, the launcher's own store if it hosts one). Checked before spawning."""
     if cfg.launch.port is None:
