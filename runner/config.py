@@ -8,13 +8,52 @@ anything is launched.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
-__all__ = ["RunConfig", "register_configs"]
+from runner.errors import ConfigError
+
+__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
+
+# The accepted values of the string options, here (not next to the torch code that uses them) so
+# that the checks before launch run without importing torch.
+DP_MODES = ("none", "ddp", "fsdp")
+DEVICES = ("auto", "cpu", "cuda")
+START_METHODS = ("auto", "fork", "spawn")
+PRECISION_NAMES = ("fp32", "bf16")
+AC_MODES = ("none", "full", "every_n")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+NO_DECAY_NAMES = ("bias", "norm", "embedding")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def config_dir() -> Path:
+    """The config tree: ``runner/conf`` in an installed wheel (the build ships the repository's
+    top-level ``conf/`` there), ``conf/`` next to the package in a checkout."""
+    shipped = Path(__file__).resolve().parent / "conf"
+    return shipped if shipped.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(key: str, value: Any) -> int | None:
+    """A memory size as users type it: ``2000000000``, ``2e9``, ``2GB``, ``1.5GiB`` (KB/MB/GB/TB
+    are powers of 10, KiB/MiB/GiB/TiB powers of 2); None stays None."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"{key}={value!r} is not a memory size. Fix: bytes as a number (2000000000, 2e9) "
+                          "or with a unit (2GB, 1.5GiB, 512MiB).")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 @dataclass
@@ -144,7 +183,8 @@ class PlanConfig:
 
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
     costs: Optional[str] = None  # a previous run's summary.json: its measured per-stage costs
-    memory_limit: Optional[int] = None  # bytes of in-flight activations per rank; null = no limit
+    # In-flight activations per rank: bytes (2e9) or with a unit (2GB, 1.5GiB); null = no limit.
+    memory_limit: Optional[str] = None
     # Message and runtime costs; null = measured on two ranks of this host before planning.
     comm_latency_s: Optional[float] = None  # per message between ranks
     comm_bandwidth: Optional[float] = None  # bytes/s between ranks

@@ -9,9 +9,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from runner.config import LR_SCHEDULES, NO_DECAY_NAMES
+
 __all__ = ["LR_SCHEDULES", "NO_DECAY_KINDS", "lr_factor", "param_groups", "build_optimizer"]
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
 # By shape and role, not by a list of classes (transformers' LlamaRMSNorm is no torch norm):
 # every 1-D parameter is a bias or a gain (the weights of norms of any class), and embedding tables
 # are lookups, not projections.
@@ -20,6 +21,7 @@ NO_DECAY_KINDS = {
     "norm": lambda module, name, p: p.dim() == 1 and name != "bias",
     "embedding": lambda module, name, p: isinstance(module, nn.Embedding),
 }
+assert tuple(NO_DECAY_KINDS) == NO_DECAY_NAMES, "the names checked before launch (runner.config)"
 
 
 def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:

@@ -14,13 +14,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from runner import _torch_pp
+from runner.config import AC_MODES, PRECISION_NAMES
 from runner.mesh import Mesh
 from runner.split import StageModule
 
 __all__ = ["PRECISIONS", "AC_MODES", "checkpointed_blocks", "parallelize"]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-AC_MODES = ("none", "full", "every_n")
+assert tuple(PRECISIONS) == PRECISION_NAMES, "the names checked before launch (runner.config)"
 
 
 def checkpointed_blocks(blocks: list[str], mode: str, every: int) -> set[str]:

@@ -2,7 +2,7 @@
 memory before running it, and recommend one.
 
     python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
-    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2e9
+    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2GB
 
 Candidates are schedule x microbatches x stages per rank x split (the run's own, and the one
 balancing measured time where it differs), plus the run's CSV schedule if it has one. Each is
@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 
 from runner import _torch_pp
 from runner.calibrate import Calibration, calibrate
-from runner.config import CsvScheduleConfig  # also registers the config schemas
+from runner.config import CsvScheduleConfig, config_dir, parse_bytes  # also registers the schemas
 from runner.dist import pick_device, resolve_device, synchronize
 from runner.errors import ConfigError
 from runner.losses import build_loss
@@ -272,7 +272,7 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     counts, nbytes = peak_in_flight(order), peak_in_flight(order, _saved_bytes(layout, child))
     candidate.peak_activations = [counts[r] for r in sorted(counts)]
     candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
-    limit = plan_cfg.memory_limit
+    limit = parse_bytes("plan.memory_limit", plan_cfg.memory_limit)
     candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
     return timeline
 
@@ -480,7 +480,7 @@ def _search_report(candidates: list[Candidate]) -> list[str]:
     return lines
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise

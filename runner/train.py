@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,18 +12,19 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
 from runner.checkpoint import Checkpointer
+from runner.console import step_record
 from runner.data import build_dataset, get_batch
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.errors import NonFiniteLossError
 from runner.faults import train_fault
 from runner.mesh import Mesh, build_mesh
 from runner.optim import build_optimizer
-from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
+from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_resolved_config, write_summary
 from runner.pipeline import Batch, PipelinedStep, UnsplitStep, build_step
 from runner.profile import RunProfiler
+from runner.provenance import device_name
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
 
@@ -91,6 +91,12 @@ def _phases(launch_time: float, marks: dict[str, float]) -> dict[str, float]:
     return {name: end - start for name, start, end in zip(marks, [launch_time, *ends], ends)}
 
 
+def _artifacts(run_dir: Path) -> list[Path]:
+    """What the loggers that keep files (MLflow) get: the summary, the resolved config, the pictures."""
+    names = ["summary.json", "resolved_config.yaml", "schedule.png", "timeline.png"]
+    return [run_dir / n for n in names if (run_dir / n).is_file()]
+
+
 def train(
     cfg: DictConfig,
     layout: Layout,
@@ -119,7 +125,8 @@ def train(
     optimizer, scheduler = build_optimizer(step_fn.modules, t, embeddings=embeddings)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler, tied=tied)
     first_step = checkpointer.load(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else 0
-    profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir)
+    profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir,
+                           first_step=first_step + 1)
     step_fn.attach(profiler.recorder)
     metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg) if env.is_main else None
     result = TrainResult(losses=[])
@@ -128,16 +135,18 @@ def train(
     verify_report = None
     marks["setup"] = time.time()  # optimizer, checkpoint, profiler, loggers
     startup_s = marks["setup"] - launch_time
-    show_progress = env.is_main and sys.stderr.isatty() and t.steps >= 50
-    progress = tqdm(total=t.steps - first_step, desc="train", disable=not show_progress)
     try:
-        for step in range(first_step, t.steps):
-            batch = get_batch(data, step, t.batch_size, t.seq_len)
+        # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl,
+        # the summary, timelines, faults); a checkpoint step-N holds the state after step N.
+        # ``index`` (from 0) is the position in the data and in the LR schedule.
+        for index in range(first_step, t.steps):
+            step = index + 1
+            batch = get_batch(data, index, t.batch_size, t.seq_len)
             inputs, targets, kwargs = _replica_share(batch, mesh, env.device)
-            profiler.begin_step(step - first_step)
+            profiler.begin_step(index - first_step)
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            fault = train_fault(step - first_step, env.rank)
+            fault = train_fault(step, env.rank)
             with profiler.recorder.pipeline_step(step):
                 local_loss = step_fn(inputs, targets, **kwargs)
             if fault == "nan" and local_loss is not None:
@@ -147,13 +156,13 @@ def train(
             if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
                 raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
                                          "tighter train.grad_clip; checkpoints before this step are intact.")
-            if step == first_step and keep_first_grads:
+            if index == first_step and keep_first_grads:
                 result.first_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
-            if step == first_step and cfg.verify:
+            if index == first_step and cfg.verify:
                 verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env, skip=tied.not_counted())
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
-            if step == first_step and keep_first_grads:
+            if index == first_step and keep_first_grads:
                 result.first_clipped_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -161,46 +170,45 @@ def train(
             step_time = time.perf_counter() - start
             profiler.end_step()
             step_times.append(step_time)
-            if step == first_step:
+            if index == first_step:
                 marks["first_step"] = time.time()  # with shape inference (and compilation)
             result.losses.append(loss)
-            progress.update()
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": t.batch_size * t.seq_len / step_time}
-            if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step == t.steps - 1):
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == t.steps):
                 with profiler.recorder.paused():  # not part of the training schedule's timeline
                     record["val_loss"] = evaluate(step_fn, data, cfg, env, mesh)
                 val_losses.append((step, record["val_loss"]))
             if metrics:
                 metrics.write(record)
-                if step % max(1, t.steps // 10) == 0 or step == t.steps - 1:
-                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f ms%s",
-                             step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3,
-                             f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
-            checkpointer.maybe_save(step + 1)
+                step_record(log, step, t.steps, loss,
+                            f"loss {loss:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} {step_time * 1e3:.1f} ms"
+                            + (f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""))
+            checkpointer.maybe_save(step)
     except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
         if metrics:
             metrics.close(failed=True)
         raise
-    progress.close()
     bubble = profiler.finish(layout)
-    peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
-    # Pretrained weights: what each rank read (its own stages' tensors only).
-    weights_read = gather_to_main(getattr(step_fn.modules[0].spec, "bytes_read", 0), env)
+    # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
+    per_rank = gather_to_main((peak_memory_bytes(env.device), device_name(env.device),
+                               getattr(step_fn.modules[0].spec, "bytes_read", 0)), env)
     if env.is_main:
         result.summary = make_summary(
-            cfg=cfg, layout=layout, first_step=first_step, losses=result.losses, step_times=step_times,
-            tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s, peak_mem=peak_mem,
+            cfg=cfg, layout=layout, first_step=first_step + 1, losses=result.losses, step_times=step_times,
+            tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s,
+            peak_mem=[r[0] for r in per_rank], device_names=[r[1] for r in per_rank],
+            config_path=write_resolved_config(run_dir, cfg),
         )
         result.summary["bubble"] = bubble
         result.summary["startup_phases_s"] = _phases(launch_time, marks)
-        if any(weights_read):
-            result.summary["weights_read_bytes"] = weights_read
+        if any(r[2] for r in per_rank):
+            result.summary["weights_read_bytes"] = [r[2] for r in per_rank]
         if val_losses:
             result.summary["val_loss"] = val_losses[-1][1]
             result.summary["val_losses"] = [{"step": st, "val_loss": v} for st, v in val_losses]
         if verify_report is not None:
             result.summary["verify"] = verify_report
-        metrics.close(bubble)
         write_summary(run_dir, result.summary)
+        metrics.close(bubble, artifacts=_artifacts(run_dir))
     return result

@@ -1,5 +1,9 @@
 """Pre-spawn validation: everything that can be checked without ranks is checked here, in the
-launching process, and produces the ``Layout`` every rank then follows."""
+launching process, and produces the ``Layout`` every rank then follows.
+
+``check_config`` holds the checks that need no torch; the command line runs it before importing
+torch, the pipelining runtime and DCP (seconds), so a wrong value fails at once. The checks that
+need them (schedule rules asked of torch, the meta model, the first batch) import them inside."""
 
 from __future__ import annotations
 
@@ -7,23 +11,27 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import _torch_pp
-from runner import schedule as sched
-from runner.data import build_dataset, get_batch
+from runner.config import (
+    AC_MODES,
+    DEVICES,
+    DP_MODES,
+    LR_SCHEDULES,
+    NO_DECAY_NAMES,
+    PRECISION_NAMES,
+    START_METHODS,
+    parse_bytes,
+)
 from runner.errors import ConfigError
-from runner.losses import build_loss
-from runner.optim import LR_SCHEDULES, NO_DECAY_KINDS
 from runner.outputs import check_loggers
-from runner.parallelize import AC_MODES, PRECISIONS
-from runner.split import build_meta_model, check_init, check_shapes, plan_split
-from runner.units import describe_names
 
-__all__ = ["Layout", "validate"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Layout", "check_config", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,8 @@ class Layout:
     def describe(self) -> str:
         lines = [f"schedule={self.schedule} pp={self.pp} stages={self.num_stages} "
                  f"microbatches={self.microbatches}"]
+        from runner.units import describe_names
+
         for s, names in enumerate(self.stages):
             lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
         return "\n".join(lines)
@@ -70,8 +80,8 @@ def _check_numbers(cfg: DictConfig) -> None:
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1.")
-    if p.dp_mode not in ("none", "ddp", "fsdp"):
-        raise ConfigError(f"parallel.dp_mode={p.dp_mode!r} is not one of none, ddp, fsdp.")
+    if p.dp_mode not in DP_MODES:
+        raise ConfigError(f"parallel.dp_mode={p.dp_mode!r} is not one of {', '.join(DP_MODES)}.")
     if p.dp > 1 and p.dp_mode == "none":
         raise ConfigError(
             f"parallel.dp={p.dp} with parallel.dp_mode=none: replicas would train apart. "
@@ -93,19 +103,15 @@ def _check_numbers(cfg: DictConfig) -> None:
             f"parallel.microbatches={p.microbatches} equal microbatches. "
             f"Fix: a multiple of {p.microbatches * p.dp}."
         )
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device={cfg.device!r} is not one of auto, cpu, cuda.")
-    if cfg.launch.start_method not in ("auto", "fork", "spawn"):
-        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is not one of auto, fork, spawn.")
+    if cfg.device not in DEVICES:
+        raise ConfigError(f"device={cfg.device!r} is not one of {', '.join(DEVICES)}.")
+    if cfg.launch.start_method not in START_METHODS:
+        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is not one of "
+                          f"{', '.join(START_METHODS)}.")
     if cfg.eval.every < 0 or cfg.eval.steps < 1:
         raise ConfigError(f"eval.every={cfg.eval.every}, eval.steps={cfg.eval.steps}: every must be >= 0 "
                           "(0 = no evaluation) and steps >= 1.")
-    ranks = p.pp * p.dp
-    if cfg.device == "cuda" and torch.cuda.device_count() < ranks:
-        raise ConfigError(
-            f"device=cuda needs one GPU per rank ({ranks}) but this host has "
-            f"{torch.cuda.device_count()}. Fix: device=cpu, or fewer ranks."
-        )
+    parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -116,15 +122,27 @@ def _one_of(key: str, value, allowed) -> None:
 
 def _check_training_options(cfg: DictConfig) -> None:
     t = cfg.train
-    _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.precision", t.precision, PRECISION_NAMES)
     _one_of("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
     _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    unknown = [k for k in t.no_decay if k not in NO_DECAY_KINDS]
+    unknown = [k for k in t.no_decay if k not in NO_DECAY_NAMES]
     if unknown:
         raise ConfigError(f"train.no_decay={list(t.no_decay)} has unknown kinds {unknown}. "
-                          f"Fix: a subset of {list(NO_DECAY_KINDS)} ([] decays everything).")
+                          f"Fix: a subset of {list(NO_DECAY_NAMES)} ([] decays everything).")
     if t.ac_every < 1:
         raise ConfigError(f"train.ac_every={t.ac_every} must be at least 1.")
+
+
+def _check_host(cfg: DictConfig) -> None:
+    """What depends on this host's GPUs and compilers (asks torch)."""
+    import torch
+
+    t, ranks = cfg.train, cfg.parallel.pp * cfg.parallel.dp
+    if cfg.device == "cuda" and torch.cuda.device_count() < ranks:
+        raise ConfigError(
+            f"device=cuda needs one GPU per rank ({ranks}) but this host has "
+            f"{torch.cuda.device_count()}. Fix: device=cpu, or fewer ranks."
+        )
     on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if t.precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16: this GPU has no bf16 support. Fix: train.precision=fp32.")
@@ -135,6 +153,10 @@ def _check_training_options(cfg: DictConfig) -> None:
 
 def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
     """Draw the first batch of each split the run uses; returns one microbatch's keyword inputs."""
+    import torch
+
+    from runner.data import build_dataset, get_batch
+
     t, p = cfg.train, cfg.parallel
     data = build_dataset(cfg.data, seed=t.seed)  # e.g. a missing text file fails here
     kwargs = {}
@@ -159,6 +181,10 @@ def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
 
 def _check_loss(cfg: DictConfig) -> None:
     """Call the loss on a tiny real microbatch: a wrong target or signature fails here."""
+    import torch
+
+    from runner.losses import build_loss
+
     target = cfg.loss.get("_target_")
     try:
         vocab = cfg.data.get("vocab_size") or 8
@@ -201,10 +227,12 @@ def _log_tied(meta, stages) -> None:
 
 def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
     """(number of stages, stage → rank) as the schedule dictates."""
+    from runner import schedule as sched
+
     p, name = cfg.parallel, cfg.schedule.name
     if p.pp == 1:  # the unsplit reference: one stage, no schedule
         ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points", "stage_modules")
-               if p.get(k) is not None]
+                   if p.get(k) is not None]
         if ignored:
             log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
         return 1, {0: 0}
@@ -221,19 +249,29 @@ def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
 
 def _splits_backward(cfg: DictConfig, layout: Layout) -> bool:
     """Whether the schedule runs separate input (I) and weight (W) backward actions."""
+    from runner import schedule as sched
+
     if layout.schedule == "csv":
-        actions = _torch_pp.read_actions(Path(layout.csv))
-        return any(a.computation_type.value in ("I", "W") for row in actions.values() for a in row)
-    order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
+        order = sched.csv_order(layout.csv)
+    else:
+        order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
     return any(op.kind in ("I", "W") for ops in order.values() for op in ops)
 
 
-def validate(cfg: DictConfig) -> Layout:
-    """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
+def check_config(cfg: DictConfig) -> None:
+    """The checks that need no torch: missing values, numbers, option names, loggers."""
     _check_missing(cfg)
     _check_numbers(cfg)
     check_loggers(cfg.logging)  # enabled loggers' packages are importable; wandb_mode is known
     _check_training_options(cfg)
+
+
+def validate(cfg: DictConfig) -> Layout:
+    """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
+    from runner.split import build_meta_model, check_init, check_shapes, plan_split
+
+    check_config(cfg)
+    _check_host(cfg)
     num_stages, stage_to_rank = _schedule_layout(cfg)
     kwargs = _check_batches(cfg)
     _check_loss(cfg)

@@ -121,16 +121,6 @@ def steady(step_times: Sequence[float], skip: int = 1) -> float | None:
 # Machine, load and runs
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _device_name(device: str) -> str:
     import torch
 
@@ -140,7 +130,9 @@ def _device_name(device: str) -> str:
 def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    return {"arch": platform.machine(), "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+    from runner.provenance import cpu_name
+
+    return {"arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "device": device,
             "device_name": _device_name(device)}
 
@@ -568,7 +560,8 @@ def single_device(ctx: Context) -> dict[str, Any]:
 
 def _step_times(run_dir: Path, skip: set[int]) -> list[float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m["step_time_s"] for m in lines if m["step"] not in skip and m["step"] > 0]
+    # Steps are numbered from 1; the first includes shape inference.
+    return [m["step_time_s"] for m in lines if m["step"] not in skip and m["step"] > 1]
 
 
 def profiling(ctx: Context) -> dict[str, Any]:
@@ -607,9 +600,24 @@ if __name__ == "__main__":
 """
 
 
+# Config errors the command line reports before importing torch: a misspelt key (Hydra's
+# composition), a value the runner does not know, a combination it rejects.
+CONFIG_ERRORS = {"misspelt key": ["trian.steps=5"], "unknown value": ["train.precision=fp16"],
+                 "rejected combination": ["parallel.dp=2"]}
+
+
+def _timed_error(ctx: Context, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """Wall time of ``python -m runner <overrides>`` that must fail with a config error."""
+    start = time.time()
+    done = _runner(ctx, *overrides, f"hydra.run.dir={run_dir}")
+    return {"s": time.time() - start, "returncode": done.returncode,
+            "error": (done.stderr.strip().splitlines() or [""])[-1][:200]}
+
+
 def startup(ctx: Context) -> dict[str, Any]:
     """Runner launch -> first step of experiment=smoke (and its phases, where the summary has
-    them) against a bare spawn of 2 ranks -> process group up, alternating."""
+    them) against a bare spawn of 2 ranks -> process group up, and the time a config error takes
+    to be reported, alternating."""
     work = ctx.work
     script = work / "bare_spawn.py"
     script.write_text(_BARE)
@@ -624,8 +632,10 @@ def startup(ctx: Context) -> dict[str, Any]:
         subprocess.run([sys.executable, str(script), str(work / f"store-{i}"), str(start), str(out), ctx.args.device],
                        check=False)
         bare = float(out.read_text()) if out.is_file() else None
+        errors = {name: _timed_error(ctx, overrides, work / f"error-{i}-{n}")
+                  for n, (name, overrides) in enumerate(CONFIG_ERRORS.items())}
         pairs.append({"runner_s": r.get("startup_s"), "phases_s": r.get("startup_phases_s"), "bare_s": bare,
-                      "error": r.get("error"), "under_load": ctx.loaded(t0, time.time())})
+                      "config_errors": errors, "error": r.get("error"), "under_load": ctx.loaded(t0, time.time())})
     return {"pairs": pairs}
 
 
@@ -1268,10 +1278,12 @@ def _render_startup(data: Mapping[str, Any]) -> list[str]:
     pairs = data["results"].get("pairs", [])
     lines = ["## Startup", "", _meta_line(data["meta"], pairs), "",
              "`experiment=smoke` from launch (before Python imports torch) until its first step starts (summary "
-             "`startup_s`: compose, validate, spawn 2 ranks, process group, build) against a bare spawn of 2 ranks "
-             "that import torch and initialise a gloo group, alternating; where the summary has `startup_phases_s` "
-             "(which runs on to the end of the first step, shape inference included), its total too:", "",
-             "| runner to first step (s) | runner to end of step 0 (s) | bare spawn (s) | ratio (first step / bare) |",
+             "`startup_s`: compose, imports, validate, spawn 2 ranks, process group, build) against a bare spawn of "
+             "2 ranks that import torch and initialise a gloo group, alternating; where the summary has "
+             "`startup_phases_s` (which runs on to the end of the first step, shape inference included), its total "
+             "too:", "",
+             "| runner to first step (s) | runner to end of the first step (s) | bare spawn (s) "
+             "| ratio (first step / bare) |",
              "|---|---|---|---|"]
     for p in pairs:
         a, b = p.get("runner_s"), p.get("bare_s")
@@ -1294,7 +1306,24 @@ def _render_startup(data: Mapping[str, Any]) -> list[str]:
         lines.append(f"| total | {total:.2f} | |")
     else:
         lines += ["", "No per-phase split: these runs' summary.json has no `startup_phases_s`."]
-    return lines + [""]
+    return lines + _render_config_errors(pairs) + [""]
+
+
+def _render_config_errors(pairs: list[Mapping[str, Any]]) -> list[str]:
+    """Launch to exit of a command line with a config error (no torch imported before it is found)."""
+    timed = [p["config_errors"] for p in pairs if p.get("config_errors")]
+    if not timed:
+        return ["", "No config-error timings in these results (added later to the section)."]
+    lines = ["", "A config error, from launch to the exit with its message (the checks that need no torch run before "
+             "torch is imported), next to the bare spawn above:", "",
+             "| error | overrides | exit status | time (s), per run | median (s) |", "|---|---|---|---|---|"]
+    for name, overrides in CONFIG_ERRORS.items():
+        runs = [t[name] for t in timed if name in t]
+        codes = sorted({r["returncode"] for r in runs})
+        times = [r["s"] for r in runs]
+        lines.append(f"| {name} | `{' '.join(overrides)}` | {', '.join(map(str, codes))} | "
+                     f"{', '.join(f'{x:.2f}' for x in times)} | {statistics.median(times):.2f} |")
+    return lines
 
 
 def _render_profiling(data: Mapping[str, Any]) -> list[str]:

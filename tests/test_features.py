@@ -82,15 +82,16 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
     for option in ("padding", "user-loss", "bf16", "optim"):
         assert refs[option]["losses"] != base, option
     assert refs["user-loss"]["losses"][0] > base[0] + 0.1  # the z-loss term is added
-    # Evaluation: after steps 2 and 4 and after the last (5), on held-out data, in metrics and summary.
+    # Evaluation: after steps 2 and 4 and after the last (5), on held-out data, in metrics and summary
+    # (steps are numbered from 1 everywhere).
     for name in SCHEDULES:
         got = _val_losses(tmp_path / "pp2" / f"eval-{name}")
         want = _val_losses(tmp_path / "eval" / "reference")
-        assert list(got) == list(want) == [1, 3, 4]
+        assert list(got) == list(want) == [2, 4, 5]
         assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-4)
         summary = results[f"eval-{name}"]["summary"]
-        assert summary["val_loss"] == pytest.approx(want[4], rel=1e-4)
-        assert [v["step"] for v in summary["val_losses"]] == [1, 3, 4]
+        assert summary["val_loss"] == pytest.approx(want[5], rel=1e-4)
+        assert [v["step"] for v in summary["val_losses"]] == [2, 4, 5]
     val = list(want.values())
     assert val[-1] < val[0] and all(v != loss for v, loss in zip(val, refs["eval"]["losses"]))
     # Evaluation does not change training, and leaves no actions in the recorded schedule.

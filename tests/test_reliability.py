@@ -54,9 +54,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,failing_rank,symptom", [
-    ("raise:1:2", 1, "injected fault on rank 1 at step 2"),
-    ("kill:1:2", 1, "SIGKILL"),
-    ("stall:1:2", 0, "timed out|Timeout|timeout"),  # rank 1 sleeps: rank 0's collective times out
+    ("raise:1:3", 1, "injected fault on rank 1 at step 3"),  # steps are numbered from 1
+    ("kill:1:3", 1, "SIGKILL"),
+    ("stall:1:3", 0, "timed out|Timeout|timeout"),  # rank 1 sleeps: rank 0's collective times out
 ])
 def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_rank, symptom):
     run_dir = tmp_path / "run"
@@ -66,7 +66,7 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_ra
     assert f"rank {failing_rank}" in err and re.search(symptom, err), err
     if fault.startswith("raise"):
         assert "Traceback" in err  # the root cause, with its traceback
-    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     deadline = time.monotonic() + 10
     while _rank_processes(run_dir, proc) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -77,10 +77,10 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_ra
 def test_non_finite_loss_stops_every_rank_at_the_same_step_without_a_later_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", "logging.mlflow=true",
-                  run_dir=run_dir, fault="nan:1:2")
+                  run_dir=run_dir, fault="nan:1:3")
     _, err = proc.communicate(timeout=100)
-    assert proc.returncode == 2 and "non-finite loss at step 2" in err, err
-    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    assert proc.returncode == 2 and "non-finite loss at step 3" in err, err
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
     from mlflow.tracking import MlflowClient  # the logger's run is marked failed, not left running
 

@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from runner.schedule import SCHEDULES, csv_order, default_stages_per_rank, read_csv_schedule, schedule_order
+
 from conftest import ROOT
 
 SCRIPT = str(ROOT / "scripts" / "schedule_csv.py")
@@ -16,11 +18,25 @@ def _run(monkeypatch, *args: str) -> int:
     return done.value.code
 
 
-def test_schedule_csv_script_writes_a_runnable_csv_or_refuses(monkeypatch, capsys):
-    assert _run(monkeypatch, "interleaved_1f1b", "--pp", "2", "--microbatches", "4") == 0
-    assert capsys.readouterr().out == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv").read_text()
-    assert _run(monkeypatch, "1f1b") == 1
-    assert "not runnable" in capsys.readouterr().err
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_schedule_csv_script_exports_every_schedule_as_it_runs_and_the_file_reads_back(monkeypatch, capsys,
+                                                                                      tmp_path, pp, m):
+    for name in SCHEDULES:
+        assert _run(monkeypatch, name, "--pp", str(pp), "--microbatches", str(m)) == 0, capsys.readouterr().err
+        path = tmp_path / f"{name}.csv"
+        path.write_text(capsys.readouterr().out)
+        order = schedule_order(name, pp, m, default_stages_per_rank(name))  # what runs (checked in test_parity)
+        assert csv_order(str(path)) == order, name
+        num_stages, _ = read_csv_schedule(str(path), pp=pp, stages_per_rank=None, microbatches=m)
+        assert num_stages == pp * default_stages_per_rank(name)
+    if pp == 2:  # the example file is this export
+        assert (tmp_path / "interleaved_1f1b.csv").read_text() == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv"
+                                                                   ).read_text()
+
+
+def test_schedule_csv_script_refuses_a_layout_torch_rejects(monkeypatch, capsys):
+    assert _run(monkeypatch, "dualpipev", "--microbatches", "2") == 1
+    assert "at least as many microbatches as stages" in capsys.readouterr().err
 
 
 # scripts/bench.py: its pure parts and its rendering only; the benchmarks themselves never run here.
@@ -80,14 +96,18 @@ def test_bench_renders_whatever_results_exist(bench, tmp_path):
     assert "**1 of 3 kept results ran under load** (marked *), after re-running 1 that had" in text
     assert "![measured vs theoretical bubble](benchmarks/bubble.png)" in text and (results / "bubble.png").is_file()
     assert "| activation checkpointing full / none, 1f1b | 1.300 | 1.300 |" in text
-    assert "**ran under load**" in text and "No per-phase split" in text
+    assert "**ran under load**" in text and "No per-phase split" in text and "No config-error timings" in text
     assert "No results yet for: overhead, profiling" in text
 
     (results / "notes.md").write_text("## Notes\n\nWritten by hand.\n")
     phases = {"compose_validate": 1.0, "spawn": 3.0, "init": 1.0, "build": 2.0, "first_step": 3.0}
-    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases}] * 2})
+    errors = {name: {"s": s, "returncode": code, "error": "x"} for name, s, code in
+              [("misspelt key", 0.5, 1), ("unknown value", 0.7, 2), ("rejected combination", 0.6, 2)]}
+    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases,
+                                             "config_errors": errors}] * 2})
     text = bench["render"](results, out)
     assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
+    assert "| unknown value | `train.precision=fp16` | 2 | 0.70, 0.70 | 0.70 |" in text
     assert "## Notes\n\nWritten by hand.\n\n## Not measured" in text
 
 
