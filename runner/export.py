@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,7 +34,9 @@ def _model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    dcp.load({"model": model}, checkpoint_id=str(checkpoint))
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, checkpoint_id=str(checkpoint))
     return model
 
 
