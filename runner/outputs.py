@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import resource
 import statistics
 import time
@@ -80,11 +81,19 @@ class MetricsWriter:
     composed config) is logged as the run's hyperparameters. ``options`` is ``cfg.logging``,
     already checked by ``check_loggers`` before launch."""
 
-    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None):
+    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, first_step: int = 0):
         if isinstance(run_config, DictConfig):
             run_config = OmegaConf.to_container(run_config, resolve=True)
         hparams = dict(run_config or {})
-        self.file = open(run_dir / "metrics.jsonl", "w")
+        path = run_dir / "metrics.jsonl"
+        # Resuming at step k into a run directory keeps its records of steps before k (``history``);
+        # the steps from k on are trained again and replace the old ones.
+        self.history = _history(path, first_step)
+        if first_step:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            os.replace(tmp, path)
+        self.file = open(path, "a" if first_step else "w")
         self.last_step = 0
         self.tb = self.wandb = self.mlflow = None
         if options.tensorboard:
@@ -126,6 +135,21 @@ class MetricsWriter:
         if self.mlflow:
             self.mlflow.log(final, self.last_step)
             self.mlflow.finish("FAILED" if failed else "FINISHED")
+
+
+def _history(path: Path, first_step: int) -> list[dict]:
+    """The records of steps before ``first_step`` in an existing ``metrics.jsonl``."""
+    if not first_step or not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
+            kept.append(record)
+    return kept
 
 
 def _start_wandb(run_dir: Path, options, hparams: dict):

@@ -27,6 +27,7 @@ from runner.pipeline import Batch, PipelinedStep, UnsplitStep, build_step
 from runner.profile import RunProfiler
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
+from runner.watchdog import beat
 
 __all__ = ["TrainResult", "train", "reduce_loss_and_grad_norm", "evaluate"]
 
@@ -85,6 +86,14 @@ def evaluate(step_fn: UnsplitStep | PipelinedStep, data, cfg: DictConfig, env: D
     return _step_loss(None if losses[0] is None else torch.stack(losses).mean(), env, mesh)
 
 
+def _non_finite_message(step: int, loss: float, grad_norm: float, last_good: Path | None) -> str:
+    what = "gradient norm" if math.isfinite(loss) else "loss"
+    last = (f"the last good checkpoint is {last_good} (checkpoint.resume={last_good})" if last_good
+            else "no checkpoint was saved before it")
+    return (f"non-finite {what} at step {step} (loss {loss}, grad_norm {grad_norm}): the optimizer did not apply "
+            f"this step and no checkpoint holds it; {last}. Fix: a lower train.lr or a tighter train.grad_clip.")
+
+
 def _phases(launch_time: float, marks: dict[str, float]) -> dict[str, float]:
     """Each phase's duration: from the end of the one before (the first from the launch)."""
     ends = list(marks.values())
@@ -115,7 +124,7 @@ def train(
     first_step = checkpointer.load(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else 0
     profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir)
     step_fn.attach(profiler.recorder)
-    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg) if env.is_main else None
+    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg, first_step=first_step) if env.is_main else None
     result = TrainResult(losses=[])
     step_times: list[float] = []
     val_losses: list[tuple[int, float]] = []
@@ -126,6 +135,7 @@ def train(
     progress = tqdm(total=t.steps - first_step, desc="train", disable=not show_progress)
     try:
         for step in range(first_step, t.steps):
+            beat(f"began step {step}")
             batch = get_batch(data, step, t.batch_size, t.seq_len)
             inputs, targets, kwargs = _replica_share(batch, mesh, env.device)
             profiler.begin_step(step - first_step)
@@ -136,13 +146,17 @@ def train(
                 local_loss = step_fn(inputs, targets, **kwargs)
             if fault == "nan" and local_loss is not None:
                 local_loss = local_loss * float("nan")
+            if fault == "nangrad":  # a finite loss with a non-finite gradient
+                next(p.grad for p in params if p.grad is not None).mul_(float("nan"))
             loss, grad_norm = reduce_loss_and_grad_norm(local_loss, params, env, mesh)
-            if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
-                raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
-                                         "tighter train.grad_clip; checkpoints before this step are intact.")
+            # Every rank sees the same reduced values: all stop at this step, before the optimizer
+            # writes NaN into the parameters (a finite loss can come with a non-finite gradient).
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteLossError(_non_finite_message(step, loss, grad_norm, checkpointer.last_good))
             if step == first_step and keep_first_grads:
                 result.first_grads = gather_grads(step_fn.modules, env)
             if step == first_step and cfg.verify:
+                beat(f"verifying step {step} against the unsplit model")
                 verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env)
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
@@ -161,6 +175,7 @@ def train(
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": t.batch_size * t.seq_len / step_time}
             if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step == t.steps - 1):
+                beat(f"evaluating after step {step}")
                 with profiler.recorder.paused():  # not part of the training schedule's timeline
                     record["val_loss"] = evaluate(step_fn, data, cfg, env, mesh)
                 val_losses.append((step, record["val_loss"]))
@@ -176,12 +191,16 @@ def train(
             metrics.close(failed=True)
         raise
     progress.close()
+    beat("writing the profile and summary")
     bubble = profiler.finish(layout)
     peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
     if env.is_main:
+        history = metrics.history  # resumed into its own run directory: the steps before the checkpoint
+        val_losses = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r] + val_losses
         result.summary = make_summary(
-            cfg=cfg, layout=layout, first_step=first_step, losses=result.losses, step_times=step_times,
-            tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s, peak_mem=peak_mem,
+            cfg=cfg, layout=layout, first_step=first_step, losses=[r["loss"] for r in history] + result.losses,
+            step_times=step_times, tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time,
+            startup_s=startup_s, peak_mem=peak_mem,
         )
         result.summary["bubble"] = bubble
         result.summary["startup_phases_s"] = _phases(launch_time, marks)
