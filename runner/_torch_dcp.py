@@ -3,7 +3,7 @@ internals, in one place. Tested with torch 2.13.
 
 DCP unpickles in two places. ``FileSystemReader.read_metadata`` reads ``.metadata`` with plain
 ``pickle``; ``DefaultLoadPlanner.load_bytes`` reads every non-tensor entry of the shards (the
-optimizer's hyperparameters, for one) with ``torch.load(weights_only=False)``. A crafted file runs
+optimizer's hyperparameters, for one) with ``torch.load`` and ``weights_only`` off. A crafted file runs
 arbitrary code through either. ``SafeReader`` unpickles ``.metadata`` admitting only DCP's metadata
 classes and the plain values they hold; ``SafePlanner`` loads byte entries with
 ``weights_only=True``. Anything else is refused with ``UnsafeCheckpointError``. (Tensor entries are
