@@ -37,6 +37,7 @@ from runner import watchdog
 from runner.checkpoint import checkpoint_step, find_checkpoint, hold_run_lock
 from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device, resolve_device
 from runner.errors import (
+    EXIT_INTERRUPTED,
     CheckpointError,
     ConfigError,
     RankFailedError,
@@ -292,6 +293,10 @@ def _wait_for_ranks(processes: list, error_files: list[str], heartbeats: watchdo
         failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
         if failed:
             _stop(processes, grace_s)
+            codes = {processes[r].exitcode for r in failed}
+            if codes <= set(EXIT_INTERRUPTED.values()):  # a signal reached the ranks themselves
+                log.warning("rank(s) %s stopped by SIGINT/SIGTERM", failed)  # (Ctrl-C: the whole process group)
+                raise SystemExit(max(codes))
             raise _rank_failure(failed, processes, error_files, heartbeats)
         running = [p for p in processes if p.exitcode is None]
         if not running:
@@ -381,9 +386,15 @@ def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: 
         cleanup()
 
 
+def _launch_dir() -> Path:
+    """Where the user started the runner (Hydra may have changed into the run directory)."""
+    return Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
+
+
 def _resume_point(cfg: DictConfig, run_dir: Path) -> Path:
     try:
-        path = find_checkpoint(cfg.checkpoint.resume, run_dir, Path(cfg.checkpoint.latest_root))
+        latest_root = _launch_dir() / Path(cfg.checkpoint.latest_root).expanduser()
+        path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
         step = checkpoint_step(path)
     except CheckpointError as e:  # before any rank starts: the configuration names a bad checkpoint
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
