@@ -75,6 +75,9 @@ def hold_run_lock(run_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is in use by another run that is still in "
                               "progress. Fix: another hydra.run.dir, or wait for that run to end.") from None
+        except OSError as e:  # a filesystem without locks (some network mounts)
+            log.warning("cannot lock %s (%s): checkpoint.resume=latest will not see this run as in progress",
+                        f.name, e)
         yield
 
 
@@ -82,11 +85,13 @@ def run_in_progress(run_dir: Path) -> bool:
     lock = run_dir / LOCK_FILE
     if not lock.is_file():
         return False
-    with open(lock) as f:
-        try:
+    try:
+        with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+    except BlockingIOError:
+        return True
+    except OSError:  # unreadable, or a filesystem without locks: nothing says it is running
+        return False
     return False
 
 

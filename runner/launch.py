@@ -240,7 +240,7 @@ def _rank_failure(failed: list[int], processes: list, error_files: list[str],
             return RankFailedError(f"rank {root}: {_exit_description(processes[root])}")
     text = traces[root]
     if _TIMED_OUT.search(text):  # it waited for a peer: the peer that went silent first stalled
-        others = [r for r in range(heartbeats.world) if r not in traces]
+        others = [r for r in range(heartbeats.world) if r not in traces and processes[r].exitcode != 0]
         stalled = max(others, key=heartbeats.age, default=None)
         if stalled is not None:
             return StalledRankError(f"{heartbeats.describe(stalled, list(range(heartbeats.world)))} Rank {root} "
