@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 
 from runner.launch import launch
 
@@ -85,13 +87,12 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_configuration_errors_exit_2_with_a_message_and_no_traceback(tmp_path):
-    # Ours, Hydra's typo, and Hydra's unknown option or config name (an OSError inside Hydra), in
-    # a single run and in a sweep: exit 2 (a configuration error, not Python's 1), before anything runs.
+    # Ours, Hydra's typo, and Hydra's unknown option (an OSError inside Hydra), in a single run and
+    # in a sweep: exit 2 (a configuration error, not Python's 1), before anything runs.
     runs = {
         "ours": (["train.batch_size=10"], ["train.batch_size=10", "Fix:"]),
         "typo": (["trian.steps=5"], ["trian"]),
         "option": (["schedule=nope"], ["Could not find 'schedule/nope'", "Available options in 'schedule'", "zbv"]),
-        "config": (["--config-name", "nope"], ["Cannot find primary config 'nope'"]),
         "sweep": (["-m", "experiment=smoke", "schedule=1f1b,nope", "hydra.sweep.dir=sweep"],
                   ["Could not find 'schedule/nope'", "1f1b"]),
     }
@@ -101,6 +102,20 @@ def test_configuration_errors_exit_2_with_a_message_and_no_traceback(tmp_path):
         assert rc == 2 and all(text in err for text in runs[name][1]), (name, rc, err)
         assert "Traceback" not in err and "cannot write the run directory" not in err, (name, err)
     assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl")) and not list(tmp_path.glob("sweep/*/summary.json"))
+
+
+def test_an_unknown_config_name_is_a_configuration_error():
+    # `--config-name nope` raises the same Hydra error (also an OSError) at the same place as
+    # `schedule=nope` above: exit 2 with Hydra's message, not "cannot write the run directory".
+    from hydra.errors import MissingConfigException
+
+    from runner.__main__ import _outcome
+
+    with pytest.raises(MissingConfigException) as info:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            hydra_compose(config_name="nope")
+    code, message = _outcome(info.value)
+    assert code == 2 and "Cannot find primary config 'nope'" in message
 
 
 @pytest.mark.timeout(90)
