@@ -166,10 +166,12 @@ def _die_with_launcher(launcher_pid: int) -> None:
 
 def _stop_on_signals() -> None:
     """SIGINT and SIGTERM end this rank through Python (its loggers mark the run failed),
-    whatever SIGINT disposition it inherited."""
+    whatever SIGINT disposition it inherited. A rank already ending with an error (inside an
+    ``except``: closing its loggers) is left to finish; the launcher kills it after the grace."""
 
     def stop(signum, frame):
-        raise SystemExit(interrupted_exit_code(signum))
+        if sys.exc_info()[0] is None:
+            raise SystemExit(interrupted_exit_code(signum))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
