@@ -350,10 +350,10 @@ class Checkpointer:
         if kind == "non-finite":
             raise NonFiniteLossError(f"checkpoint step-{steps_done} was not written: non-finite values in {text}; "
                                      f"{last}. Fix: a lower train.lr or a tighter train.grad_clip.")
-        raise CheckpointError(
-            f"checkpoint step-{steps_done} was not saved in {self.dir}: {text}. The partial checkpoint was "
-            f"removed; {last}. Fix: free space there, a smaller checkpoint.keep or a larger checkpoint.every, "
-            "or hydra.run.dir=<a larger filesystem>.")
+        fix = ("free space there, a smaller checkpoint.keep or a larger checkpoint.every, or hydra.run.dir=<a "
+               "larger filesystem>" if text.startswith("no space left") else "make that directory writable")
+        raise CheckpointError(f"checkpoint step-{steps_done} was not saved in {self.dir}: {text}. The partial "
+                              f"checkpoint was removed; {last}. Fix: {fix}.")
 
     def save(self, steps_done: int) -> None:
         beat(f"saving checkpoint step-{steps_done}")
