@@ -46,7 +46,7 @@ from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError, ro
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.faults import fault_point
-from runner.watchdog import beat
+from runner.watchdog import busy
 
 __all__ = ["CheckpointError", "find_checkpoint", "checkpoint_step", "read_train_state", "hold_run_lock",
            "run_in_progress", "write_manifest", "Checkpointer"]
@@ -356,7 +356,7 @@ class Checkpointer:
                               f"checkpoint was removed; {last}. Fix: {fix}.")
 
     def save(self, steps_done: int) -> None:
-        beat(f"saving checkpoint step-{steps_done}")
+        busy(f"saving checkpoint step-{steps_done}")
         name = [f".partial-step-{steps_done}-{uuid.uuid4().hex[:8]}"]
         if self.env.world_size > 1:
             dist.broadcast_object_list(name, src=0)
@@ -400,7 +400,7 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Restore model, optimizer, LR schedule and (same world size) RNG; returns steps done.
         The data position is the step: every batch is a function of (seed, step)."""
-        beat(f"loading checkpoint {path}")
+        busy(f"loading checkpoint {path}")
         train_state = read_train_state(path)
         verify_checkpoint(path, train_state["world_size"], self.env)
         state = self._state()

@@ -84,8 +84,8 @@ class EvalConfig:
 
 @dataclass
 class LaunchConfig:
-    # Seconds without progress before the job is declared stuck (> 0): a spawned rank silent this
-    # long ends the job, named; also the gloo/nccl collective timeout.
+    # Seconds without progress before the job is declared stuck (> 0): the gloo/nccl collective
+    # timeout, and a spawned rank silent this long while training ends the job, named.
     timeout_s: float = 300.0
     # Intra-op threads per rank; null = this host's cores divided among the ranks it runs.
     threads_per_rank: Optional[int] = None

@@ -243,7 +243,7 @@ def _rank_failure(failed: list[int], processes: list, error_files: list[str],
     text = traces[root]
     if _TIMED_OUT.search(text):  # it waited for a peer: the peer that went silent first stalled
         others = [r for r in range(heartbeats.world) if r not in traces and processes[r].exitcode != 0]
-        stalled = max(others, key=heartbeats.age, default=None)
+        stalled = max(others, key=heartbeats.age, default=None)  # busy or not: it did not answer
         if stalled is not None:
             return StalledRankError(f"{heartbeats.describe(stalled, list(range(heartbeats.world)))} Rank {root} "
                                     f"timed out waiting for it. {_STALL_FIX}")

@@ -27,7 +27,7 @@ from runner.pipeline import Batch, PipelinedStep, UnsplitStep, build_step
 from runner.profile import RunProfiler
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
-from runner.watchdog import beat
+from runner.watchdog import beat, busy
 
 __all__ = ["TrainResult", "train", "reduce_loss_and_grad_norm", "evaluate"]
 
@@ -156,7 +156,7 @@ def train(
             if step == first_step and keep_first_grads:
                 result.first_grads = gather_grads(step_fn.modules, env)
             if step == first_step and cfg.verify:
-                beat(f"verifying step {step} against the unsplit model")
+                busy(f"verifying step {step} against the unsplit model")
                 verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env)
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
@@ -191,7 +191,7 @@ def train(
             metrics.close(failed=True)
         raise
     progress.close()
-    beat("writing the profile and summary")
+    busy("writing the profile and summary")
     bubble = profiler.finish(layout)
     peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
     if env.is_main:

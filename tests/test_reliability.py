@@ -109,7 +109,7 @@ def test_a_non_finite_gradient_never_reaches_the_optimizer_or_a_checkpoint(tmp_p
     # Step 2's loss is finite but a gradient on rank 1 is NaN: every rank stops before the update.
     run_dir = tmp_path / "run"
     proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", "logging.mlflow=true",
-                  run_dir=run_dir, fault="nangrad:1:2")
+                  "launch.timeout_s=60", run_dir=run_dir, fault="nangrad:1:2")  # MLflow's setup is slow
     _, err = proc.communicate(timeout=100)
     step2 = run_dir / "checkpoints" / "step-2"
     assert proc.returncode == 3, err
@@ -265,6 +265,8 @@ def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_pat
 
 def test_the_watchdog_names_the_rank_silent_longest():
     heartbeats = _heartbeats(3)
+    time.sleep(0.05)
+    assert heartbeats.stalled([0, 1, 2], timeout_s=0.04) is None  # starting up (loggers, weights): not judged
     heartbeats.set(2, "running stage 2 action 2B1 of step 4")
     time.sleep(0.05)
     heartbeats.set(0, "finished stage 0 action 0F3 of step 4")
@@ -275,6 +277,10 @@ def test_the_watchdog_names_the_rank_silent_longest():
     text = heartbeats.describe(2, [0, 1, 2])
     assert text.startswith("rank 2 stalled: no progress for 0.") and "last action: running stage 2 action 2B1" in text
     assert "rank 0: finished stage 0 action 0F3 of step 4" in text
+    # Long I/O is not judged, nor are the ranks that may be waiting for it.
+    heartbeats.set(2, "saving checkpoint step-4", busy=True)
+    time.sleep(0.05)
+    assert heartbeats.stalled([0, 1, 2], timeout_s=0.04) is None
 
 
 def test_every_torch_load_is_weights_only():
