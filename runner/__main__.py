@@ -1,9 +1,13 @@
-"""``python -m runner``: compose the config with Hydra, launch the ranks, print the summary.
+"""``python -m runner`` (or the ``runner`` console script): compose the config with Hydra, check
+it, launch the ranks, print the summary.
 
 Only this outermost entry turns errors into exit codes (``runner.errors``: 2 the configuration
 cannot run, 3 the run failed, 130/143 interrupted, 1 a bug); inside, errors are raised.
+Nothing imported at the top imports torch: Hydra's own errors (a misspelt key, a wrong type, an
+unknown option), the checks that need no torch, ``--version`` and shell completion answer in a
+fraction of a second; torch, the pipelining runtime and DCP load once a run needs them.
 """
-# ruff: noqa: E402  (the launch clock starts before the heavy imports)
+# ruff: noqa: E402  (the launch clock starts before the imports)
 
 from __future__ import annotations
 
@@ -23,19 +27,26 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-import runner.config  # noqa: F401  (registers the config schemas)
-from runner.errors import EXIT_CONFIG, RunnerError, exit_code
-from runner.launch import adopt_slurm_ranks, launch, under_torchrun
+from runner.config import config_dir  # also registers the config schemas
+from runner.errors import EXIT_CONFIG, EXIT_FAILED, RunnerError, exit_code
 from runner.outputs import format_table
+from runner.provenance import versions
+from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.report import ERROR_FILE, write_report
+from runner.validate import check_config
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """The Hydra task: returns tokens/s, the objective of ``hparams_search=optuna``."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else time.time())
+        check_config(cfg)  # before torch is imported: a wrong value fails at once
+        composed_at = time.time()
+        from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
+
+        summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else composed_at,
+                         composed_at=composed_at)
     except Exception as e:  # leave the reason in the job directory for the sweep report
         try:
             (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
@@ -48,13 +59,42 @@ def main(cfg: DictConfig) -> float | None:
     return summary["tokens_per_s"]
 
 
-def _failed_jobs() -> str:
+def _sweep_jobs() -> tuple[str | None, list[dict]]:
+    """In a sweep: its directory and the rows of its rebuilt report; else (None, [])."""
     sweep_dir = os.environ.get("RUNNER_SWEEP_DIR")
-    if not sweep_dir:
+    return (sweep_dir, write_report(Path(sweep_dir))) if sweep_dir else (None, [])
+
+
+def _listed(sweep_dir: str | None, rows: list[dict], statuses: tuple[str, ...]) -> str:
+    """The jobs with these statuses and why; empty if none."""
+    listed = [r for r in rows if r["status"] in statuses]
+    if not listed:
         return ""
-    rows = write_report(Path(sweep_dir))
-    failed = [f"  job {r['job']} ({r['overrides']}): {r.get('error', '')}" for r in rows if r["status"] == "failed"]
-    return f"{len(failed)} of {len(rows)} jobs failed (report: {sweep_dir}/sweep.md):\n" + "\n".join(failed)
+    lines = [f"  job {r['job']} ({r['overrides']}): {r['status']}: {r.get('error', '')}" for r in listed]
+    return (f"{len(listed)} of {len(rows)} jobs {' or '.join(statuses)} (report: {sweep_dir}/sweep.md):\n"
+            + "\n".join(lines))
+
+
+def _failed_jobs() -> str:
+    return _listed(*_sweep_jobs(), ("failed", "rejected"))
+
+
+def _version() -> str:
+    v = versions()
+    return (f"runner {v['runner']} (torch {v['torch']}, Hydra {v['hydra']}, Python {v['python']}; "
+            f"configs: {config_dir()})")
+
+
+def _end_of_search() -> None:
+    """A search (optuna) records failing trials and carries on; its exit status says they failed.
+    Rejected trials (invalid combinations of its search space) are listed, but are no failure."""
+    sweep_dir, rows = _sweep_jobs()
+    rejected, failed = _listed(sweep_dir, rows, ("rejected",)), _listed(sweep_dir, rows, ("failed",))
+    if rejected:
+        print(rejected, file=sys.stderr)
+    if failed:
+        print(failed, file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _run_dir_unwritable(e: BaseException) -> bool:
@@ -87,6 +127,9 @@ def _outcome(e: BaseException) -> tuple[int, str] | None:
 
 
 def cli() -> None:
+    if "--version" in sys.argv[1:]:  # Hydra's own --version names only Hydra's
+        print(_version())
+        return
     adopt_slurm_ranks()  # `srun python -m runner`: one task per rank
     if under_torchrun() and os.environ["RANK"] != "0":
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.
@@ -97,6 +140,7 @@ def cli() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
+        _end_of_search()
     except (Exception, KeyboardInterrupt) as e:
         outcome = _outcome(e)
         if outcome is None:  # a crash: its traceback, after the sweep's list of failed jobs if any

@@ -7,8 +7,7 @@ torch 2.13.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 from unittest import mock
 
 import torch
@@ -18,6 +17,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
     _Action,
     _add_send_recv,
+    _ComputationType,
     _PipelineScheduleRuntime,
     _simulate_comms_compute,
     _validate_schedule,
@@ -27,7 +27,7 @@ __all__ = [
     "Action",
     "stage_to_rank_mapping",
     "stand_in_stages",
-    "read_actions",
+    "to_actions",
     "check_actions",
     "csv_schedule",
     "replicate",
@@ -56,18 +56,10 @@ def stand_in_stages(pp: int, num_stages: int, num_local: int, *, compiled: bool 
     return [stage] * num_local
 
 
-def read_actions(path: Path) -> dict[int, list[_Action]]:
-    """Parse a compute-only CSV: one row per rank, one action (``2F0``, ``1B3``, ``0W1``) per cell.
-    Empty cells are idle slots. Raises ``RuntimeError``/``ValueError`` on a malformed cell."""
-    import csv
-
-    with open(path, newline="") as f:
-        rows = [row for row in csv.reader(f) if any(cell.strip() for cell in row)]
-    actions = {}
-    for rank, row in enumerate(rows):
-        parsed = [_Action.from_str(cell) for cell in row]
-        actions[rank] = [a for a in parsed if a is not None]
-    return actions
+def to_actions(order: Mapping[int, Sequence]) -> dict[int, list[_Action]]:
+    """torch's actions for a compute-only order (``runner.simulate.Op``s per rank)."""
+    return {rank: [_Action(op.stage, _ComputationType(op.kind), op.microbatch) for op in ops]
+            for rank, ops in order.items()}
 
 
 def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatches: int) -> dict[int, int]:
@@ -81,10 +73,14 @@ def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatch
     return stage_to_rank
 
 
-def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, path: Path):
-    """The schedule runtime that executes the action order of a CSV file."""
-    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
-    schedule._load_csv(str(path), format="compute_only")
+def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, order: Mapping[int, Sequence]):
+    """The schedule runtime executing a compute-only order (read from a file by
+    ``runner.schedule_file``): what ``_load_csv(format="compute_only")`` does after reading, so
+    torch lowers it with the sends, receives, FSDP unshard/reshard and the gradient reduce."""
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    for rank, actions in to_actions(order).items():
+        schedule.pipeline_order[rank] = actions
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
     return schedule
 
 

@@ -31,7 +31,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -46,6 +45,8 @@ from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError, ro
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.faults import fault_point
+from runner.split import StageModule
+from runner.tied import TiedWeights
 from runner.watchdog import busy
 
 __all__ = ["CheckpointError", "find_checkpoint", "checkpoint_step", "read_train_state", "hold_run_lock",
@@ -203,9 +204,12 @@ def write_manifest(directory: Path, rank: int, names: list[str]) -> None:
 
 def _files_of(directory: Path, rank: int, is_main: bool) -> list[str]:
     """What ``rank`` writes into a checkpoint: its DCP shards (``__<rank>_<n>.distcp``), its RNG
-    state and, on rank 0, ``.metadata`` and ``train_state.json``."""
+    state and, on rank 0, ``.metadata``, ``train_state.json`` and a Hugging Face model's ``hf/``."""
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [f"rng-rank{rank}.pt"]
-    return names + [".metadata", "train_state.json"] if is_main else names
+    if not is_main:
+        return names
+    extra = [str(p.relative_to(directory)) for p in sorted((directory / "hf").rglob("*")) if p.is_file()]
+    return names + [".metadata", "train_state.json", *extra]
 
 
 def _manifest_problems(directory: Path, rank: int) -> list[str]:
@@ -218,7 +222,7 @@ def _manifest_problems(directory: Path, rank: int) -> list[str]:
     problems = []
     for name, size, digest in entries:
         file = directory / name
-        if "/" in name or not file.is_file():
+        if Path(name).is_absolute() or ".." in Path(name).parts or not file.is_file():
             problems.append(f"{file} is missing")
         elif file.stat().st_size != size:
             problems.append(f"{file} has {file.stat().st_size} bytes, its manifest {manifest.name} says {size} "
@@ -249,15 +253,41 @@ def verify_checkpoint(path: Path, saved_world_size: int, env: DistEnv) -> None:
 
 # -- saving and loading ------------------------------------------------------------------------
 
-class _Named(nn.Module):
-    """This rank's stage modules seen as one module whose children carry the full model's names,
-    so state-dict keys are the unsplit model's (``block3.attn.qkv.weight``) on every rank."""
+def _named(modules: list[StageModule]) -> StageModule:
+    """This rank's stage modules seen as one module holding their units under the full model's
+    names, so state-dict keys are the unsplit model's (``block3.attn.qkv.weight``) on every rank."""
+    spec = modules[0].spec
+    units = [u for m in modules for u in m.units]
+    return StageModule(spec, units, {n: m.get_submodule(n) for m in modules for u in m.units
+                                     for n in spec.unit(u).modules})
 
-    def __init__(self, modules: list[nn.Module]):
-        super().__init__()
-        for module in modules:
-            for name, child in module.named_children():
-                self.add_module(name, child)
+
+def _renamed(state: dict, stored: dict[str, str], equal: dict[str, str]) -> dict:
+    """Model or (flattened) optimizer state with each tied copy stored once, under the unsplit
+    model's name: ``stored`` renames a rank's copy, the keys of ``equal``'s copies are dropped."""
+    def new_key(key: str) -> str | None:
+        for prefix in ("", "state.", "param_groups."):
+            for local, canonical in stored.items():
+                if key == f"{prefix}{local}" or key.startswith(f"{prefix}{local}."):
+                    return f"{prefix}{canonical}{key[len(prefix) + len(local):]}"
+            if any(key == f"{prefix}{n}" or key.startswith(f"{prefix}{n}.") for n in equal):
+                return None
+        return key
+
+    return {k2: v for k, v in state.items() if (k2 := new_key(k)) is not None}
+
+
+def _fill_copies(state: dict, equal: dict[str, str]) -> None:
+    """Give the dropped copies' entries the loaded values of the copy stored in their place."""
+    for key in state:
+        for prefix in ("", "state.", "param_groups."):
+            for copy, rep in equal.items():
+                if key == f"{prefix}{copy}" or key.startswith(f"{prefix}{copy}."):
+                    source = f"{prefix}{rep}{key[len(prefix) + len(copy):]}"
+                    if isinstance(state[key], torch.Tensor):
+                        state[key].copy_(state[source])
+                    else:
+                        state[key] = state[source]
 
 
 def _non_finite(state: dict) -> list[str]:
@@ -310,13 +340,15 @@ def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[
 
 
 class Checkpointer:
-    def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[nn.Module], optimizer, scheduler):
+    def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
+                 *, tied: TiedWeights | None = None):
         self.every, self.keep = cfg.every, cfg.keep
         self.dir = run_dir / "checkpoints"
         self.env = env
-        self.model = _Named(modules)
+        self.model = _named(modules)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.stored, self.equal = tied.renames() if tied else ({}, {})
         self.last_good: Path | None = None  # the newest checkpoint this run saved or resumed from
         if env.is_main:
             self._remove_partials()
@@ -328,11 +360,14 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             log.warning("removed %s, left by a checkpoint save that did not finish", partial)
 
-    def _state(self) -> dict:
+    def _local_state(self) -> dict:
         return {
             "model": get_model_state_dict(self.model, options=_OPTIONS),
             "optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS),
         }
+
+    def _state(self) -> dict:
+        return {k: _renamed(v, self.stored, self.equal) for k, v in self._local_state().items()}
 
     def maybe_save(self, steps_done: int) -> None:
         if self.every and steps_done % self.every == 0:
@@ -375,6 +410,8 @@ class Checkpointer:
         self._agree(problem, partial, steps_done)
         try:  # DCP gathers a failure on any rank and raises it on every rank
             dcp.save(state, checkpoint_id=str(partial))
+            if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
+                self.model.spec.save_metadata(partial / "hf")
             torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
             if self.env.is_main:
                 (partial / "train_state.json").write_text(json.dumps(
@@ -403,16 +440,21 @@ class Checkpointer:
         busy(f"loading checkpoint {path}")
         train_state = read_train_state(path)
         verify_checkpoint(path, train_state["world_size"], self.env)
-        state = self._state()
+        local = self._local_state()
+        stored = {k: _renamed(v, self.stored, self.equal) for k, v in local.items()}  # the same tensors
         reader = SafeReader(path)
         try:
             reader.read_metadata()  # here first: inside dcp.load, its error would be reworded
-            dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=SafePlanner())
+            dcp.load(stored, checkpoint_id=str(path), storage_reader=reader, planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise CheckpointError(_load_failure(path, e)) from e
-        set_model_state_dict(self.model, state["model"], options=_OPTIONS)
+        for key in local:  # values DCP placed in new objects (non-tensor entries), and the tied copies
+            renamed = _renamed({k: k for k in local[key]}, self.stored, self.equal)
+            local[key].update({orig: stored[key][new] for new, orig in renamed.items()})
+            _fill_copies(local[key], self.equal)
+        set_model_state_dict(self.model, local["model"], options=_OPTIONS)
         with _empty_param_groups_set_aside(self.optimizer):
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS)
+            set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
         steps_done = train_state["step"]
         self.scheduler.load_state_dict(train_state["lr_scheduler"])
         rng = path / f"rng-rank{self.env.rank}.pt"

@@ -8,13 +8,52 @@ anything is launched.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
-__all__ = ["RunConfig", "register_configs"]
+from runner.errors import ConfigError
+
+__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
+
+# The accepted values of the string options, here (not next to the torch code that uses them) so
+# that the checks before launch run without importing torch.
+DP_MODES = ("none", "ddp", "fsdp")
+DEVICES = ("auto", "cpu", "cuda")
+START_METHODS = ("auto", "fork", "spawn")
+PRECISION_NAMES = ("fp32", "bf16")
+AC_MODES = ("none", "full", "every_n")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+NO_DECAY_NAMES = ("bias", "norm", "embedding")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def config_dir() -> Path:
+    """The config tree: ``runner/conf`` in an installed wheel (the build ships the repository's
+    top-level ``conf/`` there), ``conf/`` next to the package in a checkout."""
+    shipped = Path(__file__).resolve().parent / "conf"
+    return shipped if shipped.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(key: str, value: Any) -> int | None:
+    """A memory size as users type it: ``2000000000``, ``2e9``, ``2GB``, ``1.5GiB`` (KB/MB/GB/TB
+    are powers of 10, KiB/MiB/GiB/TiB powers of 2); None stays None."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"{key}={value!r} is not a memory size. Fix: bytes as a number (2000000000, 2e9) "
+                          "or with a unit (2GB, 1.5GiB, 512MiB).")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 @dataclass
@@ -41,8 +80,14 @@ class ParallelConfig:
     microbatches: int = 4  # microbatches per step, per pipeline
     # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
     stages_per_rank: Optional[int] = None
-    # Names of top-level model children where a new stage starts; null = balanced automatically.
+    # Names of the pipeline units where a new stage starts (model.layers.4); null = balanced by
+    # parameter count. Units: an nn.Sequential's children (a nested Sequential's entries), a
+    # Hugging Face model's embedding, layers, norm and head, or what stage_modules lists.
     split_points: Optional[List[str]] = None
+    # The units of each stage, torchtitan's form: [[embed,layers.0],[layers.1,norm,head]]; a
+    # container stands for its entries. Needed for a model that is neither an nn.Sequential nor
+    # declares its units; otherwise an alternative to split_points.
+    stage_modules: Optional[List[List[str]]] = None
 
 
 @dataclass
@@ -143,7 +188,8 @@ class PlanConfig:
 
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
     costs: Optional[str] = None  # a previous run's summary.json: its measured per-stage costs
-    memory_limit: Optional[int] = None  # bytes of in-flight activations per rank; null = no limit
+    # In-flight activations per rank: bytes (2e9) or with a unit (2GB, 1.5GiB); null = no limit.
+    memory_limit: Optional[str] = None
     # Message and runtime costs; null = measured on two ranks of this host before planning.
     comm_latency_s: Optional[float] = None  # per message between ranks
     comm_bandwidth: Optional[float] = None  # bytes/s between ranks
@@ -152,6 +198,15 @@ class PlanConfig:
     comm_busy_delay_s: Optional[float] = None  # added to a message whose sender is computing
     action_jitter: Optional[float] = None  # coefficient of variation of an action's time
     repeats: int = 5  # timings per child; the median is used
+    # Candidates predicted within this fraction of the fastest tie (the prediction's own error:
+    # BENCHMARKS.md, planner section); the recommended one is then the one with least memory.
+    tie_tolerance: float = 0.05
+    # Also search action orders for the measured costs under memory_limit: one per microbatch
+    # count, placement (1 or 2 stages per rank, looped or V) and split, written as CSV files
+    # into the plan directory and listed beside the built-in schedules.
+    synthesize: bool = False
+    search_budget: int = 200  # orders evaluated per searched layout: bounds the search, not the clock
+    search_seed: int = 0
 
 
 @dataclass
@@ -181,6 +236,21 @@ class MLPConfig(ModelConfig):
 
 
 @dataclass
+class HFModelConfig:
+    """``model=hf``: a Hugging Face causal LM from a local directory (runner.hf)."""
+
+    _target_: str = "runner.hf.causal_lm"
+    path: str = MISSING  # a directory with config.json, optionally *.safetensors and tokenizer files
+    pretrained: bool = True  # read the directory's weights (each rank its own stages'); false = random init
+    # Run a family outside the tested list (Llama-like reading of its pipeline plan); check with verify=true.
+    allow_unlisted: bool = False
+    # config.json values to change, as AutoConfig.from_pretrained(path, **overrides): e.g. dropout off,
+    # +model.config_overrides.resid_pdrop=0.0
+    config_overrides: Dict[str, Any] = field(default_factory=dict)
+    attn_implementation: Optional[str] = None  # eager | sdpa | ...; null = transformers' default
+
+
+@dataclass
 class SyntheticDataConfig:
     _target_: str = "runner.data.SyntheticData"
     vocab_size: int = 64
@@ -194,9 +264,35 @@ class SyntheticDataConfig:
 @dataclass
 class TextDataConfig:
     _target_: str = "runner.data.TextData"
-    path: str = MISSING  # any local text file, read as bytes
-    vocab_size: int = 256  # byte-level: fixed
-    val_fraction: float = 0.1  # the file's tail held out for evaluation
+    path: str = MISSING  # a local text file (bytes), or with a tokenizer also a directory or glob of them
+    tokenizer: Optional[str] = None  # a local Hugging Face tokenizer directory; null = bytes (vocabulary 256)
+    vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},256")  # the tokenizer's, or 256 bytes
+    val_fraction: float = 0.1  # the tail of the token stream held out for evaluation
+    cache_dir: Optional[str] = None  # tokenized files; null = $XDG_CACHE_HOME/runner/tokens
+
+
+@dataclass
+class HFDataConfig:
+    """Local json/jsonl/parquet/arrow/csv files through ``datasets``, tokenized once and cached."""
+
+    _target_: str = "runner.data.HFData"
+    path: str = MISSING  # a file, directory or glob of one format
+    field: str = "text"  # the column holding each document
+    tokenizer: str = MISSING  # a local Hugging Face tokenizer directory (a model=hf directory has one)
+    vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},null")
+    val_fraction: float = 0.01
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class TokensDataConfig:
+    """A pre-tokenized corpus: one flat binary of token ids (numpy memmap), or a .npy file."""
+
+    _target_: str = "runner.data.TokensData"
+    path: str = MISSING
+    dtype: str = "uint16"  # uint16 (vocabularies up to 65536) | uint32
+    vocab_size: Optional[int] = None  # needed by the built-in models; checked against every batch
+    val_fraction: float = 0.01
 
 
 @dataclass
@@ -220,17 +316,28 @@ class RunConfig:
     verify: bool = False
 
 
+def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
+    from runner.tokens import tokenizer_vocab  # reads tokenizer.json only when one is named
+
+    return tokenizer_vocab(tokenizer, default)
+
+
 def register_configs() -> None:
     if not OmegaConf.has_resolver("mul"):  # ${mul:${parallel.pp},${parallel.dp}}: ranks per job
         OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
+    if not OmegaConf.has_resolver("runner_vocab"):  # ${runner_vocab:<tokenizer dir or null>,<default>}
+        OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
     cs.store(group="schedule", name="base_csv_schedule", node=CsvScheduleConfig)
     cs.store(group="model", name="base_transformer", node=TransformerConfig)
     cs.store(group="model", name="base_mlp", node=MLPConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
     cs.store(group="data", name="base_text", node=TextDataConfig)
+    cs.store(group="data", name="base_hf", node=HFDataConfig)
+    cs.store(group="data", name="base_tokens", node=TokensDataConfig)
 
 
 register_configs()

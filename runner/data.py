@@ -3,20 +3,23 @@ batch without communicating, and a run can resume at any step.
 
 A dataset is any object with ``batch(step, batch_size, seq_len, *, split)`` (split "train" or "val",
 the held-out data) returning ``(inputs, targets)`` or ``(inputs, targets, keyword_inputs)``; keyword
-inputs are batch-first tensors that reach every model child whose forward names them."""
+inputs are batch-first tensors that reach every model unit whose forward names them. Text, Hugging
+Face datasets and pre-tokenized corpora are token streams (``runner.tokens``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError
+from runner.tokens import TokenStream, dataset_documents, open_tokens, text_documents, tokenize_to_cache
 
-__all__ = ["SPLITS", "build_dataset", "get_batch", "SyntheticData", "TextData"]
+__all__ = ["SPLITS", "build_dataset", "get_batch", "SyntheticData", "TextData", "HFData", "TokensData"]
 
 SPLITS = ("train", "val")
 
@@ -76,31 +79,55 @@ class SyntheticData:
         return inputs.masked_fill(~mask, 0), targets.masked_fill(~mask, -100), {"attention_mask": mask}
 
 
-class TextData:
-    """Byte-level language modelling on a local text file: random windows of ``seq_len + 1``
-    bytes per sample; the last ``val_fraction`` of the file is held out for evaluation."""
+class TextData(TokenStream):
+    """Language modelling on local text: bytes of the file (``data.vocab_size`` 256), or, with
+    ``data.tokenizer`` (a local Hugging Face tokenizer directory), its tokens; ``data.path`` may
+    also be a directory or a glob, each file a document. Batches are windows of the token stream
+    (``runner.tokens``); the last ``val_fraction`` is held out for evaluation."""
 
-    def __init__(self, *, path: str, vocab_size: int, seed: int, val_fraction: float = 0.1):
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"data.path={path!r}: no such file. Fix: data.path=<a local text file>.")
-        if vocab_size != 256:
-            raise ConfigError(f"data.vocab_size={vocab_size}: text data is byte-level. Fix: 256.")
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1. Fix: e.g. 0.1.")
-        tokens = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8).long()
-        cut = len(tokens) - int(len(tokens) * val_fraction)
-        self.splits = {"train": tokens[:cut], "val": tokens[cut:]}
-        self.vocab_size = vocab_size
-        self.seed = seed
+    def __init__(self, *, path: str, vocab_size: int | None, seed: int, val_fraction: float = 0.1,
+                 tokenizer: str | None = None, cache_dir: str | None = None):
+        if tokenizer is None:
+            file = Path(path).expanduser()
+            if not file.is_file():
+                raise ConfigError(f"data.path={path!r}: no such file. Fix: data.path=<a local text file>, or "
+                                  "data.tokenizer=<dir> for a directory of files.")
+            if vocab_size != 256:
+                raise ConfigError(f"data.vocab_size={vocab_size}: text data without data.tokenizer is byte-level. "
+                                  "Fix: 256, or data.tokenizer=<a tokenizer directory>.")
+            tokens = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
+        else:
+            files, pieces = text_documents(path)
+            tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
+                                              extra="text")
+            _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
+            vocab_size = vocab_size or vocab
+        super().__init__(tokens, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size, source=path)
 
-    def batch(self, step: int, batch_size: int, seq_len: int, *, split: str = "train"):
-        tokens = self.splits[split]
-        if len(tokens) < seq_len + 2:
-            raise ConfigError(
-                f"data.path's {split} split holds {len(tokens)} bytes, fewer than train.seq_len + 2 = "
-                f"{seq_len + 2}. Fix: a longer file, a smaller train.seq_len or another data.val_fraction."
-            )
-        starts = torch.randint(len(tokens) - seq_len - 1, (batch_size,), generator=_generator(self.seed, step, split))
-        windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
-        return windows[:, :-1], windows[:, 1:]
+
+class HFData(TokenStream):
+    """Local json/jsonl/parquet/arrow/csv files read with ``datasets``: ``data.field`` of each record
+    is a document, tokenized with ``data.tokenizer`` (once, cached) and packed with EOS between."""
+
+    def __init__(self, *, path: str, tokenizer: str, seed: int, field: str = "text", vocab_size: int | None = None,
+                 val_fraction: float = 0.01, cache_dir: str | None = None):
+        files, pieces = dataset_documents(path, field, cache_dir)
+        tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
+                                          extra=f"hf/{field}")
+        _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
+        super().__init__(tokens, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size or vocab, source=path)
+
+
+class TokensData(TokenStream):
+    """A pre-tokenized corpus: a flat binary of ``data.dtype`` token ids (or ``.npy``), memory-mapped."""
+
+    def __init__(self, *, path: str, seed: int, dtype: str = "uint16", vocab_size: int | None = None,
+                 val_fraction: float = 0.01):
+        super().__init__(open_tokens(path, dtype), seed=seed, val_fraction=val_fraction, vocab_size=vocab_size,
+                         source=path)
+
+
+def _check_tokenizer_vocab(vocab_size: int | None, tokenizer_vocab: int, tokenizer: str) -> None:
+    if vocab_size is not None and vocab_size < tokenizer_vocab:
+        raise ConfigError(f"data.vocab_size={vocab_size} is smaller than data.tokenizer={tokenizer!r}'s vocabulary "
+                          f"({tokenizer_vocab}). Fix: data.vocab_size={tokenizer_vocab}, or null (the tokenizer's).")

@@ -3,7 +3,8 @@
 
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
 (SIGKILL), ``stall`` (sleep far past the collective timeout), ``nan`` (a non-finite loss) or
-``nangrad`` (a finite loss with a non-finite gradient), on that rank at the start of that step.
+``nangrad`` (a finite loss with a non-finite gradient), on that rank at the start of that step
+(numbered from 1, as in the logs and metrics.jsonl).
 ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0 between the shard writes and the commit
 of step N's checkpoint.
 """

@@ -25,7 +25,7 @@ import uuid
 from contextlib import contextmanager, nullcontext
 from multiprocessing import connection as mp_connection
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import watchdog
 from runner.checkpoint import checkpoint_step, find_checkpoint, hold_run_lock
+from runner.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
 from runner.dist import cleanup, init_distributed, local_rank_from_env, pick_device, resolve_device
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -45,45 +46,13 @@ from runner.errors import (
     StalledRankError,
     interrupted_exit_code,
 )
+from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.train import train
 from runner.validate import Layout, validate
 
-__all__ = ["launch", "under_torchrun", "slurm_rank_env", "adopt_slurm_ranks"]
+__all__ = ["launch"]
 
 log = logging.getLogger(__name__)
-
-
-def under_torchrun() -> bool:
-    """Ranks were started by someone else: torchrun, or SLURM tasks adopted by ``adopt_slurm_ranks``."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``gpu[03-05,09],cpu1`` → ``gpu03``."""
-    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    prefix, ranges = head.group(1), head.group(2)
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
-
-
-def slurm_rank_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """torch's rank variables for a SLURM job step with one task per rank (``srun`` or
-    ``hydra/launcher=runner_slurm``); empty when this is not one, or torch's are set already."""
-    if "RANK" in environ or int(environ.get("SLURM_NTASKS", "1")) < 2 or "SLURM_PROCID" not in environ:
-        return {}
-    per_node = re.match(r"\d+", environ.get("SLURM_TASKS_PER_NODE", environ["SLURM_NTASKS"])).group(0)
-    return {
-        "RANK": environ["SLURM_PROCID"],
-        "WORLD_SIZE": environ["SLURM_NTASKS"],
-        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": per_node,
-        "MASTER_ADDR": environ.get("MASTER_ADDR") or _first_host(environ["SLURM_JOB_NODELIST"]),
-        # One port per job: steps of different jobs may share the first node.
-        "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000),
-    }
-
-
-def adopt_slurm_ranks() -> None:
-    os.environ.update(slurm_rank_env(os.environ))
 
 
 def _concurrent_jobs() -> int:
@@ -98,16 +67,6 @@ def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
     """Ranks on one host, of every job running at once, share its cores: oversubscribed
     intra-op threads slow every rank down."""
     return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // (ranks_on_host * _concurrent_jobs()))
-
-
-def _setup_rank_logging(rank: int, run_dir: Path) -> None:
-    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
-    root = logging.getLogger()
-    root.handlers.clear()
-    for handler in (logging.StreamHandler(), logging.FileHandler(run_dir / "runner.log")):
-        handler.setFormatter(fmt)
-        root.addHandler(handler)
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def _loopback_listener(port: int) -> int:
@@ -178,7 +137,7 @@ def _stop_on_signals() -> None:
 
 
 def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir: str,
-                  rendezvous: tuple[str, str], launch_time: float, marks: dict[str, float],
+                  rendezvous: tuple[str, str], launch_time: float, marks: dict[str, float], console_queue,
                   heartbeats: watchdog.Heartbeats, launcher_pid: int) -> None:
     """Entry of each spawned rank process."""
     _die_with_launcher(launcher_pid)
@@ -187,7 +146,7 @@ def _spawned_rank(rank: int, world: int, cfg_dict: dict, layout: Layout, run_dir
     marks = {**marks, "spawn": time.time()}  # fork: milliseconds; spawn: a fresh interpreter and imports
     cfg = OmegaConf.create(cfg_dict)
     run_dir_path = Path(run_dir)
-    _setup_rank_logging(rank, run_dir_path)
+    rank_logging(rank, run_dir_path, console_queue)
     torch.set_num_threads(cfg.launch.threads_per_rank)
     try:
         device = pick_device(cfg.device, local_rank=rank)
@@ -348,16 +307,18 @@ def _spawn(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: float, m
     log.info("starting %d rank processes (%s)", world, method)
     kind, address, server = _rendezvous(cfg, run_dir)
     heartbeats = watchdog.Heartbeats(mp.get_context(method), world)
+    console_queue = mp.get_context(method).Queue()  # the ranks' console lines, printed here
     context = mp.start_processes(
         _spawned_rank,
         args=(world, OmegaConf.to_container(cfg, resolve=True), layout, str(run_dir), (kind, address),
-              launch_time, marks, heartbeats, os.getpid()),
+              launch_time, marks, console_queue, heartbeats, os.getpid()),
         nprocs=world,
         join=False,
         start_method=method,
     )
     try:
-        with _forward_signals(context.processes, cfg.launch.grace_s):
+        # The listener's thread starts after the ranks are forked: a fork copies no threads.
+        with console_listener(console_queue), _forward_signals(context.processes, cfg.launch.grace_s):
             _wait_for_ranks(context.processes, context.error_files, heartbeats, cfg.launch.timeout_s,
                             cfg.launch.grace_s)
     finally:
@@ -383,7 +344,8 @@ def _join_torchrun(cfg: DictConfig, layout: Layout, run_dir: Path, launch_time: 
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
         box = [str(run_dir)]
         dist.broadcast_object_list(box, src=0)
-        train(cfg, layout, env, Path(box[0]), launch_time=launch_time, startup_marks=marks)
+        with torchrun_rank_log(rank, Path(box[0])), console_for_run():
+            train(cfg, layout, env, Path(box[0]), launch_time=launch_time, startup_marks=marks)
     finally:
         cleanup()
 
@@ -406,11 +368,15 @@ def _resume_point(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) -> dict | None:
+def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None,
+           composed_at: float | None = None) -> dict | None:
     """Validate, run every rank to the end, and return the run's summary (None on torchrun
     ranks other than 0). Raises ``RunnerError`` for anything that went wrong."""
     launch_time = launch_time or time.time()
-    marks = {"compose": time.time()}  # from the launch: the interpreter, imports, Hydra's compose
+    # From the launch: the interpreter, Hydra's compose and the checks that need no torch (until
+    # ``composed_at``), then the imports a run needs (torch, the pipelining runtime, DCP).
+    now = time.time()
+    marks = {"compose": composed_at or now, "imports": now}
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     layout = validate(cfg)
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.pp * cfg.parallel.dp))
@@ -435,7 +401,7 @@ def launch(cfg: DictConfig, run_dir: Path, *, launch_time: float | None = None) 
             torch.set_num_threads(cfg.launch.threads_per_rank)
             env = init_distributed(rank=0, world_size=1, device=pick_device(cfg.device, 0),
                                    timeout_s=cfg.launch.timeout_s)
-            with _forward_signals([], cfg.launch.grace_s):
+            with console_for_run(), _forward_signals([], cfg.launch.grace_s):
                 train(cfg, layout, env, run_dir, launch_time=launch_time, startup_marks=marks)
         else:
             _spawn(cfg, layout, run_dir, launch_time, marks)

@@ -9,15 +9,19 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from runner.config import LR_SCHEDULES, NO_DECAY_NAMES
+
 __all__ = ["LR_SCHEDULES", "NO_DECAY_KINDS", "lr_factor", "param_groups", "build_optimizer"]
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
-NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+# By shape and role, not by a list of classes (transformers' LlamaRMSNorm is no torch norm):
+# every 1-D parameter is a bias or a gain (the weights of norms of any class), and embedding tables
+# are lookups, not projections.
 NO_DECAY_KINDS = {
-    "bias": lambda module, name: name == "bias",
-    "norm": lambda module, name: isinstance(module, NORMS),
-    "embedding": lambda module, name: isinstance(module, nn.Embedding),
+    "bias": lambda module, name, p: p.dim() == 1 and name == "bias",
+    "norm": lambda module, name, p: p.dim() == 1 and name != "bias",
+    "embedding": lambda module, name, p: isinstance(module, nn.Embedding),
 }
+assert tuple(NO_DECAY_KINDS) == NO_DECAY_NAMES, "the names checked before launch (runner.config)"
 
 
 def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
@@ -31,15 +35,18 @@ def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float, 
     return min_lr_ratio + (1 - min_lr_ratio) * decay
 
 
-def param_groups(modules: list[nn.Module], weight_decay: float, no_decay: list[str]) -> list[dict]:
+def param_groups(modules: list[nn.Module], weight_decay: float, no_decay: list[str],
+                 embeddings: set[int] = frozenset()) -> list[dict]:
     """Two AdamW groups: decayed, and the parameter kinds in ``no_decay``. A parameter shared by
-    two modules (tied embedding and head) is listed once, and skips decay if either owner says so."""
+    two modules (tied embedding and head) is listed once, and skips decay if either owner says so;
+    ``embeddings`` are the ids of parameters tied to an embedding held by another stage."""
     decayed: dict[int, nn.Parameter] = {}
     exempt: dict[int, nn.Parameter] = {}
     for root in modules:
         for module in root.modules():
             for name, p in module.named_parameters(recurse=False):
-                if any(NO_DECAY_KINDS[kind](module, name) for kind in no_decay):
+                tied_embedding = "embedding" in no_decay and id(p) in embeddings
+                if tied_embedding or any(NO_DECAY_KINDS[kind](module, name, p) for kind in no_decay):
                     exempt[id(p)] = p
                 else:
                     decayed[id(p)] = p
@@ -48,9 +55,9 @@ def param_groups(modules: list[nn.Module], weight_decay: float, no_decay: list[s
             {"params": list(exempt.values()), "weight_decay": 0.0}]
 
 
-def build_optimizer(modules: list[nn.Module], train: DictConfig):
+def build_optimizer(modules: list[nn.Module], train: DictConfig, *, embeddings: set[int] = frozenset()):
     """AdamW over this rank's stage modules and its LambdaLR schedule."""
-    optimizer = torch.optim.AdamW(param_groups(modules, train.weight_decay, list(train.no_decay)),
+    optimizer = torch.optim.AdamW(param_groups(modules, train.weight_decay, list(train.no_decay), embeddings),
                                   lr=train.lr, betas=tuple(train.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, steps=train.steps, warmup_steps=train.warmup_steps, min_lr_ratio=train.min_lr_ratio,

@@ -1,5 +1,6 @@
 """What a run leaves behind: ``metrics.jsonl`` (a line per step), ``summary.json``, and the
-final table on stdout. Written by rank 0 only."""
+final table on stdout. Written by rank 0 only. Imports no torch at the top: the command line
+checks the loggers and prints the table from here before (and without) a run's heavy imports."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config import WANDB_MODES
 from runner.errors import ConfigError
+from runner.provenance import git_commit, provenance
 
-__all__ = ["MetricsWriter", "check_loggers", "peak_memory_bytes", "make_summary", "write_summary", "format_table"]
+__all__ = ["MetricsWriter", "check_loggers", "peak_memory_bytes", "write_resolved_config", "make_summary",
+           "write_summary", "format_table"]
 
 
 # What each optional logger imports, and the extra that installs it.
@@ -27,7 +31,6 @@ _LOGGER_PACKAGES = {
     # mlflow-skinny; its local store (sqlite) also needs sqlalchemy and alembic.
     "mlflow": (["mlflow", "sqlalchemy", "alembic"], "mlflow"),
 }
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def check_loggers(options) -> None:
@@ -74,36 +77,49 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def run_identity(run_dir: Path) -> tuple[str, str | None]:
+    """(name, group) of a run in the loggers' UIs: named by its command-line overrides (Hydra's
+    ``.hydra/overrides.yaml``; the directory name without any), grouped by the sweep it belongs
+    to (the sweep directory, which ``runner.report.SweepReport`` exports for the jobs)."""
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else None
+    sweep = os.environ.get("RUNNER_SWEEP_DIR")
+    group = f"{Path(sweep).parent.name}/{Path(sweep).name}" if sweep else None
+    return " ".join(overrides or []) or run_dir.name, group
+
+
 class MetricsWriter:
     """``metrics.jsonl``, plus the loggers ``logging.*`` turns on: TensorBoard, Weights & Biases,
     MLflow. Every numeric key of a record is logged, as ``train/<key>`` (``val_<key>`` as
     ``val/<key>``); the pipeline bubble at close as ``pipeline/bubble``. ``run_config`` (the
     composed config) is logged as the run's hyperparameters. ``options`` is ``cfg.logging``,
-    already checked by ``check_loggers`` before launch."""
+    already checked by ``check_loggers`` before launch. Runs are named and grouped by
+    ``run_identity``."""
 
-    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, first_step: int = 0):
+    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, resumed_after: int = 0):
         if isinstance(run_config, DictConfig):
             run_config = OmegaConf.to_container(run_config, resolve=True)
         hparams = dict(run_config or {})
         path = run_dir / "metrics.jsonl"
-        # Resuming at step k into a run directory keeps its records of steps before k (``history``);
-        # the steps from k on are trained again and replace the old ones.
-        self.history = _history(path, first_step)
-        if first_step:
+        # Resumed from a checkpoint of step N into a run directory: its records of steps 1..N stay
+        # (``history``); the steps after N are trained again and replace the old ones.
+        self.history = _history(path, resumed_after)
+        if resumed_after:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             os.replace(tmp, path)
-        self.file = open(path, "a" if first_step else "w")
+        self.file = open(path, "a" if resumed_after else "w")
         self.last_step = 0
         self.tb = self.wandb = self.mlflow = None
+        name, group = run_identity(run_dir)
         if options.tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional extra: runner[tensorboard]
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         if options.wandb:
-            self.wandb = _start_wandb(run_dir, options, hparams)
+            self.wandb = _start_wandb(run_dir, options, hparams, name=name, group=group)
         if options.mlflow:
-            self.mlflow = _MLflowRun(run_dir, options, hparams)
+            self.mlflow = _MLflowRun(run_dir, options, hparams, name=name, group=group)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -118,9 +134,10 @@ class MetricsWriter:
         if self.mlflow:
             self.mlflow.log(numbers, step)
 
-    def close(self, bubble: dict | None = None, *, failed: bool = False) -> None:
+    def close(self, bubble: dict | None = None, *, failed: bool = False, artifacts: list[Path] = ()) -> None:
         """Finish every logger; ``failed`` marks the W&B and MLflow runs as failed (a crashed or
-        stopped run must not stay "running" in their UIs)."""
+        stopped run must not stay "running" in their UIs); ``artifacts`` (the summary, the
+        pictures) are copied into MLflow's run."""
         self.file.close()
         final = {}
         if bubble:
@@ -134,12 +151,14 @@ class MetricsWriter:
             self.wandb.finish(exit_code=1 if failed else 0)
         if self.mlflow:
             self.mlflow.log(final, self.last_step)
+            for path in artifacts:
+                self.mlflow.client.log_artifact(self.mlflow.run_id, str(path))
             self.mlflow.finish("FAILED" if failed else "FINISHED")
 
 
-def _history(path: Path, first_step: int) -> list[dict]:
-    """The records of steps before ``first_step`` in an existing ``metrics.jsonl``."""
-    if not first_step or not path.is_file():
+def _history(path: Path, steps_done: int) -> list[dict]:
+    """The records of steps up to ``steps_done`` (numbered from 1) in an existing ``metrics.jsonl``."""
+    if not steps_done or not path.is_file():
         return []
     kept = []
     for line in path.read_text().splitlines():
@@ -147,12 +166,12 @@ def _history(path: Path, first_step: int) -> list[dict]:
             record = json.loads(line)
         except ValueError:  # a line cut short by a crash
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < first_step:
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= steps_done:
             kept.append(record)
     return kept
 
 
-def _start_wandb(run_dir: Path, options, hparams: dict):
+def _start_wandb(run_dir: Path, options, hparams: dict, *, name: str, group: str | None):
     try:
         import wandb  # optional extra: runner[wandb]
     except ImportError as e:
@@ -161,14 +180,14 @@ def _start_wandb(run_dir: Path, options, hparams: dict):
     # wandb 0.31's telemetry still contacts the server (a DNS lookup and a POST at exit).
     wandb.setup(settings=wandb.Settings(mode=options.wandb_mode))
     return wandb.init(project=options.wandb_project, mode=options.wandb_mode, dir=str(run_dir),
-                      config=hparams, name=run_dir.name)
+                      config=hparams, name=name, group=group)
 
 
 class _MLflowRun:
     """One MLflow run, through ``MlflowClient`` rather than mlflow's process-wide active run, so a
     run that fails before ``close()`` leaves nothing behind for the next one in this process."""
 
-    def __init__(self, run_dir: Path, options, hparams: dict):
+    def __init__(self, run_dir: Path, options, hparams: dict, *, name: str, group: str | None):
         try:
             from mlflow.entities import Metric, Param  # optional extra: runner[mlflow]
             from mlflow.exceptions import MlflowException
@@ -192,7 +211,10 @@ class _MLflowRun:
                 experiment_id = self.client.create_experiment(options.mlflow_experiment, artifact_location=artifacts)
             except MlflowException:  # another run sharing this store created it first
                 experiment_id = self.client.get_experiment_by_name(options.mlflow_experiment).experiment_id
-        self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+        # MLflow's own tag for the code version; the sweep as a tag to filter by.
+        tags = {"mlflow.source.git.commit": git_commit(), "sweep": group}
+        self.run_id = self.client.create_run(experiment_id, run_name=name,
+                                             tags={k: v for k, v in tags.items() if v}).info.run_id
         params = [Param(k, _param_value(v, MAX_PARAM_VAL_LENGTH)) for k, v in _flatten(hparams).items()]
         for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
@@ -212,15 +234,25 @@ def _param_value(value: Any, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device) -> int:
     """GPU: the allocator's high-water mark. CPU: the process's resident-set high-water mark."""
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def write_resolved_config(run_dir: Path, cfg: DictConfig) -> Path:
+    """The config as the ranks ran it: interpolations resolved, and what the launcher decided
+    (the device, threads per rank, the checkpoint a resume found) filled in."""
+    path = run_dir / "resolved_config.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
 def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step, launch_time, startup_s,
-                 peak_mem) -> dict:
+                 peak_mem, device_names: list[str], config_path: Path) -> dict:
     steady = step_times[1:] or step_times  # the first step includes shape inference and warm-up
     step_time = statistics.median(steady)
     return {
@@ -240,7 +272,10 @@ def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step
         "started_at": launch_time,  # epoch seconds: when this job was launched, and when it ended
         "finished_at": time.time(),
         "peak_mem_bytes": peak_mem,
-        "torch_version": torch.__version__,
+        # Provenance: what produced these numbers.
+        **provenance(),
+        "device_names": device_names,  # per rank
+        "config": str(config_path.resolve()),
     }
 
 

@@ -21,6 +21,8 @@ from runner.parallelize import parallelize
 from runner.record import Recorder
 from runner.schedule import build_schedule
 from runner.split import build_meta_model, materialize
+from runner.tied import TiedWeights, share_local_copies
+from runner.units import describe_names
 from runner.validate import Layout
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
@@ -32,12 +34,14 @@ Batch = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # inputs, ta
 
 class UnsplitStep:
     """The reference: the whole model in one process, gradients accumulated over the same
-    microbatches as the pipeline, each scaled by 1/microbatches."""
+    microbatches as the pipeline, each scaled by 1/microbatches. ``forward`` (default: the model)
+    maps a microbatch's inputs and keyword inputs to logits."""
 
-    def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable):
+    def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable, forward: Callable | None = None):
         self.modules = [model]
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+        self.forward = forward or model
         self.recorder: Recorder | None = None
 
     def attach(self, recorder: Recorder) -> None:
@@ -57,7 +61,7 @@ class UnsplitStep:
             if isinstance(model, FSDPModule):  # reduce across replicas once, after the last microbatch
                 model.set_requires_gradient_sync(i == m - 1)
             with timed(0, "F", i):
-                loss = self.loss_fn(model(x, **kw), y)
+                loss = self.loss_fn(self.forward(x, **kw), y)
             with timed(0, "B", i):
                 (loss / m).backward()
             losses.append(loss.detach())
@@ -65,8 +69,7 @@ class UnsplitStep:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-        model = self.modules[0]
-        return torch.stack([self.loss_fn(model(x, **kw), y)
+        return torch.stack([self.loss_fn(self.forward(x, **kw), y)
                             for x, y, kw in self._microbatches(inputs, targets, kwargs)]).mean()
 
 
@@ -79,6 +82,10 @@ class PipelinedStep:
         self.stages = stages
         self.modules = [s.submod for s in stages]
         self.schedule = schedule
+        self.microbatches = layout.microbatches
+        # Each parameter once: a tied weight shared by two stages of this rank (V placements)
+        # collects both stages' gradients and is scaled once.
+        self.params = list({id(p): p for m in self.modules for p in m.parameters()}.values())
         indices = {s.stage_index for s in stages}
         self.has_first = 0 in indices
         self.has_last = layout.num_stages - 1 in indices
@@ -102,33 +109,53 @@ class PipelinedStep:
             raise
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
-        return self._run(self.schedule.step, inputs, targets, kwargs)
+        loss = self._run(self.schedule.step, inputs, targets, kwargs)
+        # The schedules sum microbatch gradients (scale_grads=False: torch would scale per stage,
+        # after that stage's last backward, which scales a shared weight twice and too early).
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
+        return loss
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
         """Forward only, every microbatch, through the same stages (torch's ``schedule.eval``)."""
         return self._run(self.schedule.eval, inputs, targets, kwargs)
 
 
-def build_step(cfg: DictConfig, layout: Layout, env: DistEnv, mesh: Mesh) -> UnsplitStep | PipelinedStep:
+def build_step(cfg: DictConfig, layout: Layout, env: DistEnv, mesh: Mesh) -> tuple[UnsplitStep | PipelinedStep,
+                                                                               TiedWeights]:
     """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
-    them for the schedule."""
-    model = build_meta_model(cfg.model)
-    children = list(model._modules)
+    them for the schedule. Also returns what keeps weights tied across stages equal."""
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     seed, loss_fn = cfg.train.seed, build_loss(cfg.loss)
-
-    def stage_module(names) -> nn.Module:
-        module = materialize(model, names, seed=seed, device=env.device)
-        return parallelize(module, children, cfg.train, cfg.parallel.dp_mode, mesh)
+    dp_mode = cfg.parallel.dp_mode
 
     if layout.pp == 1:
-        return UnsplitStep(stage_module(children), layout.microbatches, loss_fn)
+        module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
+        step = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh), layout.microbatches, loss_fn)
+        return step, TiedWeights([], {}, step.modules, mesh)
+    indices = layout.stages_on(mesh.pp_rank)
+    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
+    if dp_mode == "none":  # FSDP and replicate wrap each stage on its own: they cannot share a parameter
+        share_local_copies(modules, meta.tied)
     stages = []
-    for index in layout.stages_on(mesh.pp_rank):
-        module = stage_module(layout.stages[index])
+    for index, module in zip(indices, modules):
+        module = parallelize(module, cfg.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
-        log.info("stage %d: %s (%d parameters)", index, ", ".join(layout.stages[index]), n_params)
+        log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)
         _torch_pp.allow_eval(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
-    return PipelinedStep(stages, schedule, layout)
+    step = PipelinedStep(stages, schedule, layout)
+    rank_of = {p: layout.stage_to_rank[s] for s, units in enumerate(layout.stages) for u in units
+               for p in _params_of(meta, u)}
+    embeddings = {n for names in meta.tied for n in names
+                  if any(isinstance(meta.module.get_submodule(x.rpartition(".")[0]), nn.Embedding) for x in names)}
+    return step, TiedWeights(meta.tied, rank_of, step.modules, mesh, embedding_names=embeddings)
+
+
+def _params_of(meta, unit: str) -> list[str]:
+    return [f"{m}.{n}" for m in meta.spec.unit(unit).modules
+            for n, _ in meta.module.get_submodule(m).named_parameters(remove_duplicate=False)]

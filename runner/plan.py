@@ -2,15 +2,18 @@
 memory before running it, and recommend one.
 
     python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
-    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2e9
+    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2GB
 
 Candidates are schedule x microbatches x stages per rank x split (the run's own, and the one
 balancing measured time where it differs), plus the run's CSV schedule if it has one. Each is
 checked with every check a run makes before spawning; the valid ones are simulated
 (``runner.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
 microbatch in this process (or taken from a previous run's summary when its stages match), plus
-a message cost per send. Writes ``plan.json`` (best first) and ``plan_timeline.json`` (the best
-candidate's predicted timeline, with mean action times).
+a message cost per send. With ``plan.synthesize=true`` it also searches action orders for these
+costs under ``plan.memory_limit`` (``runner.synthesize``) and lists them as CSV schedules.
+Candidates predicted within ``plan.tie_tolerance`` of the fastest tie; the recommended one is the
+tied candidate with the least activation memory. Writes ``plan.json`` (fastest first) and
+``plan_timeline.json`` (the recommended candidate's predicted timeline, with mean action times).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import os
 import shlex
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,16 +35,17 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import runner.config  # noqa: F401  (registers the config schemas)
 from runner import _torch_pp
 from runner.calibrate import Calibration, calibrate
+from runner.config import CsvScheduleConfig, config_dir, parse_bytes  # also registers the schemas
 from runner.dist import pick_device, resolve_device, synchronize
 from runner.errors import ConfigError
 from runner.losses import build_loss
-from runner.schedule import SCHEDULES, csv_order, is_single_stage, schedule_order
-from runner.simulate import Op, expected_makespan, simulate
-from runner.split import build_meta_model, materialize, split_by_cost
-from runner.timeline import simulated_slices, write_chrome_trace
+from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
+from runner.simulate import Op, expected_makespan, peak_in_flight, simulate
+from runner.split import StageModule, build_meta_model, materialize, split_by_cost
+from runner.synthesize import Problem, lower_bound, synthesize
+from runner.timeline import simulated_slices, write_chrome_trace, write_schedule_csv
 from runner.validate import Layout, validate
 
 __all__ = ["Candidate", "schedule_order", "measure_child_costs", "stage_costs", "peak_in_flight", "plan"]
@@ -63,6 +68,13 @@ class Candidate:
     peak_activations: list[int] = field(default_factory=list)  # microbatches in flight, per rank
     peak_activation_bytes: list[int] = field(default_factory=list)
     fits_memory: bool = True
+    pipeline_s: float | None = None  # the simulated pipeline with mean action times (no jitter)
+    after_pipeline_s: float | None = None  # of the predicted step: the loss/norm all-reduce and the optimizer
+    stage_costs_s: dict[str, float] = field(default_factory=dict)  # "<stage><F|B|I|W>": seconds, as simulated
+    lower_bound_s: float | None = None  # no order of this layout's actions runs its pipeline faster
+    tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
+    recommended: bool = False  # the one the best line names
+    search: dict | None = None  # a synthesized order: how the search went
 
 
 @dataclass(frozen=True)
@@ -141,17 +153,19 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.devi
 def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
                         device: torch.device) -> dict[str, ChildCost]:
     """Time every top-level child's forward, backward and input-only backward on one microbatch."""
-    meta = build_meta_model(cfg.model)
-    model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=device)
-    x = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len), device=device)
-    targets = torch.randint(cfg.data.vocab_size, (microbatch_size, cfg.train.seq_len), device=device)
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
+    model = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=device)
+    vocab = cfg.data.get("vocab_size") or 2
+    x = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
+    targets = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
     costs, loss_fn = {}, build_loss(cfg.loss)
-    names = list(model._modules)
+    names = meta.unit_names
     for i, name in enumerate(names):
-        child = model._modules[name]
-        costs[name] = _measure_child(child, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
+        unit = StageModule(meta.spec, [name], {n: model.get_submodule(n) for n in [*meta.spec.unit(name).modules,
+                                                                                   *meta.spec.shared]})
+        costs[name] = _measure_child(unit, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
         with torch.no_grad():
-            x = child(x)
+            x = unit(x)
     return costs
 
 
@@ -175,29 +189,6 @@ def _costs_from_summary(path: str, layout: Layout) -> dict[tuple[int, str], floa
     if [tuple(v) for v in summary["stages"].values()] != list(layout.stages):
         return None
     return {(int(k[:-1]), k[-1]): v for k, v in summary["bubble"]["mean_costs_s"].items()}
-
-
-def peak_in_flight(order: Mapping[int, Sequence[Op]],
-                   weights: Mapping[int, float] | None = None) -> dict[int, float]:
-    """Per rank, the most forward activations held at once, walking the rank's order: a forward
-    adds its stage-microbatch, the backward that frees it removes it (its B, or its W where the
-    backward is split: after an I the weight gradient still needs the layer inputs). Counted in
-    stage-microbatches, or in bytes with ``weights`` (stage -> bytes of one stage-microbatch)."""
-    peaks: dict[int, float] = {}
-    for rank, ops in order.items():
-        live: set[tuple[int, int]] = set()
-        held = peak = 0.0
-        for op in ops:
-            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
-            if op.kind == "F" and key not in live:
-                live.add(key)
-                held += w
-            elif op.kind in "BW" and key in live:
-                live.remove(key)
-                held -= w
-            peak = max(peak, held)
-        peaks[rank] = peak if weights is not None else int(peak)
-    return peaks
 
 
 def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
@@ -235,10 +226,9 @@ def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calib
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
 
-def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], child: Mapping[str, ChildCost],
-             calibration: Calibration, plan_cfg: DictConfig) -> list | None:
-    """Fill in the candidate's prediction; returns its timeline of mean action times (None when
-    its order cannot run)."""
+def _layout_costs(layout: Layout, child: Mapping[str, ChildCost], calibration: Calibration,
+                  plan_cfg: DictConfig) -> tuple[dict[tuple[int, str], float], float]:
+    """Seconds per (stage, F/B/I/W) action, with the runtime's overhead, and per message."""
     sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
     # A previous run's costs were timed at the stage: they include the runtime's overhead.
     costs = _costs_from_summary(plan_cfg.costs, layout) if plan_cfg.costs else None
@@ -246,7 +236,18 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
         slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
         costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
     # A busy sender holds its core for one action at a time: its shortest bounds the delay.
-    comm_s = calibration.message_s(sent, min(v for (_, k), v in costs.items() if k == "F"))
+    return costs, calibration.message_s(sent, min(v for (_, k), v in costs.items() if k == "F"))
+
+
+def _saved_bytes(layout: Layout, child: Mapping[str, ChildCost]) -> dict[int, float]:
+    return {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
+
+
+def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], child: Mapping[str, ChildCost],
+             calibration: Calibration, plan_cfg: DictConfig) -> list | None:
+    """Fill in the candidate's prediction; returns its timeline of mean action times (None when
+    its order cannot run)."""
+    costs, comm_s = _layout_costs(layout, child, calibration, plan_cfg)
     candidate.stage_sizes = [len(names) for names in layout.stages]
     try:
         timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
@@ -255,7 +256,6 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
         return None
     makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
                                  jitter=calibration.action_jitter)
-    saved = {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
     update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
                                                       for n in layout.stages[s])
               for r in range(layout.pp)}
@@ -263,19 +263,26 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     for a in timeline:
         busy[a.rank] += a.end - a.start
     candidate.valid = True
-    candidate.predicted_step_time_s = makespan + calibration.latency_s + max(update.values())
+    candidate.after_pipeline_s = calibration.latency_s + max(update.values())
+    candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
+    candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
-    counts, nbytes = peak_in_flight(order), peak_in_flight(order, saved)
+    candidate.pipeline_s = max(a.end for a in timeline)
+    candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s))
+    counts, nbytes = peak_in_flight(order), peak_in_flight(order, _saved_bytes(layout, child))
     candidate.peak_activations = [counts[r] for r in sorted(counts)]
     candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
-    limit = plan_cfg.memory_limit
+    limit = parse_bytes("plan.memory_limit", plan_cfg.memory_limit)
     candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
     return timeline
 
 
-def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration]:
-    """Every candidate, best (fastest within the memory limit) first, the predicted timeline
-    of each valid one (keyed by ``id(candidate)``), and the message and action costs used.
+def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dict[int, list], Calibration]:
+    """Every candidate, fastest within the memory limit first (ties and the recommended one
+    marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), and the
+    message and action costs used. With ``plan.synthesize``, searched orders join the built-ins:
+    one per microbatch count, placement (1 and 2 stages per rank, looped or V) and split, written
+    as CSV files into ``out``.
 
     A step is predicted as the simulated pipeline (compute + the runtime's per-action overhead,
     + a message per cross-rank dependency; its mean length with action times varying as
@@ -290,9 +297,19 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
         log.warning("%d ranks on %d CPU cores take turns on the cores, which the planner does not simulate: its "
                     "step times assume a core per rank and will read low. Plan on a host with a core per rank.",
                     ranks, cores)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if kind == "cpu" and load > cores / 2:
+        # Measured under a load average of 4 on 2 cores: a 4-byte message took 4 ms (a scheduler
+        # time slice, not the transport's 60 us) and a 4 MiB one no longer, the runtime overhead
+        # came out anywhere in 0-1.8 ms and the co-running slowdown 1.8-2.6.
+        log.warning("the 1-minute load average is %.1f on %d CPU cores: other processes share this host, and the "
+                    "calibration and the child timings measure them too. Plan on a quiet host, or set plan.comm_*, "
+                    "plan.action_overhead_s and plan.corunning_slowdown from a quiet calibration.json.", load, cores)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
     results, timelines = [], {}
+    # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
+    families: dict[tuple[int, bool, int], dict] = {}
     for name, m, spr in _candidates(cfg):
         own = Candidate(name, m, spr, _overrides(name, m, spr, cfg.schedule.get("csv"), cfg.parallel.split_points),
                         valid=False, split_points=cfg.parallel.split_points)
@@ -333,17 +350,104 @@ def plan(cfg: DictConfig) -> tuple[list[Candidate], dict[int, list], Calibration
             timeline = _predict(candidate, split_layout, order, child, calibration, cfg.plan)
             if timeline is not None:
                 timelines[id(candidate)] = timeline
+                if name != "csv" and own.stages_per_rank <= 2:  # the search's seeds and layouts
+                    family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
+                    family["seeds"][name] = order
+                    family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)
+    if cfg.plan.synthesize and calibration is not None:
+        for (m, v_shape, _), family in families.items():
+            for split, layout in family["layouts"].items():
+                child = child_costs[cfg.train.batch_size // (cfg.parallel.dp * m)]
+                out = out or Path(tempfile.mkdtemp(prefix="runner-plan-"))
+                candidate, timeline = _synthesized(cfg, layout, v_shape, list(split) or None, family["seeds"], child,
+                                                   calibration, out)
+                results.append(candidate)
+                if timeline is not None:
+                    timelines[id(candidate)] = timeline
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
+    _mark_ties(ranked, cfg.plan.tie_tolerance)
     return ranked, timelines, calibration
 
 
+def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: list[str] | None,
+                 seeds: Mapping[str, dict], child: Mapping[str, ChildCost], calibration: Calibration,
+                 out: Path) -> tuple[Candidate, list | None]:
+    """Search an order for this layout's costs and ``plan.memory_limit``, write it as a CSV in
+    ``out``, and plan it as the run would: checked like a user's CSV, then predicted."""
+    m, spr = layout.microbatches, layout.num_stages // layout.pp
+    name = f"synthesized_pp{layout.pp}_m{m}_{'v' if v_shape else 'loop'}{spr}{'_split' if split_points else ''}.csv"
+    path = out / name
+    candidate = Candidate("synthesized", m, spr, _overrides("csv", m, None, str(path), split_points), valid=False,
+                          split_points=split_points)
+    costs, comm_s = _layout_costs(layout, child, calibration, cfg.plan)
+    problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child), cfg.plan.memory_limit)
+
+    def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns
+        write_schedule_csv(path, order)
+        if read_csv_schedule(str(path), pp=layout.pp, stages_per_rank=None, microbatches=m)[1] != layout.stage_to_rank:
+            raise ConfigError(f"{path} places stages differently from the layout it was searched for")
+
+    found = synthesize(problem, seeds=seeds, budget=cfg.plan.search_budget, check=dry_run,
+                       seed=f"{cfg.plan.search_seed}/{path.name}")
+    if found is None:
+        candidate.reason = f"no order holds a microbatch within plan.memory_limit={cfg.plan.memory_limit}"
+        return candidate, None
+    write_schedule_csv(path, found.order)
+    candidate.search = {"csv": str(path), "placement": "V" if v_shape else "loop", "origin": found.origin,
+                        "evaluated": found.evaluated,
+                        "rejected": found.rejected, "improved_by_moves": found.improved_by_moves,
+                        "seconds": round(found.seconds, 3), "seed": cfg.plan.search_seed}
+    trial = copy.deepcopy(cfg)
+    trial.schedule = CsvScheduleConfig(csv=str(path))
+    trial.parallel.microbatches, trial.parallel.stages_per_rank, trial.parallel.split_points = m, None, split_points
+    try:
+        checked = validate(trial)
+    except ConfigError as e:  # the search checked it already: this would be a bug
+        candidate.reason = str(e).splitlines()[0]
+        return candidate, None
+    return candidate, _predict(candidate, checked, found.order, child, calibration, cfg.plan)
+
+
+def _mark_ties(ranked: list[Candidate], tolerance: float) -> None:
+    """The candidates that fit, predicted within ``tolerance`` of the fastest, tie: the plan cannot
+    tell them apart. Of those it recommends the one holding the least activation memory, then a
+    built-in schedule over a synthesized one (no file to keep), then the fastest: a choice that
+    stays put when noise reorders the tied predictions."""
+    fitting = [c for c in ranked if c.valid and c.fits_memory]
+    if not fitting:
+        return
+    fastest = fitting[0].predicted_step_time_s
+    tied = [c for c in fitting if c.predicted_step_time_s <= fastest * (1 + tolerance)]
+    for c in tied:
+        c.tie = len(tied) > 1
+    min(tied, key=lambda c: (max(c.peak_activation_bytes), c.schedule == "synthesized",
+                             c.predicted_step_time_s)).recommended = True
+
+
+def _placement(c: Candidate) -> str:
+    return "V" if c.schedule in V_SHAPED or (c.search or {}).get("placement") == "V" else "loop"
+
+
+def _name(c: Candidate) -> str:
+    return f"synthesized {_placement(c)}" if c.schedule == "synthesized" else c.schedule
+
+
+def _label(c: Candidate) -> str:
+    split = f" split at {','.join(c.split_points)}" if c.split_points else ""
+    return f"{_name(c)} m={c.microbatches} v={c.stages_per_rank}{split}"
+
+
 def _table(candidates: list[Candidate]) -> str:
-    rows = ["schedule          m  v  step (ms)  bubble  peak act (mb)  peak act (MiB)  children per stage"]
+    """One row per valid candidate; ``*`` marks the recommended one and ``=`` those tied with it.
+    *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout."""
+    rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  children per stage"]
     for c in candidates:
         if c.valid:
             split = "/".join(map(str, c.stage_sizes))
-            rows.append(f"{c.schedule:<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
-                        f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  {max(c.peak_activations):13d}  "
+            mark = "*" if c.recommended else "=" if c.tie else " "
+            rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
+                        f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  "
+                        f"{max(0.0, c.pipeline_s / c.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
                         f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
                         f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
@@ -352,12 +456,36 @@ def _table(candidates: list[Candidate]) -> str:
     return "\n".join(rows)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _search_report(candidates: list[Candidate]) -> list[str]:
+    """How long the search took, and the fastest synthesized order against its lower bound and
+    against the best built-in schedule on the same layout (microbatches, placement, split)."""
+    searched = [c for c in candidates if c.schedule == "synthesized"]
+    if not searched:
+        return []
+    seconds = sum(c.search["seconds"] for c in searched if c.search)
+    evaluated = sum(c.search["evaluated"] for c in searched if c.search)
+    lines = [f"search: {len(searched)} layouts, {evaluated} orders simulated in {seconds:.1f} s"]
+    best = next((c for c in candidates if c.valid and c.fits_memory and c.schedule == "synthesized"), None)
+    if best is not None:
+        same = [c for c in candidates if c.valid and c.schedule != "synthesized" and c.microbatches == best.microbatches
+                and c.stages_per_rank == best.stages_per_rank and c.split_points == best.split_points
+                and _placement(c) == _placement(best)]
+        line = (f"fastest synthesized ({_label(best)}): pipeline {best.pipeline_s * 1e3:.2f} ms, lower bound "
+                f"{best.lower_bound_s * 1e3:.2f} ms ({best.pipeline_s / best.lower_bound_s - 1:+.1%})")
+        if same:
+            builtin = min(same, key=lambda c: c.pipeline_s)
+            line += (f"; best built-in there, {builtin.schedule}: {builtin.pipeline_s * 1e3:.2f} ms "
+                     f"({builtin.pipeline_s / builtin.lower_bound_s - 1:+.1%})")
+        lines.append(line + f"; from {best.search['origin']}")
+    return lines
+
+
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
-    candidates, timelines, calibration = plan(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
+    candidates, timelines, calibration = plan(cfg, out)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     if calibration is not None:
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
@@ -367,16 +495,27 @@ def main(cfg: DictConfig) -> None:
               f"{c.action_overhead_s * 1e6:.0f} us; compute x{c.corunning_slowdown:.2f} with both ranks busy, "
               f"varying by {c.action_jitter:.0%}")
     print(_table(candidates))
-    best = next((c for c in candidates if c.valid and c.fits_memory), None)
+    for line in _search_report(candidates):
+        print(line)
+    best = next((c for c in candidates if c.recommended), None)
     if best is None:
         print("no valid candidate fits; see the reasons above")
         return
     timeline = timelines[id(best)]
     write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
+    tied = [c for c in candidates if c.tie]
+    if tied:
+        print(f"\ntie: {len(tied)} candidates are predicted within {cfg.plan.tie_tolerance:.0%} "
+              f"(plan.tie_tolerance) of the fastest, closer than the prediction can tell apart: "
+              f"{', '.join(_label(c) for c in tied)}. Recommended of those: the least activation memory.")
     # The user's overrides, less the planner's own and the ones each candidate sets itself.
     chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]
-    print(f"\nbest: python -m runner {shlex.join(overrides + best.overrides)}")  # quoted: a split is a [list]
+    searched = next((c for c in candidates if c.schedule == "synthesized" and c.valid and c.fits_memory), None)
+    if searched is not None:
+        print(f"\nfastest synthesized: python -m runner {shlex.join(overrides + searched.overrides)}")
+    # Quoted: a split is a [list].
+    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity
 
@@ -21,11 +20,16 @@ from runner.dist import DistEnv, gather_to_main
 from runner.record import Recorder
 from runner.simulate import UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
 from runner.timeline import (
+    clock_offsets,
     executed_order,
+    host_clock,
     mean_costs,
     measured_bubble,
     measured_slices,
+    pipeline_spans,
     plot_schedule,
+    shift_actions,
+    shift_spans,
     simulated_slices,
     write_chrome_trace,
     write_schedule_csv,
@@ -63,7 +67,9 @@ def plan_window(wait: int, warmup: int, active: int, steps: int) -> tuple[Window
 
 
 class RunProfiler:
-    def __init__(self, profile_cfg: DictConfig, *, steps: int, env: DistEnv, run_dir: Path):
+    def __init__(self, profile_cfg: DictConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1):
+        """``steps`` this run trains, numbered from ``first_step`` (1, or N + 1 after resuming
+        from step N)."""
         self.enabled = profile_cfg.enabled
         self.env = env
         self.run_dir = run_dir
@@ -71,9 +77,8 @@ class RunProfiler:
         if clamped and env.is_main:
             log.info("profile window clamped to %d steps: wait=%d warmup=%d active=%d", steps,
                      self.window.wait, self.window.warmup, self.window.active)
-        if env.world_size > 1:
-            dist.barrier()  # every rank takes its clock origin as the barrier releases
-        self.recorder = Recorder(origin_ns=time.perf_counter_ns())
+        self.recorder = Recorder()
+        self.clock = host_clock()  # to place this host's clock next to rank 0's
         self.torch_profiler = None
         if self.enabled:
             activities = [ProfilerActivity.CPU]
@@ -82,10 +87,14 @@ class RunProfiler:
             self.torch_profiler = torch.profiler.profile(
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=self.window.wait, warmup=self.window.warmup,
-                                                 active=self.window.active, repeat=1),
+                                                 active=self.window.active, repeat=1, skip_first=first_step),
                 on_trace_ready=self._export,
             )
             self.torch_profiler.start()
+            # The profiler counts its steps from 0; advanced to the run's first step (outside its
+            # window: nothing recorded), its "ProfilerStep#N" is the run's step N.
+            for _ in range(first_step):
+                self.torch_profiler.step()
 
     def _export(self, prof) -> None:
         traces = self.run_dir / "traces"
@@ -106,11 +115,12 @@ class RunProfiler:
         the first data-parallel replica (ranks 0..pp-1: its pipeline ranks)."""
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
-        gathered = gather_to_main((self.recorder.actions, self.recorder.steps), self.env)
+        gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock), self.env)
         if not self.env.is_main:
             return None
-        actions = {rank: acts for rank, (acts, _) in enumerate(gathered[:layout.pp])}
-        spans = {rank: steps for rank, (_, steps) in enumerate(gathered[:layout.pp])}
+        offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock) in enumerate(gathered[:layout.pp])})
+        actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _) in enumerate(gathered[:layout.pp])}
+        spans = {rank: shift_spans(steps, offsets[rank]) for rank, (_, steps, _) in enumerate(gathered[:layout.pp])}
         order = executed_order(actions)
         write_schedule_csv(self.run_dir / "schedule.csv", order)
         costs = mean_costs(actions)
@@ -122,7 +132,8 @@ class RunProfiler:
                                      stages_per_rank=stages_per_rank)
         if self.enabled:
             ranks = sorted(actions)
-            write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans), ranks=ranks)
+            write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans), ranks=ranks,
+                               clock=clock_note)
             write_chrome_trace(self.run_dir / "schedule_sim.json", simulated_slices(simulated), ranks=ranks)
             plot_schedule(self.run_dir / "schedule.png", simulate(order, UNIT_COSTS, num_stages=layout.num_stages),
                           title=f"{layout.schedule}: pp={layout.pp}, {layout.num_stages} stages, "
@@ -137,6 +148,9 @@ class RunProfiler:
             # The executed order replayed with each action's mean time and nothing else: how much of
             # step_time_s the simulator (and so the planner) can account for.
             "simulated_step_s": max(a.end for a in simulated),
+            # The pipeline call alone (median over the recorded steps, first rank in to last out):
+            # step_time_s less this is the loss/norm all-reduce, the clip and the optimizer.
+            "pipeline_step_s": statistics.median(hi - lo for lo, hi in pipeline_spans(spans).values()) / 1e9,
             "steps": [s.step for s in spans[0]],
             "mean_costs_s": {f"{stage}{kind}": c for (stage, kind), c in sorted(costs.items())},
         }

@@ -29,7 +29,7 @@ __all__ = ["Action", "StepSpan", "Recorder"]
 class Action:
     step: int
     op: Op  # stage, kind (F, B, I or W) and microbatch
-    start_ns: int  # time.perf_counter_ns() minus the rank's origin
+    start_ns: int  # time.perf_counter_ns(): the host's monotonic clock, the same in every process
     end_ns: int
 
 
@@ -41,17 +41,20 @@ class StepSpan:
 
 
 class Recorder:
-    """Records this rank's actions and pipeline-step spans while ``active``."""
+    """Records this rank's actions and pipeline-step spans while ``active``, on the host's
+    monotonic clock (``time.perf_counter_ns``: CLOCK_MONOTONIC on Linux), which every rank of a
+    host reads alike. No per-rank origin: one taken as a barrier releases differs between ranks
+    by the barrier's own skew, and turned messages backwards in time."""
 
-    def __init__(self, origin_ns: int):
-        self.origin_ns = origin_ns  # taken right after a barrier: ranks share one origin
+    def __init__(self):
         self.active = False
         self.step = -1
         self.actions: list[Action] = []
         self.steps: list[StepSpan] = []
 
-    def _now(self) -> int:
-        return time.perf_counter_ns() - self.origin_ns
+    @staticmethod
+    def _now() -> int:
+        return time.perf_counter_ns()
 
     @contextmanager
     def action(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:

@@ -1,5 +1,7 @@
 """The sweep report: ``sweep.csv``, ``sweep.md`` and ``sweep.png`` in a Hydra multirun directory,
 one row per job (its overrides, status, throughput, step time, bubble, memory, final loss).
+A job's status is ``ok``, ``rejected`` (its combination failed the checks before launch: a
+``ConfigError``, in well under a second, no rank started), ``failed`` (it crashed), or ``running``.
 
 Built from the job directories themselves (``.hydra/overrides.yaml``, ``summary.json``, or the
 ``error.txt`` a failed job leaves), so it is rebuilt as each job ends, works for jobs running in
@@ -42,7 +44,11 @@ def _row(job_dir: Path) -> dict[str, Any]:
                    bubble=round(s["bubble"]["mean"], 4), bubble_theoretical=round(s["bubble"]["theoretical"], 4),
                    peak_mem_mib=round(max(s["peak_mem_bytes"]) / 2**20, 1), final_loss=round(s["final_loss"], 5))
     elif error_file.is_file():
-        row.update(status="failed", error=error_file.read_text().strip().splitlines()[0][:200])
+        lines = error_file.read_text().strip().splitlines()
+        # A rank's failure is a header ("RankFailedError: rank 1 failed:") over its traceback,
+        # whose last line says what happened.
+        error = f"{lines[0]} {lines[-1].strip()}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+        row.update(status="rejected" if error.startswith("ConfigError:") else "failed", error=error[:200])
     return row
 
 
@@ -54,8 +60,9 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 def _markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in COLUMNS) + " |" for r in rows]
-    failed = [r for r in rows if r["status"] == "failed"]
-    footer = f"\n{len(rows)} jobs, {len(rows) - len(failed)} ok, {len(failed)} failed.\n"
+    counts = {status: sum(r["status"] == status for r in rows) for status in ("ok", "rejected", "failed")}
+    footer = (f"\n{len(rows)} jobs, {counts['ok']} ok, {counts['rejected']} rejected before launch, "
+              f"{counts['failed']} failed.\n")
     return "\n".join(lines) + "\n" + footer
 
 
@@ -81,7 +88,7 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     bottom.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=7)
     failed = len(rows) - len(ok)
     common = " ".join(sorted(shared))
-    title = f"{len(ok)} jobs" + (f" ({failed} failed, not shown)" if failed else "")
+    title = f"{len(ok)} jobs" + (f" ({failed} rejected or failed, not shown)" if failed else "")
     fig.suptitle(title + (f"\n{common}" if common else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = write_report(Path(args[0]))
     print((Path(args[0]) / "sweep.md").read_text(), end="")
-    return 1 if any(r["status"] == "failed" for r in rows) else 0
+    return 1 if any(r["status"] in ("failed", "rejected") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ that asks torch itself whether it accepts the layout, and construction on each r
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -10,10 +11,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from runner import _torch_pp
 from runner.errors import ConfigError
+from runner.schedule_file import CELL_FORMS, ScheduleFileError, read_schedule_file
 from runner.simulate import Op
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
            "read_csv_schedule", "build_schedule", "schedule_order", "csv_order"]
+
+log = logging.getLogger(__name__)
 
 # Config name → torch.distributed.pipelining class name; "csv" runs a file's action order.
 SCHEDULES = {
@@ -94,23 +98,20 @@ def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: in
 
 def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microbatches: int,
                       compiled: bool = False):
-    """Lint a compute-only CSV schedule; returns (num_stages, stage → rank placement)."""
+    """Lint a schedule file (any shape ``runner.schedule_file`` reads); returns (num_stages, stage →
+    rank placement). What was converted to read it is logged."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"schedule.csv={path!r}: no such file. Fix: give the path of a CSV file.")
     try:
-        actions = _torch_pp.read_actions(file)
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(
-            f"schedule.csv={path!r} is malformed: {e}\nFix: one row per rank of actions like "
-            "'0F0,0F1,1F0,...' (stage, F/B/I/W, microbatch)."
-        ) from e
+        schedule_file = read_schedule_file(file)
+    except (ScheduleFileError, UnicodeDecodeError) as e:
+        raise ConfigError(f"schedule.csv={path!r} is malformed: {e}\nFix: one row per pipeline rank; cells "
+                          f"{CELL_FORMS}.") from e
+    for note in schedule_file.notes:
+        log.warning("schedule.csv=%r: %s", path, note)
+    actions = _torch_pp.to_actions(schedule_file.order)
     computes = [a for row in actions.values() for a in row]
-    if not computes or any(not a.is_compute_op or a.microbatch_index is None for a in computes):
-        raise ConfigError(
-            f"schedule.csv={path!r} must hold compute actions only (F, B, I, W with a microbatch), "
-            "e.g. '0F0,0F1,0B0'. Fix: drop communication actions and empty files."
-        )
     if compiled and any(a.computation_type.value in ("I", "W") for a in computes):
         raise ConfigError(
             f"train.compile=true with schedule.csv={path!r}: its I/W actions split backward into input "
@@ -143,14 +144,15 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable, csv: str | None):
-    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch and
-    ``scale_grads`` divides gradients by the microbatch count: the step's loss and gradients are
-    those of the mean over microbatches, the same quantity as the unsplit model's."""
+    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch;
+    the schedule sums their gradients (``scale_grads=False``) and the step divides them by the
+    microbatch count once (``pipeline.PipelinedStep``): the step's loss and gradients are those of
+    the mean over microbatches, the same quantity as the unsplit model's."""
     if name == "csv":
-        return _torch_pp.csv_schedule(stages, microbatches, loss_fn, Path(csv))
+        return _torch_pp.csv_schedule(stages, microbatches, loss_fn, csv_order(csv))
     cls = _schedule_class(name)
     target = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
-    return cls(target, microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(target, microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[Op]]:
@@ -176,6 +178,5 @@ def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) 
 
 
 def csv_order(path: str) -> dict[int, list[Op]]:
-    """The per-rank compute order of a compute-only CSV schedule (one row per rank)."""
-    return {rank: [Op(a.stage_index, a.computation_type.value, a.microbatch_index) for a in row]
-            for rank, row in _torch_pp.read_actions(Path(path)).items()}
+    """The per-rank compute order of a schedule file (read as ``runner.schedule_file`` reads it)."""
+    return read_schedule_file(Path(path)).order

@@ -16,8 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
-__all__ = ["Op", "SimAction", "simulate", "expected_makespan", "bubble_fractions", "theoretical_bubble",
-           "UNIT_COSTS"]
+__all__ = ["Op", "SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions",
+           "theoretical_bubble", "UNIT_COSTS"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -120,6 +120,29 @@ def expected_makespan(
     return statistics.fmean(
         max(a.end for a in simulate(order, costs, num_stages=num_stages, comm_s=comm_s, jitter=jitter, seed=i))
         for i in range(samples))
+
+
+def peak_in_flight(order: Mapping[int, Sequence[Op]],
+                   weights: Mapping[int, float] | None = None) -> dict[int, float]:
+    """Per rank, the most forward activations held at once, walking the rank's order: a forward
+    adds its stage-microbatch, the backward that frees it removes it (its B, or its W where the
+    backward is split: after an I the weight gradient still needs the layer inputs). Counted in
+    stage-microbatches, or in bytes with ``weights`` (stage -> bytes of one stage-microbatch)."""
+    peaks: dict[int, float] = {}
+    for rank, ops in order.items():
+        live: set[tuple[int, int]] = set()
+        held = peak = 0.0
+        for op in ops:
+            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
+            if op.kind == "F" and key not in live:
+                live.add(key)
+                held += w
+            elif op.kind in "BW" and key in live:
+                live.remove(key)
+                held -= w
+            peak = max(peak, held)
+        peaks[rank] = peak if weights is not None else int(peak)
+    return peaks
 
 
 def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:

@@ -1,19 +1,20 @@
-"""Model → stages: build the model without memory, choose where stages start, and materialise
-only the stage modules a rank owns, initialised exactly as the unsplit model would be.
+"""Model → stages: build the model without memory, choose which pipeline units each stage holds,
+and materialise only the stage modules a rank owns, initialised exactly as the unsplit model is.
 
-Stage modules are ``StageModule``s (an ``nn.Sequential``) built from an ordered dict of the full
-model's own children, so every parameter keeps its full name (``block3.attn.qkv.weight``) in every
-stage: checkpoints, ``verify`` and reports line up with the unsplit model.
+A stage module holds its units under their full names (a skeleton of the model with only those
+modules), so every parameter keeps its full name (``model.layers.3.self_attn.q_proj.weight``) in
+every stage: checkpoints, ``verify`` and reports line up with the unsplit model. The units and how
+a stage runs them come from the model's ``ModelSpec`` (``runner.units``).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
-import inspect
 import logging
-from collections import OrderedDict, defaultdict
 from contextlib import nullcontext
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 from hydra.utils import instantiate
@@ -21,27 +22,23 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner.errors import ConfigError
+from runner.units import ModelSpec, describe_names, spec_for, tied_groups
 
-__all__ = ["StageModule", "build_meta_model", "split_by_cost", "plan_split", "check_tied_weights", "check_shapes",
-           "materialize"]
+__all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes",
+           "check_init", "materialize", "tied_groups"]
 
 log = logging.getLogger(__name__)
 
 
-def _keyword_filter(module: nn.Module):
-    """Which keyword inputs ``module``'s forward takes: all (it has ``**kwargs``) or those it names."""
-    params = inspect.signature(module.forward).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return lambda kwargs: kwargs
-    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    return lambda kwargs: {k: v for k, v in kwargs.items() if k in names}
+class _Container(nn.Module):
+    """A level of the model's name tree that holds a stage's units (``model``, ``model.layers``)."""
 
 
-class StageModule(nn.Sequential):
-    """Some of a model's top-level children, run in order, as ``nn.Sequential`` does, and also:
+class StageModule(nn.Module):
+    """The units of one stage, run in order by the model's spec, and also:
 
-    * keyword inputs (e.g. ``attention_mask``) go to every child whose forward takes them: torch's
-      schedules hand each stage the step's keyword inputs, so every stage sees them;
+    * keyword inputs (e.g. ``attention_mask``) reach every unit: torch's schedules hand each stage
+      the step's keyword inputs, and the spec routes them (or derives masks and positions from them);
     * ``autocast_dtype`` (set for ``train.precision=bf16``) autocasts the forward only: backward
       runs in the dtypes the forward chose, and recomputation under activation checkpointing
       restores the same autocast state.
@@ -49,39 +46,66 @@ class StageModule(nn.Sequential):
 
     autocast_dtype: torch.dtype | None = None
 
+    def __init__(self, spec: ModelSpec, units: Sequence[str], modules: Mapping[str, nn.Module]):
+        super().__init__()
+        self.spec = spec
+        self.units = tuple(units)
+        for name, module in modules.items():
+            *path, leaf = name.split(".")
+            parent: nn.Module = self
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, _Container())
+                parent = parent._modules[part]
+            parent.add_module(leaf, module)
+
+    def unit_modules(self) -> list[nn.Module]:
+        """Every module the stage's units hold (a unit may hold several: GPT-2's wte, wpe, drop)."""
+        return [self.get_submodule(n) for u in self.units for n in self.spec.unit(u).modules]
+
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if kwargs and not hasattr(self, "_filters"):
-            self._filters = {name: _keyword_filter(child) for name, child in self.named_children()}
-        cast = (torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                else nullcontext())
+        cast = torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
         with cast:
-            for name, child in self.named_children():
-                x = child(x, **self._filters[name](kwargs)) if kwargs else child(x)
-        return x
+            return self.spec.run(self, self.units, x, kwargs)
 
 
-def build_meta_model(model_cfg: DictConfig) -> nn.Sequential:
+@dataclass
+class MetaModel:
+    """The model on the meta device (shapes only), its units, and its tied parameters (taken when
+    it is built: materialising a stage re-allocates, and so unties, the modules it takes)."""
+
+    module: nn.Module
+    spec: ModelSpec
+    tied: list[list[str]]
+
+    @property
+    def unit_names(self) -> list[str]:
+        return self.spec.unit_names
+
+
+def build_meta_model(model_cfg: DictConfig, stage_modules: Sequence[Sequence[str]] | None = None) -> MetaModel:
     """Instantiate the model factory on the meta device: shapes only, no memory, no init."""
     try:
         with torch.device("meta"):
             model = instantiate(model_cfg)
     except Exception as e:  # the user's factory can fail in any way
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        if cause is not None:  # the factory's own message (model=hf: a missing config.json, ...)
+            raise cause from None
         raise ConfigError(
             f"model._target_={model_cfg.get('_target_')!r} could not be built: {e}\n"
             "Fix: check the model keys; a model factory must accept the keys of its model group."
         ) from e
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            f"model._target_={model_cfg.get('_target_')!r} returned {type(model).__name__}, "
-            "not an nn.Sequential. Fix: return an nn.Sequential whose top-level children run in "
-            "order (see README, 'Bring your own model')."
-        )
-    return model
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model._target_={model_cfg.get('_target_')!r} returned {type(model).__name__}, "
+                          "not an nn.Module. Fix: return the model (see README, 'Bring your own model').")
+    return MetaModel(model, spec_for(model, stage_modules), tied_groups(model))
 
 
-def _unit_costs(model: nn.Sequential) -> list[int]:
-    # Parameter count as the cost proxy; +1 so parameter-free children still count.
-    return [1 + sum(p.numel() for p in child.parameters()) for child in model.children()]
+def _unit_costs(meta: MetaModel) -> list[int]:
+    # Parameter count as the cost proxy; +1 so parameter-free units still count.
+    return [1 + sum(p.numel() for n in u.modules for p in meta.module.get_submodule(n).parameters())
+            for u in meta.spec.units]
 
 
 def _balanced_bounds(costs: Sequence[float], num_stages: int) -> list[int]:
@@ -109,31 +133,44 @@ def _balanced_bounds(costs: Sequence[float], num_stages: int) -> list[int]:
 
 
 def split_by_cost(names: Sequence[str], costs: Sequence[float], num_stages: int) -> list[str]:
-    """``parallel.split_points`` (the children that start stages 1..) of the contiguous split
+    """``parallel.split_points`` (the units that start stages 1..) of the contiguous split
     of ``names`` whose costliest stage costs least."""
     return [names[i] for i in _balanced_bounds(costs, num_stages)[1:]]
 
 
-def plan_split(
-    model: nn.Sequential, num_stages: int, split_points: Sequence[str] | None
-) -> tuple[tuple[str, ...], ...]:
-    """The names of the model's top-level children in each stage, in stage order."""
-    names = list(model._modules)
+def _expand(meta: MetaModel, name: str) -> list[str]:
+    """A listed name as units: a module whose entries are units stands for them."""
+    if name in meta.spec._by_name:
+        return [name]
+    try:
+        children = [f"{name}.{child}" for child, _ in meta.module.get_submodule(name).named_children()]
+    except AttributeError:
+        return [name]
+    return children if children and all(c in meta.spec._by_name for c in children) else [name]
+
+
+def plan_split(meta: MetaModel, num_stages: int, split_points: Sequence[str] | None = None,
+               stage_modules: Sequence[Sequence[str]] | None = None) -> tuple[tuple[str, ...], ...]:
+    """The unit names of each stage, in stage order: as ``stage_modules`` lists them, starting at
+    ``split_points``, or balanced by parameter count."""
+    names = meta.unit_names
+    if stage_modules is not None:
+        return _listed_stages(meta, num_stages, stage_modules)
     if len(names) < num_stages:
         raise ConfigError(
-            f"The model has {len(names)} top-level children ({', '.join(names)}) but the layout "
-            f"needs {num_stages} stages. Fix: raise model.n_layers, or lower parallel.pp or "
+            f"The model has {len(names)} pipeline units ({describe_names(names)}) but the layout needs "
+            f"{num_stages} stages. Fix: a deeper model (model.n_layers), or lower parallel.pp or "
             "parallel.stages_per_rank."
         )
     if split_points is None:
-        starts = _balanced_bounds(_unit_costs(model), num_stages)
+        starts = _balanced_bounds(_unit_costs(meta), num_stages)
     else:
         points = list(split_points)
         unknown = [p for p in points if p not in names]
         if unknown:
             raise ConfigError(
-                f"parallel.split_points={points} names no module: {unknown}. "
-                f"Fix: use top-level children of the model: {names}."
+                f"parallel.split_points={points} names no pipeline unit: {unknown}. "
+                f"Fix: use unit names of the model: {describe_names(names)}."
             )
         if len(points) != num_stages - 1:
             raise ConfigError(
@@ -144,61 +181,78 @@ def plan_split(
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ConfigError(
                 f"parallel.split_points={points} are out of order or start the first stage. "
-                f"Fix: list names in model order after '{names[0]}': {names[1:]}."
+                f"Fix: list unit names in model order after '{names[0]}': {describe_names(names[1:])}."
             )
     bounds = starts + [len(names)]
     stages = tuple(tuple(names[a:b]) for a, b in zip(bounds, bounds[1:]))
-    assert sum(len(s) for s in stages) == len(names), "split must cover every child once"
+    assert sum(len(s) for s in stages) == len(names), "split must cover every unit once"
     return stages
 
 
-def check_tied_weights(model: nn.Sequential, stages: Sequence[Sequence[str]]) -> None:
-    """Parameters shared between children (tied embedding/head) cannot span two stages: each
-    stage would train its own copy. Reject that before launching."""
-    stage_of = {name: i for i, names in enumerate(stages) for name in names}
-    for names in _tied_groups(model):
-        owners = {stage_of[n.split(".", 1)[0]] for n in names}
-        if len(owners) > 1:
-            raise ConfigError(
-                f"Tied parameters {names} fall in different stages {sorted(owners)}; pipelined "
-                "stages cannot share a weight. Fix: model.tie_embeddings=false, or split so "
-                "both owners share a stage (parallel.split_points)."
-            )
+def _listed_stages(meta: MetaModel, num_stages: int,
+                   stage_modules: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+    listed = [list(s) for s in stage_modules]
+    if len(listed) != num_stages:
+        raise ConfigError(
+            f"parallel.stage_modules lists {len(listed)} stages but the layout has {num_stages} "
+            "(parallel.pp x stages per rank). Fix: one list per stage, or change parallel.pp / "
+            "parallel.stages_per_rank."
+        )
+    stages = tuple(tuple(u for name in stage for u in _expand(meta, name)) for stage in listed)
+    if any(not s for s in stages):
+        raise ConfigError(f"parallel.stage_modules={listed} has an empty stage. Fix: give every stage a module.")
+    flat = [u for s in stages for u in s]
+    if flat != meta.unit_names:
+        unknown = [u for u in flat if u not in meta.unit_names]
+        problem = (f"names no pipeline unit: {unknown}" if unknown else
+                   "does not list every unit exactly once, in model order")
+        raise ConfigError(f"parallel.stage_modules={listed} {problem}. "
+                          f"Fix: split this list into stages: {describe_names(meta.unit_names)}.")
+    return stages
+
+
+def check_init(meta: MetaModel) -> None:
+    """Every module that owns parameters or buffers can be initialised on its own (the runner
+    allocates and initialises only a rank's own units): all those that cannot, listed at once."""
+    missing = meta.spec.cannot_init(meta.module)
+    if missing:
+        raise ConfigError(
+            f"{len(missing)} module(s) own parameters or buffers but have no reset_parameters(), so the runner "
+            f"cannot initialise them from the meta device: {', '.join(missing[:10])}"
+            f"{' …' if len(missing) > 10 else ''}. Fix: give each a reset_parameters() method that "
+            "initialises its own parameters and buffers."
+        )
 
 
 def check_shapes(
-    model: nn.Sequential, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int, vocab_size: int,
+    meta: MetaModel, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int,
     kwargs: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Run one microbatch through the meta model, child by child: a child that cannot take its
+) -> int:
+    """Run one microbatch through the meta model, unit by unit: a unit that cannot take its
     predecessor's output (so one stage cannot take the previous stage's) fails here, named, in
     milliseconds and without memory, instead of inside a rank. ``kwargs`` are one microbatch's
-    keyword inputs, given to the children that take them."""
+    keyword inputs. Returns the logits' last dimension (the model's vocabulary)."""
     stage_of = {name: i for i, names in enumerate(stages) for name in names}
     x = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
     kwargs = {k: v.to("meta") for k, v in (kwargs or {}).items()}
-    for name, child in model.named_children():
-        try:
-            x = child(x, **_keyword_filter(child)(kwargs))
+    for name in meta.unit_names:
+        try:  # the meta model holds every unit and the shared modules: run this unit alone
+            x = meta.spec.run(meta.module, [name], x, kwargs)
         except Exception as e:
+            hint = ("a unit receives one tensor (and the keyword inputs its forward names); a layer that needs "
+                    "more (rotary position embeddings, a mask) must compute it itself, or use model=hf for a "
+                    "Hugging Face causal LM" if isinstance(e, TypeError) else "make consecutive units' shapes agree")
             raise ConfigError(
-                f"Model child '{name}' (stage {stage_of[name]}) cannot take the output of the child "
-                f"before it (shape {tuple(x.shape)}): {e}\nFix: make consecutive children's shapes agree "
-                "(see README, 'Bring your own model')."
+                f"Model unit '{name}' (stage {stage_of[name]}) cannot take the output of the unit before it "
+                f"(shape {tuple(x.shape)}): {e}\nFix: {hint} (see README, 'Bring your own model')."
             ) from e
         if not isinstance(x, torch.Tensor):
-            raise ConfigError(f"Model child '{name}' (stage {stage_of[name]}) returned {type(x).__name__}; "
+            raise ConfigError(f"Model unit '{name}' (stage {stage_of[name]}) returned {type(x).__name__}; "
                               "stages pass one tensor. Fix: return a single tensor.")
-    if tuple(x.shape) != (microbatch, seq_len, vocab_size):
-        raise ConfigError(f"The model returns shape {tuple(x.shape)}, not logits (batch, seq, vocab_size) = "
-                          f"{(microbatch, seq_len, vocab_size)}. Fix: end the model with a head to vocab_size.")
-
-
-def _tied_groups(module: nn.Module) -> list[list[str]]:
-    by_id = defaultdict(list)
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_id[id(p)].append(name)
-    return [names for names in by_id.values() if len(names) > 1]
+    if x.dim() != 3 or tuple(x.shape[:2]) != (microbatch, seq_len):
+        raise ConfigError(f"The model returns shape {tuple(x.shape)}, not logits (batch, seq, vocab) with "
+                          f"(batch, seq) = {(microbatch, seq_len)}. Fix: end the model with a head to the vocabulary.")
+    return x.shape[-1]
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -211,36 +265,68 @@ def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(root.get_submodule(owner), leaf, param)
 
 
-def materialize(
-    model: nn.Sequential, names: Sequence[str], *, seed: int, device: torch.device
-) -> StageModule:
-    """A stage module holding the given children of a meta-device ``model``, allocated and
-    initialised on CPU (so every device gets the same numbers), then moved to ``device``.
-
-    Each module's ``reset_parameters()`` runs under a generator seeded from the run seed and the
-    module's full name, so a child initialises identically whichever stage or process builds it.
-    """
-    stage = StageModule(OrderedDict((n, model._modules[n]) for n in names))
-    tied = _tied_groups(stage)
-    stage.to_empty(device="cpu")
-    for first, *others in tied:  # allocation gives each name its own tensor: tie them again
-        for other in others:
-            _set_param(stage, other, stage.get_parameter(first))
+def _init(spec: ModelSpec, root: nn.Module, names: Sequence[str], seed: int) -> None:
+    """Initialise the named modules of ``root``, each under a generator seeded from the run seed
+    and its full name: a module initialises identically whichever stage or process builds it."""
     with torch.no_grad():
-        for name, module in stage.named_modules():
-            owns_state = any(True for _ in module.parameters(recurse=False)) or any(
-                True for _ in module.buffers(recurse=False)
-            )
-            reset = getattr(module, "reset_parameters", None)
-            if reset is None:
-                if owns_state:
-                    raise ConfigError(
-                        f"Module '{name}' ({type(module).__name__}) owns parameters or buffers "
-                        "but has no reset_parameters(), so the runner cannot initialise it "
-                        "from the meta device. Fix: give it a reset_parameters() method."
-                    )
+        for name in spec.init_order(names):
+            module = root.get_submodule(name)
+            if not spec.needs_init(module):
                 continue
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_seed_for(seed, name))
-                reset()
+                spec.init_module(name, module)
+
+
+def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: torch.device) -> StageModule:
+    """A stage module holding ``units`` of the meta model, allocated and initialised on CPU (so
+    every device gets the same numbers) or read from the model's pretrained weights, then moved
+    to ``device``.
+
+    A parameter tied to one outside the stage (a head tied to the embedding of the first stage)
+    gets the value the unsplit model gives it: that of its first owner in model order."""
+    spec = meta.spec
+    modules = {n: meta.module.get_submodule(n) for u in units for n in spec.unit(u).modules}
+    modules.update({n: copy.deepcopy(meta.module.get_submodule(n)) for n in spec.shared})
+    stage = StageModule(spec, units, modules)
+    local = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
+    local_groups = [[n for n in names if n in local] for names in meta.tied]
+    stage.to_empty(device="cpu")
+    # Allocation gives each name its own tensor: tie them again.
+    for first, *others in (g for g in local_groups if len(g) > 1):
+        for other in others:
+            _set_param(stage, other, stage.get_parameter(first))
+    loaded = spec.load_pretrained(stage)
+    _init(spec, stage, [n for n, m in stage.named_modules() if not _fully_loaded(m, n, loaded)], seed)
+    if loaded is None:
+        _init_tied(meta, stage, seed)
     return stage.to(device)
+
+
+def _fully_loaded(module: nn.Module, name: str, loaded: set[str] | None) -> bool:
+    if loaded is None:
+        return False
+    own = [f"{name}.{t}" for t, _ in module.named_parameters(recurse=False)]
+    own += [f"{name}.{t}" for t, _ in module.named_buffers(recurse=False)]
+    return all(n in loaded for n in own)
+
+
+def _init_tied(meta: MetaModel, stage: StageModule, seed: int) -> None:
+    """Tied parameters take the value their first owner's initialisation gives, wherever the
+    owners are (in the unsplit model each owner initialises the one tensor in turn)."""
+    local = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
+    for names in meta.tied:
+        here = [n for n in names if n in local]
+        if not here:
+            continue
+        first, _, leaf = names[0].rpartition(".")
+        if names[0] in local:  # the stage's copies are one tensor: its first owner initialises it last
+            _init(meta.spec, stage, [first], seed)
+            continue
+        # The first owner lives in another stage: build just that module, as that stage does.
+        owner = copy.deepcopy(meta.module.get_submodule(first)).to_empty(device="cpu")
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed_for(seed, first))
+            meta.spec.init_module(first, owner)
+            for n in here:
+                stage.get_parameter(n).copy_(getattr(owner, leaf))

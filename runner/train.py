@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,18 +12,19 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
 from runner.checkpoint import Checkpointer
+from runner.console import step_record
 from runner.data import build_dataset, get_batch
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.errors import NonFiniteLossError
 from runner.faults import train_fault
 from runner.mesh import Mesh, build_mesh
 from runner.optim import build_optimizer
-from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_summary
+from runner.outputs import MetricsWriter, make_summary, peak_memory_bytes, write_resolved_config, write_summary
 from runner.pipeline import Batch, PipelinedStep, UnsplitStep, build_step
 from runner.profile import RunProfiler
+from runner.provenance import device_name
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
 from runner.watchdog import beat, busy
@@ -100,6 +100,12 @@ def _phases(launch_time: float, marks: dict[str, float]) -> dict[str, float]:
     return {name: end - start for name, start, end in zip(marks, [launch_time, *ends], ends)}
 
 
+def _artifacts(run_dir: Path) -> list[Path]:
+    """What the loggers that keep files (MLflow) get: the summary, the resolved config, the pictures."""
+    names = ["summary.json", "resolved_config.yaml", "schedule.png", "timeline.png"]
+    return [run_dir / n for n in names if (run_dir / n).is_file()]
+
+
 def train(
     cfg: DictConfig,
     layout: Layout,
@@ -116,99 +122,111 @@ def train(
     t = cfg.train
     data = build_dataset(cfg.data, seed=t.seed)
     mesh = build_mesh(env, pp=layout.pp, dp=cfg.parallel.dp)
-    step_fn = build_step(cfg, layout, env, mesh)
+    step_fn, tied = build_step(cfg, layout, env, mesh)
     marks = {**(startup_marks or {}), "build": time.time()}
-    params = [p for m in step_fn.modules for p in m.parameters()]
-    optimizer, scheduler = build_optimizer(step_fn.modules, t)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler)
+    named = {n: p for m in step_fn.modules for n, p in m.named_parameters(remove_duplicate=False)}
+    params = list({id(p): p for p in named.values()}.values())  # a weight two local stages share: once
+    # The global norm counts a tied weight once: not its copies on other stages.
+    skip = {id(named[n]) for n in tied.not_counted()}
+    norm_params = [p for p in params if id(p) not in skip]
+    # A head tied to the embedding is an embedding wherever it sits (no weight decay).
+    embeddings = {id(named[n]) for n in tied.embedding_names if n in named}
+    optimizer, scheduler = build_optimizer(step_fn.modules, t, embeddings=embeddings)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, step_fn.modules, optimizer, scheduler, tied=tied)
     first_step = checkpointer.load(Path(cfg.checkpoint.resume)) if cfg.checkpoint.resume else 0
-    profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir)
+    profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir,
+                           first_step=first_step + 1)
     step_fn.attach(profiler.recorder)
-    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg, first_step=first_step) if env.is_main else None
+    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg, resumed_after=first_step) if env.is_main else None
     result = TrainResult(losses=[])
     step_times: list[float] = []
     val_losses: list[tuple[int, float]] = []
     verify_report = None
     marks["setup"] = time.time()  # optimizer, checkpoint, profiler, loggers
     startup_s = marks["setup"] - launch_time
-    show_progress = env.is_main and sys.stderr.isatty() and t.steps >= 50
-    progress = tqdm(total=t.steps - first_step, desc="train", disable=not show_progress)
     try:
-        for step in range(first_step, t.steps):
+        # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl,
+        # the summary, timelines, faults); a checkpoint step-N holds the state after step N.
+        # ``index`` (from 0) is the position in the data and in the LR schedule.
+        for index in range(first_step, t.steps):
+            step = index + 1
             beat(f"began step {step}")
-            batch = get_batch(data, step, t.batch_size, t.seq_len)
+            batch = get_batch(data, index, t.batch_size, t.seq_len)
             inputs, targets, kwargs = _replica_share(batch, mesh, env.device)
-            profiler.begin_step(step - first_step)
+            profiler.begin_step(index - first_step)
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            fault = train_fault(step - first_step, env.rank)
+            fault = train_fault(step, env.rank)
             with profiler.recorder.pipeline_step(step):
                 local_loss = step_fn(inputs, targets, **kwargs)
             if fault == "nan" and local_loss is not None:
                 local_loss = local_loss * float("nan")
             if fault == "nangrad":  # a finite loss with a non-finite gradient
                 next(p.grad for p in params if p.grad is not None).mul_(float("nan"))
-            loss, grad_norm = reduce_loss_and_grad_norm(local_loss, params, env, mesh)
+            tied.sync_grads()
+            loss, grad_norm = reduce_loss_and_grad_norm(local_loss, norm_params, env, mesh)
             # Every rank sees the same reduced values: all stop at this step, before the optimizer
             # writes NaN into the parameters (a finite loss can come with a non-finite gradient).
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteLossError(_non_finite_message(step, loss, grad_norm, checkpointer.last_good))
-            if step == first_step and keep_first_grads:
-                result.first_grads = gather_grads(step_fn.modules, env)
-            if step == first_step and cfg.verify:
+            if index == first_step and keep_first_grads:
+                result.first_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
+            if index == first_step and cfg.verify:
                 busy(f"verifying step {step} against the unsplit model")
-                verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env)
+                verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env, skip=tied.not_counted())
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
-            if step == first_step and keep_first_grads:
-                result.first_clipped_grads = gather_grads(step_fn.modules, env)
+            if index == first_step and keep_first_grads:
+                result.first_clipped_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             step_time = time.perf_counter() - start
             profiler.end_step()
             step_times.append(step_time)
-            if step == first_step:
+            if index == first_step:
                 marks["first_step"] = time.time()  # with shape inference (and compilation)
             result.losses.append(loss)
-            progress.update()
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": t.batch_size * t.seq_len / step_time}
-            if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step == t.steps - 1):
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == t.steps):
                 beat(f"evaluating after step {step}")
                 with profiler.recorder.paused():  # not part of the training schedule's timeline
                     record["val_loss"] = evaluate(step_fn, data, cfg, env, mesh)
                 val_losses.append((step, record["val_loss"]))
             if metrics:
                 metrics.write(record)
-                if step % max(1, t.steps // 10) == 0 or step == t.steps - 1:
-                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f ms%s",
-                             step + 1, t.steps, loss, lr, grad_norm, step_time * 1e3,
-                             f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else "")
-            checkpointer.maybe_save(step + 1)
+                step_record(log, step, t.steps, loss,
+                            f"loss {loss:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} {step_time * 1e3:.1f} ms"
+                            + (f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""))
+            checkpointer.maybe_save(step)
     except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
         if metrics:
             metrics.close(failed=True)
         raise
-    progress.close()
     busy("writing the profile and summary")
     bubble = profiler.finish(layout)
-    peak_mem = gather_to_main(peak_memory_bytes(env.device), env)
+    # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
+    per_rank = gather_to_main((peak_memory_bytes(env.device), device_name(env.device),
+                               getattr(step_fn.modules[0].spec, "bytes_read", 0)), env)
     if env.is_main:
         history = metrics.history  # resumed into its own run directory: the steps before the checkpoint
         val_losses = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r] + val_losses
         result.summary = make_summary(
-            cfg=cfg, layout=layout, first_step=first_step, losses=[r["loss"] for r in history] + result.losses,
+            cfg=cfg, layout=layout, first_step=first_step + 1, losses=[r["loss"] for r in history] + result.losses,
             step_times=step_times, tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time,
-            startup_s=startup_s, peak_mem=peak_mem,
+            startup_s=startup_s, peak_mem=[r[0] for r in per_rank], device_names=[r[1] for r in per_rank],
+            config_path=write_resolved_config(run_dir, cfg),
         )
         result.summary["bubble"] = bubble
         result.summary["startup_phases_s"] = _phases(launch_time, marks)
+        if any(r[2] for r in per_rank):
+            result.summary["weights_read_bytes"] = [r[2] for r in per_rank]
         if val_losses:
             result.summary["val_loss"] = val_losses[-1][1]
             result.summary["val_losses"] = [{"step": st, "val_loss": v} for st, v in val_losses]
         if verify_report is not None:
             result.summary["verify"] = verify_report
-        metrics.close(bubble)
         write_summary(run_dir, result.summary)
+        metrics.close(bubble, artifacts=_artifacts(run_dir))
     return result

@@ -1,5 +1,9 @@
 """Pre-spawn validation: everything that can be checked without ranks is checked here, in the
-launching process, and produces the ``Layout`` every rank then follows."""
+launching process, and produces the ``Layout`` every rank then follows.
+
+``check_config`` holds the checks that need no torch; the command line runs it before importing
+torch, the pipelining runtime and DCP (seconds), so a wrong value fails at once. The checks that
+need them (schedule rules asked of torch, the meta model, the first batch) import them inside."""
 
 from __future__ import annotations
 
@@ -9,23 +13,27 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import _torch_pp
-from runner import schedule as sched
-from runner.data import build_dataset, get_batch
+from runner.config import (
+    AC_MODES,
+    DEVICES,
+    DP_MODES,
+    LR_SCHEDULES,
+    NO_DECAY_NAMES,
+    PRECISION_NAMES,
+    START_METHODS,
+    parse_bytes,
+)
 from runner.errors import ConfigError
-from runner.losses import build_loss
-from runner.optim import LR_SCHEDULES, NO_DECAY_KINDS
 from runner.outputs import check_loggers
-from runner.parallelize import AC_MODES, PRECISIONS
-from runner.split import build_meta_model, check_shapes, check_tied_weights, plan_split
 
-__all__ = ["Layout", "validate"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Layout", "check_config", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +46,7 @@ class Layout:
     csv: str | None
     pp: int
     microbatches: int
-    stages: tuple[tuple[str, ...], ...]  # the model's top-level children in each stage
+    stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.units)
     stage_to_rank: dict[int, int]
 
     @property
@@ -51,8 +59,10 @@ class Layout:
     def describe(self) -> str:
         lines = [f"schedule={self.schedule} pp={self.pp} stages={self.num_stages} "
                  f"microbatches={self.microbatches}"]
+        from runner.units import describe_names
+
         for s, names in enumerate(self.stages):
-            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {', '.join(names)}")
+            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
         return "\n".join(lines)
 
 
@@ -99,8 +109,8 @@ def _check_numbers(cfg: DictConfig) -> None:
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1.")
-    if p.dp_mode not in ("none", "ddp", "fsdp"):
-        raise ConfigError(f"parallel.dp_mode={p.dp_mode!r} is not one of none, ddp, fsdp.")
+    if p.dp_mode not in DP_MODES:
+        raise ConfigError(f"parallel.dp_mode={p.dp_mode!r} is not one of {', '.join(DP_MODES)}.")
     if p.dp > 1 and p.dp_mode == "none":
         raise ConfigError(
             f"parallel.dp={p.dp} with parallel.dp_mode=none: replicas would train apart. "
@@ -125,19 +135,15 @@ def _check_numbers(cfg: DictConfig) -> None:
             f"parallel.microbatches={p.microbatches} equal microbatches. "
             f"Fix: a multiple of {p.microbatches * p.dp}."
         )
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device={cfg.device!r} is not one of auto, cpu, cuda.")
-    if cfg.launch.start_method not in ("auto", "fork", "spawn"):
-        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is not one of auto, fork, spawn.")
+    if cfg.device not in DEVICES:
+        raise ConfigError(f"device={cfg.device!r} is not one of {', '.join(DEVICES)}.")
+    if cfg.launch.start_method not in START_METHODS:
+        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is not one of "
+                          f"{', '.join(START_METHODS)}.")
     if cfg.eval.every < 0 or cfg.eval.steps < 1:
         raise ConfigError(f"eval.every={cfg.eval.every}, eval.steps={cfg.eval.steps}: every must be >= 0 "
                           "(0 = no evaluation) and steps >= 1.")
-    ranks = p.pp * p.dp
-    if cfg.device == "cuda" and torch.cuda.device_count() < ranks:
-        raise ConfigError(
-            f"device=cuda needs one GPU per rank ({ranks}) but this host has "
-            f"{torch.cuda.device_count()}. Fix: device=cpu, or fewer ranks."
-        )
+    parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -148,15 +154,27 @@ def _one_of(key: str, value, allowed) -> None:
 
 def _check_training_options(cfg: DictConfig) -> None:
     t = cfg.train
-    _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.precision", t.precision, PRECISION_NAMES)
     _one_of("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
     _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    unknown = [k for k in t.no_decay if k not in NO_DECAY_KINDS]
+    unknown = [k for k in t.no_decay if k not in NO_DECAY_NAMES]
     if unknown:
         raise ConfigError(f"train.no_decay={list(t.no_decay)} has unknown kinds {unknown}. "
-                          f"Fix: a subset of {list(NO_DECAY_KINDS)} ([] decays everything).")
+                          f"Fix: a subset of {list(NO_DECAY_NAMES)} ([] decays everything).")
     if t.ac_every < 1:
         raise ConfigError(f"train.ac_every={t.ac_every} must be at least 1.")
+
+
+def _check_host(cfg: DictConfig) -> None:
+    """What depends on this host's GPUs and compilers (asks torch)."""
+    import torch
+
+    t, ranks = cfg.train, cfg.parallel.pp * cfg.parallel.dp
+    if cfg.device == "cuda" and torch.cuda.device_count() < ranks:
+        raise ConfigError(
+            f"device=cuda needs one GPU per rank ({ranks}) but this host has "
+            f"{torch.cuda.device_count()}. Fix: device=cpu, or fewer ranks."
+        )
     on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if t.precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16: this GPU has no bf16 support. Fix: train.precision=fp32.")
@@ -167,6 +185,10 @@ def _check_training_options(cfg: DictConfig) -> None:
 
 def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
     """Draw the first batch of each split the run uses; returns one microbatch's keyword inputs."""
+    import torch
+
+    from runner.data import build_dataset, get_batch
+
     t, p = cfg.train, cfg.parallel
     data = build_dataset(cfg.data, seed=t.seed)  # e.g. a missing text file fails here
     kwargs = {}
@@ -191,9 +213,14 @@ def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
 
 def _check_loss(cfg: DictConfig) -> None:
     """Call the loss on a tiny real microbatch: a wrong target or signature fails here."""
+    import torch
+
+    from runner.losses import build_loss
+
     target = cfg.loss.get("_target_")
     try:
-        loss = build_loss(cfg.loss)(torch.randn(1, 2, cfg.data.vocab_size), torch.zeros(1, 2, dtype=torch.long))
+        vocab = cfg.data.get("vocab_size") or 8
+        loss = build_loss(cfg.loss)(torch.randn(1, 2, vocab), torch.zeros(1, 2, dtype=torch.long))
     except Exception as e:
         raise ConfigError(f"loss._target_={target!r} could not be built or called as loss(logits, targets): {e}\n"
                           "Fix: a function (logits (batch, seq, vocab), targets (batch, seq)) -> scalar tensor; "
@@ -203,11 +230,41 @@ def _check_loss(cfg: DictConfig) -> None:
                           f"{tuple(getattr(loss, 'shape', ()))}, not a scalar tensor. Fix: return the mean loss.")
 
 
+def _check_keyword_inputs(meta, kwargs: dict[str, torch.Tensor]) -> None:
+    consumed = meta.spec.keyword_inputs()
+    unused = sorted(set(kwargs) - consumed) if consumed is not None else []
+    if unused:
+        raise ConfigError(f"The dataset returns keyword inputs {unused}, which the {meta.spec.family} model does not "
+                          f"take (it takes {sorted(consumed)}). Fix: a dataset that returns only those.")
+
+
+def _check_vocab(cfg: DictConfig, model_vocab: int) -> None:
+    """Token ids index the embedding: the data's vocabulary must fit the model's."""
+    data_vocab = cfg.data.get("vocab_size")
+    if data_vocab is not None and data_vocab > model_vocab:
+        raise ConfigError(f"data.vocab_size={data_vocab} is larger than the model's vocabulary ({model_vocab}): "
+                          "token ids would fall outside its embedding. Fix: a tokenizer or data of the model's "
+                          "vocabulary, or a model with a larger one.")
+
+
+def _log_tied(meta, stages) -> None:
+    stage_of = {u: i for i, units in enumerate(stages) for u in units}
+    for names in meta.tied:
+        owners = sorted({stage_of[u] for n in names for u in meta.unit_names
+                         if any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
+        if len(owners) > 1:
+            log.info("Tied weight %s spans stages %s: each holds a copy, gradients summed every step",
+                     " = ".join(names), owners)
+
+
 def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
     """(number of stages, stage → rank) as the schedule dictates."""
+    from runner import schedule as sched
+
     p, name = cfg.parallel, cfg.schedule.name
     if p.pp == 1:  # the unsplit reference: one stage, no schedule
-        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points") if p[k] is not None]
+        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points", "stage_modules")
+                   if p.get(k) is not None]
         if ignored:
             log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
         return 1, {0: 0}
@@ -224,31 +281,48 @@ def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
 
 def _splits_backward(cfg: DictConfig, layout: Layout) -> bool:
     """Whether the schedule runs separate input (I) and weight (W) backward actions."""
+    from runner import schedule as sched
+
     if layout.schedule == "csv":
-        actions = _torch_pp.read_actions(Path(layout.csv))
-        return any(a.computation_type.value in ("I", "W") for row in actions.values() for a in row)
-    order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
+        order = sched.csv_order(layout.csv)
+    else:
+        order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
     return any(op.kind in ("I", "W") for ops in order.values() for op in ops)
 
 
-def validate(cfg: DictConfig) -> Layout:
-    """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
+def check_config(cfg: DictConfig) -> None:
+    """The checks that need no torch: missing values, numbers, option names, loggers."""
     _check_missing(cfg)
     _check_unknown_keys(cfg)
     _check_numbers(cfg)
     check_loggers(cfg.logging)  # enabled loggers' packages are importable; wandb_mode is known
     _check_training_options(cfg)
+
+
+def validate(cfg: DictConfig) -> Layout:
+    """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
+    from runner.split import build_meta_model, check_init, check_shapes, plan_split
+
+    check_config(cfg)
+    _check_host(cfg)
     num_stages, stage_to_rank = _schedule_layout(cfg)
     kwargs = _check_batches(cfg)
     _check_loss(cfg)
-    model = build_meta_model(cfg.model)
-    stages = plan_split(model, num_stages, cfg.parallel.split_points if cfg.parallel.pp > 1 else None)
-    check_tied_weights(model, stages)
-    check_shapes(model, stages, microbatch=cfg.train.batch_size // (cfg.parallel.dp * cfg.parallel.microbatches),
-                 seq_len=cfg.train.seq_len, vocab_size=cfg.data.vocab_size, kwargs=kwargs)
+    p = cfg.parallel
+    stage_modules = p.get("stage_modules")
+    meta = build_meta_model(cfg.model, stage_modules)
+    pipelined = p.pp > 1
+    stages = plan_split(meta, num_stages, p.split_points if pipelined else None,
+                        stage_modules if pipelined else None)
+    check_init(meta)
+    _check_keyword_inputs(meta, kwargs)
+    vocab = check_shapes(meta, stages, microbatch=cfg.train.batch_size // (p.dp * p.microbatches),
+                         seq_len=cfg.train.seq_len, kwargs=kwargs)
+    _check_vocab(cfg, vocab)
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
-        log.info("Uneven split (children per stage): %s", sizes)
+        log.info("Uneven split (units per stage): %s", sizes)
+    _log_tied(meta, stages)
     layout = Layout(
         schedule=cfg.schedule.name,
         csv=cfg.schedule.get("csv"),

@@ -1,10 +1,14 @@
 """``verify=true``: the unsplit model, on rank 0, on the run's first batch; its loss and every
 parameter's gradient against the pipeline's. Catches gradients silently scaled, missing or
-applied to the wrong stage."""
+applied to the wrong stage, and units that do not compute what the model does: the reference is
+the model's own forward (for a Hugging Face model, transformers' forward of the unmodified
+model), with the run's initial weights."""
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
+from typing import Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,7 @@ from runner.losses import build_loss
 from runner.parallelize import PRECISIONS
 from runner.pipeline import Batch, UnsplitStep
 from runner.split import build_meta_model, materialize
+from runner.units import SequentialSpec, tied_groups
 
 __all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step"]
 
@@ -28,24 +33,73 @@ log = logging.getLogger(__name__)
 TOLERANCES = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 2e-3)}
 
 
-def collect_grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
-    """Full parameter name → a CPU copy of its whole gradient (None where backward left none).
+def collect_grads(modules: list[nn.Module], skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
+    """Full parameter name → a CPU copy of its whole gradient (None where backward left none),
+    but for the names in ``skip`` (copies of a tied weight, which the unsplit model names once).
     Sharded (FSDP) gradients are gathered: a collective over the dp group."""
 
     def whole(g: torch.Tensor) -> torch.Tensor:
         return (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
 
-    return {
-        name: None if p.grad is None else whole(p.grad)
-        for module in modules
-        for name, p in module.named_parameters()
-    }
+    out, seen = {}, set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if name not in skip and id(p) not in seen:  # a weight two stages share: under its first name
+                seen.add(id(p))
+                out[name] = None if p.grad is None else whole(p.grad)
+    return out
 
 
-def gather_grads(modules: list[nn.Module], env: DistEnv) -> dict[str, torch.Tensor | None]:
+def gather_grads(modules: list[nn.Module], env: DistEnv, skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
     """Every rank's gradients, by full name, on rank 0 (empty elsewhere). Collective."""
-    gathered = gather_to_main(collect_grads(modules), env)
+    gathered = gather_to_main(collect_grads(modules, skip), env)
     return {name: g for part in gathered for name, g in part.items()} if env.is_main else {}
+
+
+def reference_model(cfg: DictConfig) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """The unsplit model with the run's initial weights (initialised or read as each stage does),
+    on CPU, and its own forward (logits from a microbatch's inputs and keyword inputs), in the
+    run's precision."""
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
+    units = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=torch.device("cpu"))
+    dtype = PRECISIONS[cfg.train.precision]
+    if isinstance(meta.spec, SequentialSpec):  # its forward is the chain of its units
+        units.autocast_dtype = dtype
+        return units, units
+    model = build_meta_model(cfg.model, cfg.parallel.get("stage_modules")).module
+    tied = tied_groups(model)
+    model.to_empty(device="cpu")
+    for first, *others in tied:
+        for other in others:
+            owner, _, leaf = other.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    values = {**dict(units.named_parameters(remove_duplicate=False)), **dict(units.named_buffers())}
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+            t.copy_(values[name])
+    model.train()  # as the stages run (transformers builds models in eval mode when it loads them)
+    forward = meta.spec.reference_forward(model)
+
+    def cast(x: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
+            return forward(x, **kwargs)
+
+    return model, cast
+
+
+def active_dropout(cfg: DictConfig) -> list[str]:
+    """What applies dropout in training: ``nn.Dropout`` modules with p > 0, and modules holding an
+    attention-dropout probability (transformers passes it to the attention kernel as a float)."""
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
+    found = []
+    for name, m in meta.module.named_modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            found.append(f"{name} (p={m.p})")
+        for attr in ("dropout", "attention_dropout"):
+            p = getattr(m, attr, None)
+            if isinstance(p, float) and p > 0:
+                found.append(f"{name}.{attr}={p}")
+    return found
 
 
 def compare(
@@ -92,21 +146,29 @@ def verify_first_step(
     loss: float,
     batch: Batch,
     env: DistEnv,
+    *,
+    skip: Collection[str] = (),
 ) -> dict:
     """Call after the first step's backward, before clipping and the optimizer, with the step's
     global batch. The reference runs in the run's precision (autocast for bf16) on CPU. Every
     rank gets the report; every rank raises ``VerifyError`` together when it failed (none is left
-    waiting)."""
-    got = gather_grads(modules, env)
+    waiting). ``skip``: names of tied copies (see ``collect_grads``)."""
+    got = gather_grads(modules, env, skip)
     report = None
     if env.is_main:
-        meta = build_meta_model(cfg.model)
-        model = materialize(meta, list(meta._modules), seed=cfg.train.seed, device=torch.device("cpu"))
-        model.autocast_dtype = PRECISIONS[cfg.train.precision]
+        model, forward = reference_model(cfg)
         inputs, targets, kwargs = batch
-        ref_loss = UnsplitStep(model, cfg.parallel.microbatches, build_loss(cfg.loss))(inputs, targets, **kwargs)
+        step = UnsplitStep(model, cfg.parallel.microbatches, build_loss(cfg.loss), forward=forward)
+        ref_loss = step(inputs, targets, **kwargs)
         rtol, atol = TOLERANCES[cfg.train.precision]
         report = compare(got, collect_grads([model]), loss, ref_loss.item(), rtol=rtol, atol=atol)
+        if not report["passed"]:
+            dropout = active_dropout(cfg)
+            if dropout:
+                report["problems"].insert(0, (
+                    f"the model applies dropout in training ({', '.join(dropout[:6])}): the pipelined and the "
+                    "unsplit run draw different random masks, so they cannot match. Fix: verify with dropout "
+                    "off (model=hf: +model.config_overrides.<its config key>=0.0), then train with it."))
         log.info("verify: max abs diff %.3g, max rel diff %.3g, loss diff %.3g -> %s",
                  report["max_abs_diff"], report["max_rel_diff"], report["loss_abs_diff"],
                  "passed" if report["passed"] else "FAILED")

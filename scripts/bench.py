@@ -1,13 +1,15 @@
 """Benchmarks: pipeline efficiency, scaling and memory, training options, runner overhead, startup,
-profiling cost, the planner against real runs, and what one device measures alone. Each section
+profiling cost, the planner against real runs (three model sizes), synthesized schedules against the
+built-ins, and what one device measures alone. Each section
 saves its raw results to benchmarks/<section>.json; BENCHMARKS.md is rendered from every JSON file
 present, so re-running one section refreshes only that part.
 
-    python scripts/bench.py                                # every section (~1 h on 2 cores, plus waits)
+    python scripts/bench.py                                # every section (~1.5 h on 2 cores, plus waits)
     python scripts/bench.py --only options startup         # these sections; the others' JSON is kept
     python scripts/bench.py --only efficiency --pp 2 --microbatches 8
     python scripts/bench.py --render                       # re-render BENCHMARKS.md (and the plot) only
     python scripts/bench.py --device cuda                  # on GPUs: benchmarks/cuda/, BENCHMARKS-cuda.md
+    python scripts/bench.py --only planner synthesis --quick   # do they run (tiny models, ~5 min)
 
 Before each long run the script waits (up to --max-wait s) until the 1-minute load average is at
 most 1.0 and no pytest is running, and records per section whether it ran under load. Benchmarks
@@ -31,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "device"]
+SECTIONS = ["efficiency", "scaling", "options", "overhead", "startup", "profiling", "planner", "synthesis",
+            "device", "hf"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 ZERO_BUBBLE = ["interleaved_zb", "zbv", "dualpipev"]
 _SHAPE = ["model.dim=256", "model.n_layers=8", "train.seq_len=128"]  # every run also gets device=<--device>
@@ -65,6 +68,30 @@ OPTION_RATIOS = [  # (label, config, baseline)
     ("zbv / 1f1b (no options)", "zbv", "1f1b"),
 ]
 MIB = 2**20
+# A Llama-shaped Hugging Face model (random weights saved in its directory: the pretrained path),
+# 8 layers of width 256, a 8192-token vocabulary; at pp=2 against its unsplit run.
+HF_LLAMA = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 256}
+HF_RUNS = {"pp1": ["parallel.pp=1"], "pp2-1f1b": ["parallel.pp=2", "schedule=1f1b"],
+           "pp2-zbv": ["parallel.pp=2", "schedule=zbv"]}
+
+# Planner validation over model sizes: name -> (model overrides, microbatch counts, steps per run).
+# Actions of ~0.2-0.6 ms (the smoke model), 1-3 ms (issue 19's model at the default width) and
+# 30-250 ms (MODEL): the planner must hold at each, not only where compute dwarfs the runtime.
+PLANNER_SIZES = {
+    "smoke": (["model.dim=32", "model.n_layers=2", "train.seq_len=16", "train.batch_size=8"], [2, 4], 30),
+    "small": (["model.n_layers=8", "train.batch_size=32"], [2, 4], 20),
+    "benchmark": (MODEL, [4, 8], 8),
+}
+# Synthesis against the built-ins: a large-vocabulary head (a last stage 2-3x the others) and
+# equal stages (8 blocks of width 128, a small head).
+SYNTH_MODELS = {
+    "heavy-last": ["model.dim=64", "model.n_layers=6", "data.vocab_size=8192", "train.batch_size=32"],
+    "equal": ["model.dim=128", "model.n_layers=8", "train.seq_len=64", "train.batch_size=32"],
+}
+QUICK_SIZES = {"smoke": PLANNER_SIZES["smoke"]}  # --quick: does the section run at all (minutes)
+QUICK_SYNTH = {"heavy-last": ["model.dim=32", "model.n_layers=2", "data.vocab_size=1024", "train.seq_len=16",
+                              "train.batch_size=8"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,16 +121,6 @@ def steady(step_times: Sequence[float], skip: int = 1) -> float | None:
 # Machine, load and runs
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _device_name(device: str) -> str:
     import torch
 
@@ -113,7 +130,9 @@ def _device_name(device: str) -> str:
 def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    return {"arch": platform.machine(), "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+    from runner.provenance import cpu_name
+
+    return {"arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "device": device,
             "device_name": _device_name(device)}
 
@@ -276,10 +295,12 @@ def read_run(run_dir: Path, done: subprocess.CompletedProcess | None = None) -> 
         "bubble": bubble.get("mean"), "bubble_per_rank": bubble.get("per_rank"),
         "bubble_theoretical": bubble.get("theoretical"), "theoretical_source": bubble.get("theoretical_source"),
         "bubble_simulated": bubble.get("simulated"), "simulated_step_s": bubble.get("simulated_step_s"),
+        "pipeline_step_s": bubble.get("pipeline_step_s"),
         "mean_costs_s": bubble.get("mean_costs_s", {}),
         "peak_mem_bytes": s.get("peak_mem_bytes"), "stages": s.get("stages"), "num_stages": s.get("num_stages"),
         "startup_s": s.get("startup_s"), "startup_phases_s": s.get("startup_phases_s"),
         "final_loss": s.get("final_loss"), "started_at": s.get("started_at"), "finished_at": s.get("finished_at"),
+        "weights_read_bytes": s.get("weights_read_bytes"),
     }
 
 
@@ -388,12 +409,12 @@ def activation_bytes_per_sample(overrides: Sequence[str], samples: int = 4) -> d
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
     meta = build_meta_model(cfg.model)
-    model = materialize(meta, list(meta._modules), seed=0, device=torch.device("cpu"))
+    model = materialize(meta, meta.unit_names, seed=0, device=torch.device("cpu"))
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randint(cfg.data.vocab_size, (samples, cfg.train.seq_len))
     targets = torch.randint(cfg.data.vocab_size, (samples, cfg.train.seq_len))
     out: dict[str, float] = {}
-    names = list(model._modules)
+    names = meta.unit_names
     kept = {"bytes": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -406,7 +427,7 @@ def activation_bytes_per_sample(overrides: Sequence[str], samples: int = 4) -> d
     for i, name in enumerate(names):
         kept["bytes"] = 0
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x = model._modules[name](x)
+            x = model.get_submodule(name)(x)
             if i == len(names) - 1:
                 cross_entropy(x, targets)
         out[name] = kept["bytes"] / samples
@@ -539,7 +560,8 @@ def single_device(ctx: Context) -> dict[str, Any]:
 
 def _step_times(run_dir: Path, skip: set[int]) -> list[float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m["step_time_s"] for m in lines if m["step"] not in skip and m["step"] > 0]
+    # Steps are numbered from 1; the first includes shape inference.
+    return [m["step_time_s"] for m in lines if m["step"] not in skip and m["step"] > 1]
 
 
 def profiling(ctx: Context) -> dict[str, Any]:
@@ -578,9 +600,24 @@ if __name__ == "__main__":
 """
 
 
+# Config errors the command line reports before importing torch: a misspelt key (Hydra's
+# composition), a value the runner does not know, a combination it rejects.
+CONFIG_ERRORS = {"misspelt key": ["trian.steps=5"], "unknown value": ["train.precision=fp16"],
+                 "rejected combination": ["parallel.dp=2"]}
+
+
+def _timed_error(ctx: Context, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """Wall time of ``python -m runner <overrides>`` that must fail with a config error."""
+    start = time.time()
+    done = _runner(ctx, *overrides, f"hydra.run.dir={run_dir}")
+    return {"s": time.time() - start, "returncode": done.returncode,
+            "error": (done.stderr.strip().splitlines() or [""])[-1][:200]}
+
+
 def startup(ctx: Context) -> dict[str, Any]:
     """Runner launch -> first step of experiment=smoke (and its phases, where the summary has
-    them) against a bare spawn of 2 ranks -> process group up, alternating."""
+    them) against a bare spawn of 2 ranks -> process group up, and the time a config error takes
+    to be reported, alternating."""
     work = ctx.work
     script = work / "bare_spawn.py"
     script.write_text(_BARE)
@@ -595,8 +632,10 @@ def startup(ctx: Context) -> dict[str, Any]:
         subprocess.run([sys.executable, str(script), str(work / f"store-{i}"), str(start), str(out), ctx.args.device],
                        check=False)
         bare = float(out.read_text()) if out.is_file() else None
+        errors = {name: _timed_error(ctx, overrides, work / f"error-{i}-{n}")
+                  for n, (name, overrides) in enumerate(CONFIG_ERRORS.items())}
         pairs.append({"runner_s": r.get("startup_s"), "phases_s": r.get("startup_phases_s"), "bare_s": bare,
-                      "error": r.get("error"), "under_load": ctx.loaded(t0, time.time())})
+                      "config_errors": errors, "error": r.get("error"), "under_load": ctx.loaded(t0, time.time())})
     return {"pairs": pairs}
 
 
@@ -693,47 +732,168 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
 
 
-def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int]) -> dict[str, Any]:
+def _label(c: Mapping[str, Any]) -> str:
+    """A plan.json candidate as ``schedule/m`` (the key of a plain run), plus its stages per rank
+    and split where they differ from a plain run's."""
     from runner.schedule import default_stages_per_rank
 
-    done = _runner(ctx, *MODEL, "parallel.pp=2", f"plan.microbatches=[{','.join(map(str, microbatches))}]",
+    name = c["schedule"] + (f"-{c['search']['placement']}" if c.get("search") else "")
+    extra = "" if c["schedule"] == "synthesized" or c["stages_per_rank"] == default_stages_per_rank(c["schedule"]) \
+        else f" v={c['stages_per_rank']}"
+    return f"{name}/{c['microbatches']}{extra}" + (f" split {','.join(c['split_points'])}" if c.get("split_points")
+                                                   else "")
+
+
+def _plan(ctx: Context, out: Path, model: Sequence[str], microbatches: Sequence[int], *extra: str
+          ) -> list[dict[str, Any]] | dict[str, Any]:
+    """``python -m runner.plan`` at pp=2 (or ``extra``'s pp): its plan.json, or an error."""
+    done = _runner(ctx, *model, "parallel.pp=2", f"plan.microbatches=[{','.join(map(str, microbatches))}]", *extra,
                    f"hydra.run.dir={out}", module="runner.plan")
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["plan failed"])[-1][:300]}
+    return json.loads((out / "plan.json").read_text())
+
+
+def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int], model: Sequence[str] = MODEL) -> dict[str, Any]:
+    from runner.schedule import default_stages_per_rank
+
+    plan = _plan(ctx, out, model, microbatches)
+    if "error" in plan:
+        return plan
     # The candidates a plain run of each schedule uses (its default stages per rank and split).
-    predicted = {f"{c['schedule']}/{c['microbatches']}": {"step_s": c["predicted_step_time_s"], "bubble": c["bubble"]}
-                 for c in json.loads((out / "plan.json").read_text())
-                 if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])
-                 and c.get("split_points") is None}
-    return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text())}
+    predicted = {f"{c['schedule']}/{c['microbatches']}": {
+        "step_s": c["predicted_step_time_s"], "bubble": c["bubble"], "after_s": c.get("after_pipeline_s"),
+        "costs": c.get("stage_costs_s")}
+        for c in plan if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])
+        and c.get("split_points") is None}
+    recommended = next((c for c in plan if c.get("recommended")), None)
+    return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text()),
+            "recommended": None if recommended is None else _label(recommended),
+            "tied": [_label(c) for c in plan if c.get("tie")]}
+
+
+def _steady_s(run: Mapping[str, Any]) -> float | None:
+    """A run's steady step time: the median over its last two thirds of steps. The first steps of a
+    run are slower (1-3 ms actions: steps 2-5 measured x1.03-1.3 the later ones, with and without
+    the profiler), and what the planner predicts is the steady state."""
+    times = run.get("step_times") or []
+    return steady(times, skip=max(1, len(times) // 3)) if len(times) > 3 else run.get("step_time_s")
+
+
+def _planner_size(ctx: Context, name: str, model: Sequence[str], microbatches: list[int], steps: int
+                  ) -> dict[str, Any]:
+    rounds = []
+    for r in range(ctx.args.planner_rounds):
+        started = time.time()
+        work = ctx.work / f"planner-{name}-{r}"
+        plan = _plan_round(ctx, work / "plan", microbatches, model)
+        if "error" in plan:
+            return {"error": plan["error"]}
+        runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, microbatches, steps, model=model, sweep=work / "runs")]
+        measured = {f"{run['schedule']}/{run['m']}": {
+            "step_s": _steady_s(run), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
+            "replayed_s": run.get("simulated_step_s"), "pipeline_s": run.get("pipeline_step_s"),
+            "costs": run.get("mean_costs_s"),
+            **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
+        rounds.append({**plan, "measured": measured})
+        print(f"[bench] planner {name} round {r + 1}/{ctx.args.planner_rounds}: {time.time() - started:.0f} s",
+              flush=True)
+    return {"model": list(model), "pp": 2, "steps": steps, "microbatches": microbatches, "rounds": rounds}
 
 
 def planner(ctx: Context) -> dict[str, Any]:
-    """Rounds of: ``python -m runner.plan`` at pp=2 (calibrated on this host, child costs timed
-    in-process), then every schedule x m run for real. Rounds spread each schedule's runs over the
-    section, so that a slow spell of this shared machine does not land on one schedule only."""
+    """Per model size: rounds of ``python -m runner.plan`` at pp=2 (calibrated on this host, child
+    costs timed in-process), then every schedule x m run for real. Rounds spread each schedule's
+    runs over the section, so that a slow spell of this shared machine does not land on one
+    schedule only."""
     a = ctx.args
-    rounds = []
-    for r in range(a.planner_rounds):
-        started = time.time()
-        plan = _plan_round(ctx, ctx.work / f"planner-{r}" / "plan", a.planner_microbatches)
-        if "error" in plan:
-            return {"error": plan["error"]}
-        runs = [ctx.mark(run) for run in _sweep_pp(ctx, 2, a.planner_microbatches, a.planner_steps, model=MODEL,
-                                                     sweep=ctx.work / f"planner-{r}" / "runs")]
-        measured = {f"{run['schedule']}/{run['m']}": {
-            "step_s": run.get("step_time_s"), "bubble": run.get("bubble"), "under_load": run.get("under_load"),
-            "replayed_s": run.get("simulated_step_s"),
-            **({} if run["status"] == "ok" else {"error": run.get("error")})} for run in runs}
-        rounds.append({**plan, "measured": measured})
-        print(f"[bench] planner round {r + 1}/{a.planner_rounds}: {time.time() - started:.0f} s", flush=True)
-    return {"model": MODEL, "pp": 2, "steps": a.planner_steps, "microbatches": a.planner_microbatches,
-            "rounds": rounds}
+    sizes = QUICK_SIZES if a.quick else {k: v for k, v in PLANNER_SIZES.items() if k in a.planner_sizes}
+    out = {}
+    for name, (model, microbatches, steps) in sizes.items():
+        if name == "benchmark":
+            microbatches = a.planner_microbatches or microbatches
+        out[name] = _planner_size(ctx, name, model, microbatches, a.planner_steps or steps)
+    return {"sizes": out}
+
+
+def _synthesis_configs(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fastest synthesized candidate that fits, then each built-in schedule's fastest (any
+    microbatch count, stages per rank and split the plan tried)."""
+    configs = []
+    for name in ["synthesized", *SCHEDULES]:
+        best = next((c for c in plan if c["schedule"] == name and c["valid"] and c["fits_memory"]), None)
+        if best is not None:
+            configs.append({"label": _label(best), "schedule": name, "overrides": best["overrides"],
+                            "predicted_s": best["predicted_step_time_s"],
+                            "peak_activation_bytes": max(best["peak_activation_bytes"])})
+    return configs
+
+
+def _synthesis_model(ctx: Context, name: str, model: Sequence[str], pp: int) -> dict[str, Any]:
+    a = ctx.args
+    work = ctx.work / f"synthesis-{name}-pp{pp}"
+    microbatches = [2, 4] if a.quick else [4, 8]
+    plan = _plan(ctx, work / "plan", model, microbatches, f"parallel.pp={pp}", "plan.synthesize=true")
+    if "error" in plan:
+        return {"error": plan["error"]}
+    configs = _synthesis_configs(plan)
+    if not configs or configs[0]["schedule"] != "synthesized":
+        return {"error": "the plan has no synthesized candidate that fits", "configs": configs}
+    common = [*model, f"parallel.pp={pp}", f"train.steps={a.synthesis_steps}", "profile.enabled=false",
+              "profile.wait=1", "profile.warmup=0", f"profile.active={a.synthesis_steps - 1}"]
+    for r in range(a.synthesis_rounds):
+        # Alternating: every config once per round, the order rotated so none always runs first.
+        for i in range(len(configs)):
+            config = configs[(i + r) % len(configs)]
+            run_dir = work / f"round{r}" / config["label"].replace("/", "-").replace(" ", "_")
+            done = _runner(ctx, *common, *config["overrides"], f"hydra.run.dir={run_dir}")
+            run = ctx.mark(read_run(run_dir, done))
+            config.setdefault("runs", []).append({**run, "steady_s": _steady_s(run)})
+        print(f"[bench] synthesis {name} pp={pp} round {r + 1}/{a.synthesis_rounds}", flush=True)
+    return {"model": list(model), "pp": pp, "steps": a.synthesis_steps, "microbatches": microbatches,
+            "configs": configs}
+
+
+def synthesis(ctx: Context) -> dict[str, Any]:
+    """``python -m runner.plan plan.synthesize=true`` on a model with a heavy last stage and one with
+    equal stages, at pp=2 (and pp=4 on a host with 4 cores or more), then the fastest synthesized
+    schedule against every built-in schedule's best plan, in alternating runs."""
+    models = QUICK_SYNTH if ctx.args.quick else SYNTH_MODELS
+    pps = [2] + ([4] if (os.cpu_count() or 1) >= 4 and not ctx.args.quick else [])
+    return {"cases": [{"name": name, **_synthesis_model(ctx, name, model, pp)}
+                      for name, model in models.items() for pp in pps]}
+
+
+def hf_models(ctx: Context) -> dict[str, Any]:
+    """``model=hf``: a Llama-shaped model read from its directory's safetensors, pipelined at pp=2
+    (1F1B, ZBV) against its unsplit run in alternating order: step time, peak memory per rank, and
+    the bytes each rank read of the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model_dir = ctx.work / "hf-llama"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**HF_LLAMA)).save_pretrained(model_dir)
+    file_bytes = sum(p.numel() * p.element_size()
+                     for p in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values())
+    common = ["model=hf", f"model.path={model_dir}", f"data.vocab_size={HF_LLAMA['vocab_size']}",
+              "train.seq_len=128", "train.batch_size=32", "parallel.microbatches=8", "profile.enabled=false",
+              f"train.steps={ctx.args.option_steps}"]
+    runs = []
+    for repeat in range(ctx.args.option_repeats):
+        for name in HF_RUNS if repeat % 2 == 0 else reversed(HF_RUNS):
+            run_dir = ctx.work / f"hf-{name}-{repeat}"
+            run = read_run(run_dir, _runner(ctx, *common, *HF_RUNS[name], f"hydra.run.dir={run_dir}"))
+            if run["status"] == "ok":
+                run["steady_s"] = steady(run["step_times"], skip=2)
+            runs.append(ctx.mark({"config": name, "repeat": repeat, **run}))
+            print(f"[bench] hf {name} #{repeat}: {run.get('steady_s') or run.get('error')}", flush=True)
+    return {"model": HF_LLAMA, "file_bytes": file_bytes, "overrides": common, "runs": runs}
 
 
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "efficiency": efficiency, "scaling": scaling, "options": options, "overhead": overhead, "startup": startup,
-    "profiling": profiling, "planner": planner, "device": single_device,
+    "profiling": profiling, "planner": planner, "synthesis": synthesis, "device": single_device, "hf": hf_models,
 }
 
 
@@ -1118,10 +1278,12 @@ def _render_startup(data: Mapping[str, Any]) -> list[str]:
     pairs = data["results"].get("pairs", [])
     lines = ["## Startup", "", _meta_line(data["meta"], pairs), "",
              "`experiment=smoke` from launch (before Python imports torch) until its first step starts (summary "
-             "`startup_s`: compose, validate, spawn 2 ranks, process group, build) against a bare spawn of 2 ranks "
-             "that import torch and initialise a gloo group, alternating; where the summary has `startup_phases_s` "
-             "(which runs on to the end of the first step, shape inference included), its total too:", "",
-             "| runner to first step (s) | runner to end of step 0 (s) | bare spawn (s) | ratio (first step / bare) |",
+             "`startup_s`: compose, imports, validate, spawn 2 ranks, process group, build) against a bare spawn of "
+             "2 ranks that import torch and initialise a gloo group, alternating; where the summary has "
+             "`startup_phases_s` (which runs on to the end of the first step, shape inference included), its total "
+             "too:", "",
+             "| runner to first step (s) | runner to end of the first step (s) | bare spawn (s) "
+             "| ratio (first step / bare) |",
              "|---|---|---|---|"]
     for p in pairs:
         a, b = p.get("runner_s"), p.get("bare_s")
@@ -1144,7 +1306,24 @@ def _render_startup(data: Mapping[str, Any]) -> list[str]:
         lines.append(f"| total | {total:.2f} | |")
     else:
         lines += ["", "No per-phase split: these runs' summary.json has no `startup_phases_s`."]
-    return lines + [""]
+    return lines + _render_config_errors(pairs) + [""]
+
+
+def _render_config_errors(pairs: list[Mapping[str, Any]]) -> list[str]:
+    """Launch to exit of a command line with a config error (no torch imported before it is found)."""
+    timed = [p["config_errors"] for p in pairs if p.get("config_errors")]
+    if not timed:
+        return ["", "No config-error timings in these results (added later to the section)."]
+    lines = ["", "A config error, from launch to the exit with its message (the checks that need no torch run before "
+             "torch is imported), next to the bare spawn above:", "",
+             "| error | overrides | exit status | time (s), per run | median (s) |", "|---|---|---|---|---|"]
+    for name, overrides in CONFIG_ERRORS.items():
+        runs = [t[name] for t in timed if name in t]
+        codes = sorted({r["returncode"] for r in runs})
+        times = [r["s"] for r in runs]
+        lines.append(f"| {name} | `{' '.join(overrides)}` | {', '.join(map(str, codes))} | "
+                     f"{', '.join(f'{x:.2f}' for x in times)} | {statistics.median(times):.2f} |")
+    return lines
 
 
 def _render_profiling(data: Mapping[str, Any]) -> list[str]:
@@ -1198,11 +1377,91 @@ def _separated_pairs(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int, list[
     return agree, total, wrong
 
 
+def _ratio_median(pairs: Iterable[tuple[float | None, float | None]]) -> float | None:
+    return _median([p / m for p, m in pairs if p is not None and m])
+
+
+def _attribution(res: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a size's error sits, as medians over every (round, configuration): the predicted
+    pipeline over the run's ``pipeline_step_s``, the predicted rest of the step (all-reduce, clip,
+    optimizer) over the run's, and each recorded action's mean cost over the planned one, forwards
+    apart from backwards (B, I and W)."""
+    pipe, after, cost = [], [], {"F": [], "B": []}
+    for r in res["rounds"]:
+        for key, p in r["predicted"].items():
+            m = r["measured"].get(key) or {}
+            if not m.get("step_s") or p.get("after_s") is None:
+                continue
+            if m.get("pipeline_s"):
+                pipe.append((p["step_s"] - p["after_s"], m["pipeline_s"]))
+                after.append((p["after_s"], m["step_s"] - m["pipeline_s"]))
+            for action, seconds in (m.get("costs") or {}).items():
+                planned = (p.get("costs") or {}).get(action)
+                if planned:
+                    cost["F" if action.endswith("F") else "B"].append((seconds, planned))
+    return {"pipeline": _ratio_median(pipe), "after": _ratio_median(after),
+            "cost_f": _ratio_median(cost["F"]), "cost_b": _ratio_median(cost["B"])}
+
+
+def _recommendations(res: Mapping[str, Any]) -> str:
+    """The recommended candidate of each round, with how many rounds named it and declared a tie."""
+    picks: dict[str, list[bool]] = {}
+    for r in res["rounds"]:
+        if r.get("recommended"):
+            picks.setdefault(r["recommended"], []).append(bool(r.get("tied")))
+    if not picks:
+        return "not recorded"
+    return ", ".join(f"{label} x{len(ties)}" + (f" ({sum(ties)} as a tie)" if any(ties) else "")
+                     for label, ties in sorted(picks.items(), key=lambda kv: -len(kv[1])))
+
+
+def _planner_summary(sizes: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    lines = ["| size | model | median F (ms) | within 10% | median error | bias (median signed) | pipeline "
+             "predicted / measured | rest of step predicted / measured | action cost run / planned, F | B | "
+             "recommended per round |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in sizes.items():
+        if "error" in res:
+            lines.append(f"| {name} | failed: {res['error']} |||||||||")
+            continue
+        rows = _planner_rows(res)
+        errors = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+        forwards = [v for r in res["rounds"] for m in r["measured"].values() for k, v in (m.get("costs") or {}).items()
+                    if k.endswith("F")]
+        att = _attribution(res)
+        forward_ms = _median(forwards) * 1e3 if forwards else None
+        lines.append(f"| {name} | `{' '.join(res['model'])}` | {_num(forward_ms, '.2f')}"
+                     f" | {sum(abs(e) <= 0.10 for e in errors)} of {len(errors)} | "
+                     f"{_num(_median([abs(e) for e in errors]), '.1%')} | {_num(_median(errors), '+.1%')} | "
+                     f"{_num(att['pipeline'])} | {_num(att['after'])} | {_num(att['cost_f'])} | "
+                     f"{_num(att['cost_b'])} | {_recommendations(res)} |")
+    return lines + [""]
+
+
 def _render_planner(data: Mapping[str, Any]) -> list[str]:
     res = data["results"]
     lines = ["## Planner: predicted vs measured", "", _meta_line(data["meta"]), ""]
     if "error" in res:
         return lines + [f"The planner failed: {res['error']}", ""]
+    sizes = res["sizes"] if "sizes" in res else {"benchmark": res}  # results from before the sizes
+    if len(sizes) > 1:
+        lines += ["Per model size (pp=2; medians over rounds and configurations). *Pipeline* compares the predicted "
+                  "pipeline with the run's `pipeline_step_s`, *rest of step* the predicted all-reduce + clip + "
+                  "optimizer with the run's `step_time_s - pipeline_step_s`, and *action cost* each recorded "
+                  "action's mean (the run's `mean_costs_s`) with the planned one: where an error comes from. "
+                  "*Recommended per round*: the plan's recommendation each round, and how often it was declared "
+                  "a tie (`plan.tie_tolerance`).", "", *_planner_summary(sizes)]
+    for name, size in sizes.items():
+        if len(sizes) > 1:
+            lines += [f"### {name}", ""]
+        if "error" in size:
+            lines += [f"The planner failed: {size['error']}", ""]
+            continue
+        lines += _render_planner_size(size)
+    return lines
+
+
+def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
+    lines = []
     rows = _planner_rows(res)
     cals = [r["calibration"] for r in res["rounds"]]
     n = len(res["rounds"])
@@ -1212,7 +1471,8 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
         return low if low == high else f"{low}-{high}"
 
     lines += ["`python -m runner.plan` on the model `" + " ".join(res["model"]) + "` at pp=2, against real runs "
-              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median). "
+              f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median: over "
+              "the last two thirds of the steps; in results from before the model sizes, all but the first). "
               f"{n} rounds, each a fresh plan (calibration and child timings) followed by all the runs; the "
               "numbers are medians over rounds, and the measured range is min-max over rounds. Calibrated per "
               f"round: message {cal_range('latency_s', 1e6, '.0f')} us + bytes / "
@@ -1224,19 +1484,24 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
               + ". *Replayed* is the simulator fed each run's own recorded per-action costs (the run's "
               "`bubble.simulated_step_s`), "
               "over that run's step: the simulation's share of the error, apart from the cost estimates.", "",
-              "| schedule | m | predicted (s) | measured (s) | measured range | predicted / measured | replayed / "
+              "| schedule | m | predicted (ms) | measured (ms) | measured range | predicted / measured | replayed / "
               "measured | bubble predicted | measured |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda x: (x["m"], SCHEDULES.index(x["schedule"]))):
-        lines.append(f"| {r['schedule']} | {r['m']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
-                     f"{r['measured_min']:.3f}-{r['measured_max']:.3f} | {r['predicted_s'] / r['measured_s']:.3f} | "
+        lines.append(f"| {r['schedule']} | {r['m']} | {r['predicted_s'] * 1e3:.2f} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{r['measured_min'] * 1e3:.2f}-{r['measured_max'] * 1e3:.2f} | "
+                     f"{r['predicted_s'] / r['measured_s']:.3f} | "
                      f"{_num(r['replayed'])} | {_num(r['predicted_bubble'])} | {_num(r['measured_bubble'])} |")
-    errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows]
+    signed = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+    errors = [abs(e) for e in signed]
     if errors:
         noise = statistics.median(r["measured_max"] / r["measured_min"] - 1 for r in rows)
         lines += ["", f"Within 10% of the measured step: {sum(e <= 0.10 for e in errors)} of {len(errors)} "
-                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%}); a configuration's "
-                  f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."]
+                  f"(median error {statistics.median(errors):.1%}, worst {max(errors):.1%}, median signed "
+                  f"{statistics.median(signed):+.1%}); a configuration's "
+                  f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."
+                  + (f" Recommended per round: {_recommendations(res)}."
+                     if any("recommended" in r for r in res["rounds"]) else "")]
     for m in sorted({r["m"] for r in rows}):
         at_m = [r for r in rows if r["m"] == m]
         rho = _ranks_agree([(r["predicted_s"], r["measured_s"]) for r in at_m])
@@ -1251,6 +1516,73 @@ def _render_planner(data: Mapping[str, Any]) -> list[str]:
                      f"{best_p['measured_s'] / best_m['measured_s'] - 1:+.1%} against the measured fastest "
                      f"({best_m['schedule']}).")
     return lines + [""]
+
+
+def _render_hf(data: Mapping[str, Any]) -> list[str]:
+    res, runs = data["results"], data["results"]["runs"]
+    model, total = res["model"], res["file_bytes"]
+    lines = ["## Hugging Face models", "", _meta_line(data["meta"], runs), "",
+             f"A Llama-shaped `model=hf` model ({model['num_hidden_layers']} layers of width "
+             f"{model['hidden_size']}, {model['vocab_size']}-token vocabulary, untied head; "
+             f"{total / MIB:.1f} MiB of fp32 weights) read from its directory's safetensors, "
+             "`train.batch_size=32 train.seq_len=128 parallel.microbatches=8`. Steady step: the median from "
+             "step 2 on, the median over repeats (runs alternate between the configurations).", "",
+             "| config | steady step (s) | / unsplit | peak memory per rank (MiB) | weights read per rank (MiB) "
+             "| share of the file per rank |", "|---|---|---|---|---|---|"]
+    base = _median([r["steady_s"] for r in runs if r["config"] == "pp1" and r.get("steady_s")])
+    for name in dict.fromkeys(r["config"] for r in runs):
+        ok = [r for r in runs if r["config"] == name and r.get("status") == "ok"]
+        if not ok:
+            lines.append(f"| {name} | failed: {next(r for r in runs if r['config'] == name).get('error')} | | | | |")
+            continue
+        step = _median([r["steady_s"] for r in ok if r.get("steady_s")])
+        mem = ", ".join(f"{b / MIB:.0f}" for b in ok[-1]["peak_mem_bytes"])
+        read = ok[-1].get("weights_read_bytes") or []
+        ratio = _num(step / base if step and base else None, ".2f")
+        lines.append(f"| {name} | {_num(step, '.4f')} | {ratio} | {mem} | {', '.join(f'{b / MIB:.1f}' for b in read)} "
+                     f"| {', '.join(f'{b / total:.2f}' for b in read)} |")
+    return lines + ["", "Each rank reads only its own stages' tensors: at pp=2 about half the file each (the "
+                        "embedding and the head are the largest tensors, on the first and the last stage). Peak "
+                        "memory is the process's RSS high-water mark on CPU (interpreter, torch and transformers "
+                        "included).", ""]
+
+def _render_synthesis(data: Mapping[str, Any]) -> list[str]:
+    lines = ["## Synthesized schedules against the built-ins", "", _meta_line(data["meta"]), "",
+             "`python -m runner.plan plan.synthesize=true` (no memory limit) on each model, then the fastest "
+             "synthesized schedule that plan found and each built-in schedule at its own best planned layout "
+             "(microbatches, stages per rank, split), run in alternating rounds (every configuration once per "
+             "round, the order rotated). *Ratio to synthesized*: a configuration's step over the synthesized "
+             "schedule's in the same round, median and min-max over rounds (above 1: the synthesized one is "
+             "faster); *predicted* is the plan's ratio. Peak activations: the plan's in-flight bytes per rank.", ""]
+    for case in data["results"]["cases"]:
+        lines += [f"### {case['name']}, pp={case.get('pp')}: `{' '.join(case.get('model', []))}`", ""]
+        if "error" in case:
+            lines += [f"Not measured: {case['error']}.", ""]
+            continue
+        configs = case["configs"]
+        synth = configs[0]
+        lines += ["| configuration | predicted (ms) | measured (ms) | predicted / measured | ratio to synthesized "
+                  "(min-max) | predicted ratio | peak activations (MiB) |", "|---|---|---|---|---|---|---|"]
+        wins, losses = [], []
+        for c in configs:
+            steps = [r.get("steady_s") or r.get("step_time_s") for r in c.get("runs", [])]
+            own = [(s, t.get("steady_s") or t.get("step_time_s")) for s, t in zip(steps, synth.get("runs", []))]
+            ratios = [s / t for s, t in own if s and t]
+            measured = _median([s for s in steps if s])
+            ratio = _median(ratios)
+            spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else ""
+            lines.append(f"| {c['label']}{'*' if any(r.get('under_load') for r in c.get('runs', [])) else ''} | "
+                         f"{c['predicted_s'] * 1e3:.2f} | {_num(measured and measured * 1e3, '.2f')} | "
+                         f"{_num(measured and c['predicted_s'] / measured)} | {_num(ratio)}{spread} | "
+                         f"{c['predicted_s'] / synth['predicted_s']:.3f} | {c['peak_activation_bytes'] / MIB:.1f} |")
+            if c is not synth and ratios:
+                (wins if min(ratios) > 1 else losses if max(ratios) < 1 else []).append(c["label"])
+        others = len(configs) - 1
+        lines += ["", f"The synthesized schedule was faster than {len(wins)} of {others} built-ins in every round"
+                  + (f", slower than {', '.join(losses)} in every round" if losses else "")
+                  + (f"; against the other {others - len(wins) - len(losses)} the rounds disagree (within the "
+                     "run-to-run spread)" if others - len(wins) - len(losses) else "") + ".", ""]
+    return lines
 
 
 def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> str:
@@ -1279,7 +1611,8 @@ def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> st
         lines += ["Sections ran on different machines or torch versions: see each section's line.", ""]
     renderers = {"efficiency": lambda d: _render_efficiency(d, out_dir, plot_path), "scaling": _render_scaling,
                  "options": _render_options, "overhead": _render_overhead, "startup": _render_startup,
-                 "profiling": _render_profiling, "planner": _render_planner, "device": _render_device}
+                 "profiling": _render_profiling, "planner": _render_planner, "synthesis": _render_synthesis,
+                 "device": _render_device, "hf": _render_hf}
     for section in SECTIONS:
         if section in found:
             try:
@@ -1321,8 +1654,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overhead-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of profiling, startup and overhead")
     parser.add_argument("--planner-rounds", type=int, default=5, help="rounds of plan + every (schedule, m) run")
-    parser.add_argument("--planner-steps", type=int, default=8)
-    parser.add_argument("--planner-microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--planner-sizes", nargs="+", choices=list(PLANNER_SIZES), default=list(PLANNER_SIZES))
+    parser.add_argument("--planner-steps", type=int, default=None, help="steps per run (default: per size)")
+    parser.add_argument("--planner-microbatches", type=int, nargs="+", default=None,
+                        help="m values of the benchmark size (default 4 8)")
+    parser.add_argument("--synthesis-rounds", type=int, default=4, help="alternating rounds of every configuration")
+    parser.add_argument("--synthesis-steps", type=int, default=16)
+    parser.add_argument("--quick", action="store_true",
+                        help="planner and synthesis on tiny models, one round of 3 steps, results into the work "
+                             "directory: checks that the sections run, measures nothing worth keeping")
     parser.add_argument("--max-wait", type=float, default=1200.0,
                         help="seconds to wait for a quiet machine before each long run (0: do not wait)")
     parser.add_argument("--rerun-loaded", action=argparse.BooleanOptionalAction, default=True,
@@ -1334,6 +1674,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="default: benchmarks/ (cpu), benchmarks/cuda/ (cuda)")
     parser.add_argument("--output", type=Path, default=None, help="default: BENCHMARKS.md (cpu), BENCHMARKS-cuda.md")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.planner_rounds, args.planner_steps, args.synthesis_rounds, args.synthesis_steps = 1, 3, 1, 3
+        args.work = args.work or Path(tempfile.mkdtemp(prefix="runner-bench-quick-"))
+        args.results = args.results or args.work / "results"
+        args.output = args.output or args.work / "BENCHMARKS.md"
     cuda = args.device == "cuda"  # GPU numbers never mix with the CPU ones
     args.results = args.results or ROOT / "benchmarks" / ("cuda" if cuda else "")
     args.output = args.output or ROOT / ("BENCHMARKS-cuda.md" if cuda else "BENCHMARKS.md")

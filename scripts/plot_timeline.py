@@ -1,7 +1,11 @@
 """Draw one pipeline step of a run's measured ``timeline.json`` as a PNG (what Perfetto shows,
 as a picture: compute per rank, arrows for the activations and gradients sent between ranks).
 
-    python scripts/plot_timeline.py outputs/<date>/<time> [--step N] [-o timeline.png]
+    python scripts/plot_timeline.py outputs/<date>/<time> [--step N] [--first K] [--actions N] [-o timeline.png]
+
+A long step (many stages and microbatches) is drawn as a window: from the busiest rank's K-th
+action (0 = the step's start) over its next N actions (default 32), every rank's actions in that
+time span, each labelled with its stage, kind and microbatch.
 """
 
 from __future__ import annotations
@@ -14,29 +18,49 @@ from runner.simulate import Op, SimAction
 from runner.timeline import plot_schedule
 
 
+def window(actions: list[SimAction], first: int, count: int) -> tuple[float, float]:
+    """The time span from the busiest rank's ``first``-th action to the end of its
+    ``first + count - 1``-th: a window of about ``count`` actions on every rank."""
+    busiest = max({a.rank for a in actions}, key=lambda r: sum(a.rank == r for a in actions))
+    own = sorted((a for a in actions if a.rank == busiest), key=lambda a: a.start)
+    first = min(first, len(own) - 1)
+    return own[first].start, own[min(first + count, len(own)) - 1].end
+
+
+def draw(run_dir: Path, output: Path, *, step: int | None = None, first: int = 0,
+         count: int = 32) -> tuple[int, int]:
+    """Draw the window; returns (actions drawn, how many carry their full label)."""
+    events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    computes = [e for e in events if e["ph"] == "X" and e["name"].startswith("compute:")]
+    step = step if step is not None else max(e["args"]["step"] for e in computes)
+    chosen = [e for e in computes if e["args"]["step"] == step]
+    origin = min(e["ts"] for e in chosen)
+    every = [SimAction(e["pid"], Op(e["args"]["stage"], e["args"]["kind"], e["args"]["microbatch"]),
+                       (e["ts"] - origin) / 1e3, (e["ts"] + e["dur"] - origin) / 1e3) for e in chosen]
+    lo, hi = window(every, first, count)
+    shown = [a for a in every if a.end > lo and a.start < hi]  # what overlaps the window
+    span = (min(a.start for a in shown) * 1e3 + origin, max(a.end for a in shown) * 1e3 + origin)
+    starts = {e["id"]: e for e in events if e["ph"] == "s" and span[0] <= e["ts"] <= span[1]}
+    arrows = [((starts[e["id"]]["ts"] - origin) / 1e3, starts[e["id"]]["pid"], (e["ts"] - origin) / 1e3, e["pid"])
+              for e in events if e["ph"] == "f" and e["id"] in starts and span[0] <= e["ts"] <= span[1]]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    part = "" if len(shown) == len(every) else f", {len(shown)} of its {len(every)} actions"
+    labelled = plot_schedule(output, shown, xlabel="time (ms), measured", arrows=arrows,
+                         title=f"{summary['schedule']}: step {step} as measured{part}, pp={summary['pp']}, "
+                               f"{summary['microbatches']} microbatches")
+    return len(shown), labelled
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--step", type=int, default=None, help="recorded step to draw (default: the last)")
+    parser.add_argument("--first", type=int, default=0, help="window start: the busiest rank's K-th action")
+    parser.add_argument("--actions", type=int, default=32, help="window length: actions of the busiest rank")
     parser.add_argument("-o", "--output", type=Path, default=None)
     args = parser.parse_args()
-
-    events = json.loads((args.run_dir / "timeline.json").read_text())["traceEvents"]
-    computes = [e for e in events if e["ph"] == "X" and e["name"].startswith("compute:")]
-    step = args.step if args.step is not None else max(e["args"]["step"] for e in computes)
-    chosen = [e for e in computes if e["args"]["step"] == step]
-    origin = min(e["ts"] for e in chosen)
-    actions = [SimAction(e["pid"], Op(e["args"]["stage"], e["args"]["kind"], e["args"]["microbatch"]),
-                         (e["ts"] - origin) / 1e3, (e["ts"] + e["dur"] - origin) / 1e3) for e in chosen]
-    window = (min(e["ts"] for e in chosen), max(e["ts"] + e["dur"] for e in chosen))
-    starts = {e["id"]: e for e in events if e["ph"] == "s" and window[0] <= e["ts"] <= window[1]}
-    arrows = [((starts[e["id"]]["ts"] - origin) / 1e3, starts[e["id"]]["pid"], (e["ts"] - origin) / 1e3, e["pid"])
-              for e in events if e["ph"] == "f" and e["id"] in starts]
-    summary = json.loads((args.run_dir / "summary.json").read_text())
     output = args.output or args.run_dir / "timeline.png"
-    plot_schedule(output, actions, xlabel="time (ms), measured", arrows=arrows,
-                  title=f"{summary['schedule']}: step {step} as measured, pp={summary['pp']}, "
-                        f"{summary['microbatches']} microbatches")
+    draw(args.run_dir, output, step=args.step, first=args.first, count=args.actions)
     print(output)
 
 

@@ -66,3 +66,28 @@ class ShortBatches:
 
         x = torch.zeros(batch_size, seq_len - 1, dtype=torch.long)
         return x, x
+
+
+class Nested(nn.Module):
+    """A user model that is not an nn.Sequential: blocks in a ModuleList, run by its own forward.
+    With ``residual``, the forward adds each block's input to its output, which the blocks listed
+    as pipeline units do not: ``verify`` must tell the two apart."""
+
+    def __init__(self, *, vocab_size: int, dim: int = 16, n_layers: int = 4, residual: bool = False, **unused):
+        super().__init__()
+        self.residual = residual
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+                                    for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x) if self.residual else layer(x)
+        return self.head(self.norm(x))
+
+
+def nested(**kwargs) -> nn.Module:
+    return Nested(**kwargs)

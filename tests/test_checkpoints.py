@@ -180,24 +180,29 @@ def test_a_full_disk_during_a_save_says_so_and_leaves_no_partial_directory(tmp_p
 
 
 def test_a_checkpoint_never_holds_a_non_finite_value(tmp_path):
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    from runner.split import StageModule
+    from runner.units import SequentialSpec
+
+    whole = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with torch.no_grad():
-        model[0].weight[0, 0] = float("inf")
+        whole[1].weight[0, 0] = float("inf")
+    spec = SequentialSpec(whole)
+    model = StageModule(spec, spec.unit_names, dict(whole.named_children()))
     optimizer, scheduler = build_optimizer([model], compose(*ONE).train)
     cfg = compose(*ONE, "checkpoint.every=1").checkpoint
     checkpointer = Checkpointer(cfg, tmp_path, ENV, [model], optimizer, scheduler)
-    refused = r"step-1 was not written: non-finite values in model\.0\.weight \(rank 0\)"
+    refused = r"step-1 was not written: non-finite values in model\.1\.weight \(rank 0\)"
     with pytest.raises(NonFiniteLossError, match=refused):
         checkpointer.save(1)
     assert not list(tmp_path.glob("checkpoints/*"))
 
 
 def test_divergence_stops_before_the_optimizer_and_names_the_last_good_checkpoint(tmp_path):
-    # lr=1e6: step 1's update makes step 2's loss NaN; checkpoints after steps 0 and 1 exist.
+    # lr=1e6: step 2's update makes step 3's loss NaN; checkpoints after steps 1 and 2 exist.
     with pytest.raises(NonFiniteLossError) as info:
         _train(tmp_path, "train.steps=5", "train.lr=1e6", "checkpoint.every=1", "checkpoint.keep=5")
     step2 = tmp_path / "checkpoints" / "step-2"
-    assert "non-finite loss at step 2" in str(info.value)
+    assert "non-finite loss at step 3" in str(info.value)
     assert f"the last good checkpoint is {step2}" in str(info.value)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1", "step-2"]
     dcp_to_torch_save(step2, tmp_path / "full.pt")
@@ -219,14 +224,14 @@ def test_resuming_into_its_own_run_directory_keeps_its_history(tmp_path):
     common = [*ONE, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "eval.every=1"]
     first = launch(compose(*common), run_dir)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
-    # Resume from step 2 into the same directory, for 6 steps: 0-1 kept, 2-3 replaced, 4-5 added.
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    # Resume from step-2 into the same directory, for 6 steps: 1-2 kept, 3-4 replaced, 5-6 added.
     resumed = launch(compose(*common, "train.steps=6", f"checkpoint.resume={run_dir}/checkpoints/step-2"), run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[:2] == [json.loads(line) for line in lines[:2]]
     assert [r["loss"] for r in records[:4]] == pytest.approx(first["losses"], rel=1e-6, abs=0)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary == resumed and summary["first_step"] == 2 and summary["steps"] == 6
+    assert summary == resumed and summary["first_step"] == 3 and summary["steps"] == 6
     assert summary["losses"] == [r["loss"] for r in records]
-    assert [v["step"] for v in summary["val_losses"]] == [0, 1, 2, 3, 4, 5]
+    assert [v["step"] for v in summary["val_losses"]] == [1, 2, 3, 4, 5, 6]

@@ -84,7 +84,7 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
     full = results["save"]["losses"]
     assert "error" not in results["save"] and len(full) == 6
     same = results["resume-same"]
-    assert same["summary"]["first_step"] == 3
+    assert same["summary"]["first_step"] == 4  # resumed from step-3
     assert same["losses"] == pytest.approx(full[3:], rel=1e-6, abs=0)
     for name in ("resume-pp4-interleaved", "resume-fsdp-zbv"):
         assert "error" not in results[name], results[name].get("traceback")
@@ -110,12 +110,12 @@ def test_a_kill_between_shard_writes_and_commit_leaves_the_previous_checkpoint_t
     partial = list(ckpts.glob(".partial-step-4-*"))
     assert len(partial) == 1 and list(partial[0].glob("*.distcp"))  # shards written, never committed
     lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
     resumed = _cli(*common, "checkpoint.resume=killed", "hydra.run.dir=resumed", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
-    assert summary["first_step"] == 2
+    assert summary["first_step"] == 3  # resumed from step-2
     ref = _reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8", "train.steps=6")
     assert summary["losses"] == pytest.approx(ref["losses"][2:], rel=1e-4, abs=0)
     assert [json.loads(line)["loss"] for line in lines] == pytest.approx(ref["losses"][:4], rel=1e-4, abs=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -83,15 +82,16 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
     for option in ("padding", "user-loss", "bf16", "optim"):
         assert refs[option]["losses"] != base, option
     assert refs["user-loss"]["losses"][0] > base[0] + 0.1  # the z-loss term is added
-    # Evaluation: after steps 2 and 4 and after the last (5), on held-out data, in metrics and summary.
+    # Evaluation: after steps 2 and 4 and after the last (5), on held-out data, in metrics and summary
+    # (steps are numbered from 1 everywhere).
     for name in SCHEDULES:
         got = _val_losses(tmp_path / "pp2" / f"eval-{name}")
         want = _val_losses(tmp_path / "eval" / "reference")
-        assert list(got) == list(want) == [1, 3, 4]
+        assert list(got) == list(want) == [2, 4, 5]
         assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-4)
         summary = results[f"eval-{name}"]["summary"]
-        assert summary["val_loss"] == pytest.approx(want[4], rel=1e-4)
-        assert [v["step"] for v in summary["val_losses"]] == [1, 3, 4]
+        assert summary["val_loss"] == pytest.approx(want[5], rel=1e-4)
+        assert [v["step"] for v in summary["val_losses"]] == [2, 4, 5]
     val = list(want.values())
     assert val[-1] < val[0] and all(v != loss for v, loss in zip(val, refs["eval"]["losses"]))
     # Evaluation does not change training, and leaves no actions in the recorded schedule.
@@ -109,10 +109,12 @@ def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_sche
 
 def test_the_attention_mask_reaches_every_block_and_changes_only_what_it_should():
     from runner.split import StageModule
+    from runner.units import SequentialSpec
 
     torch.manual_seed(0)
-    model = StageModule(OrderedDict(transformer(vocab_size=16, max_seq_len=8, dim=16, n_layers=2, n_heads=2,
-                                                ffn_mult=2).named_children()))
+    whole = transformer(vocab_size=16, max_seq_len=8, dim=16, n_layers=2, n_heads=2, ffn_mult=2)
+    spec = SequentialSpec(whole)
+    model = StageModule(spec, spec.unit_names, dict(whole.named_children()))
     tokens = torch.randint(16, (2, 8))
     full = torch.ones(2, 8, dtype=torch.bool)
     left_pad = torch.arange(8) >= torch.tensor([[3], [0]])

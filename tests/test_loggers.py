@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from runner.errors import ConfigError
 from runner.outputs import MetricsWriter
+from runner.provenance import git_commit
 from runner.validate import validate
 
 from conftest import TINY, compose
@@ -29,12 +30,12 @@ RECORDS = [
 BUBBLE = {"mean": 0.25, "theoretical": 0.2, "theoretical_source": "test"}
 
 
-def _run(run_dir: Path, *overrides: str, run_config=None) -> None:
+def _run(run_dir: Path, *overrides: str, run_config=None, artifacts: list[Path] = ()) -> None:
     cfg = compose(*TINY, *overrides)
     writer = MetricsWriter(run_dir, cfg.logging, run_config=cfg if run_config is None else run_config)
     for record in RECORDS:
         writer.write(record)
-    writer.close(BUBBLE)
+    writer.close(BUBBLE, artifacts=artifacts)
     assert [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == RECORDS
 
 
@@ -79,7 +80,10 @@ def test_mlflow_local_store_holds_metrics_params_and_run(tmp_path, no_network):
     cfg = compose(*TINY, "logging.mlflow=true")
     run_config = {**OmegaConf.to_container(cfg, resolve=True), "note": "x" * (MAX_PARAM_VAL_LENGTH + 50),
                   "many": {f"k{i}": i for i in range(150)}}  # > 100 params: logged in batches
-    _run(tmp_path, "logging.mlflow=true", run_config=run_config)
+    (tmp_path / "summary.json").write_text('{"final_loss": 2.5}')
+    (tmp_path / "schedule.png").write_bytes(b"\x89PNG")
+    _run(tmp_path, "logging.mlflow=true", run_config=run_config,
+         artifacts=[tmp_path / "summary.json", tmp_path / "schedule.png"])
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("runner")
@@ -95,6 +99,11 @@ def test_mlflow_local_store_holds_metrics_params_and_run(tmp_path, no_network):
     assert params["parallel.split_points"] == "null" and params["model.dim"] == "32"
     assert len(params["note"]) == MAX_PARAM_VAL_LENGTH and params["note"].endswith("...")
     assert params["many.k149"] == "149"
+    # The code version as MLflow's own tag (the tests run from a checkout), and the files.
+    assert run.data.tags["mlflow.source.git.commit"] == git_commit() and len(git_commit()) >= 40
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id)) == ["schedule.png", "summary.json"]
+    [stored] = (tmp_path / "mlruns").glob("*/artifacts/summary.json")
+    assert stored.read_text() == '{"final_loss": 2.5}'
 
 
 def test_a_failed_run_is_marked_failed_in_mlflow(tmp_path, no_network):
@@ -153,9 +162,11 @@ def wandb_quiet(monkeypatch, tmp_path):
         os.environ.pop("WANDB_SERVICE", None)  # set by wandb; later tests' ranks must not inherit it
 
 
-def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quiet, no_network):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quiet, no_network, monkeypatch):
+    run_dir = tmp_path / "multirun" / "2026-01-01" / "12-00-00" / "3"  # job 3 of a sweep
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- schedule=zbv\n- parallel.microbatches=8\n")
+    monkeypatch.setenv("RUNNER_SWEEP_DIR", str(run_dir.parent))  # what the sweep callback exports
     _run(run_dir, "logging.wandb=true")
     # wandb's telemetry follows the process-wide mode: offline, it never starts (nor phones home at exit).
     from wandb.analytics.opentelemetry.opentelemetry_proxy import get_open_telemetry_proxy
@@ -167,7 +178,8 @@ def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quie
     [log] = offline.glob("run-*.wandb")
     records = list(_wandb_records(log))
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    assert run.display_name == "run" and run.project == "runner"
+    assert run.display_name == "schedule=zbv parallel.microbatches=8" and run.project == "runner"
+    assert run.run_group == "2026-01-01/12-00-00"  # the sweep's jobs together
     assert _items(run.config.update)["parallel"]["pp"] == 2
     history = [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
     assert [(h["_step"], h["train/loss"]) for h in history] == [(0, 3.5), (1, 3.0), (2, 2.5)]

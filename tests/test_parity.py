@@ -15,17 +15,48 @@ from omegaconf import OmegaConf
 
 from runner.dist import DistEnv
 from runner.plan import schedule_order
+from runner.schedule import placement
+from runner.synthesize import Problem, synthesize
+from runner.timeline import write_schedule_csv
 from runner.train import train
 from runner.validate import validate
 
 from _ranks import spawn, train_cases
 from conftest import EXAMPLES, TINY, compose
+from test_synthesize import _costs
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 # Clipping must bind, or a per-rank clip would pass: gradient norms here are ~1.
 CLIP = ["train.grad_clip=0.05"]
 LOSS_RTOL = 1e-4
 GRAD_RTOL, GRAD_ATOL = 1e-5, 4e-5
+
+
+# Schedule files in the three shapes torch writes or ships (pp=2, m=4), held to the unsplit model
+# like every other schedule.
+TORCH_FILES = {
+    # DualPipeV's order as torch's schedule visualizer exports it: OVERLAP_F_B cells.
+    "overlap": ("0F0,0F1,0F2,3F0,3I0,3W0,3F1,(0F3;3B1)OVERLAP_F_B,(3F2;0B0)OVERLAP_F_B,3B2,(3F3;0B1)OVERLAP_F_B,"
+                "3B3,0I2,0W2,0I3,0W3\n"
+                "1F0,2F0,1F1,2F1,1F2,2B0,(2F2;1B0)OVERLAP_F_B,(1F3;2B1)OVERLAP_F_B,(2F3;1B1)OVERLAP_F_B,2B2,1B2,"
+                "2I3,1I3,2W3,1W3\n"),
+    # Compute+comms in torch < 2.6 notation (B = input backward, BW = full backward), the shape of
+    # torch's zb1p_2rank_2stagep_comms.csv. Run as written (torch's compute_comms path) its
+    # gradients come out m times too large: no reduce step divides them.
+    "comms-pre26": ("0F0,0SEND_F0,2RECV_F0,0F1,0SEND_F1,2RECV_F1,2F0,2SEND_F0,2F1,2SEND_F1,2RECV_B0,2BW0,2SEND_B0,"
+                    "0F2,0SEND_F2,2RECV_B1,2BW1,2SEND_B1,0F3,0SEND_F3,2RECV_F2,0RECV_B0,0B0,0W0,2RECV_F3,2F2,"
+                    "2SEND_F2,0RECV_B1,0B1,0W1,2F3,2SEND_F3,2RECV_B2,2BW2,2SEND_B2,2RECV_B3,2BW3,2SEND_B3,0RECV_B2,"
+                    "0B2,0W2,0RECV_B3,0B3,0W3\n"
+                    "1RECV_F0,1F0,1SEND_F0,1RECV_F1,1F1,1SEND_F1,3RECV_F0,3F0,3RECV_F1,3B0,3SEND_B0,1RECV_B0,3F1,"
+                    "1RECV_F2,3B1,3SEND_B1,1RECV_B1,3W0,1RECV_F3,1F2,1SEND_F2,1B0,1SEND_B0,3W1,1F3,1SEND_F3,"
+                    "3RECV_F2,1B1,1SEND_B1,1W0,3F2,3RECV_F3,3B2,3SEND_B2,1RECV_B2,1W1,3F3,3B3,3SEND_B3,1RECV_B3,"
+                    "3W2,1B2,1SEND_B2,3W3,1B3,1SEND_B3,1W2,1W3\n"),
+    # Compute-only in torch < 2.6 notation with idle (empty) cells: torch's zb1p_2rank_2stagep_compute.csv.
+    "compute-pre26": ("0F0,0F1,2F0,2F1,2B0,2W0,0F2,2B1,2W1,0F3,0B0,0W0,2F2,0B1,0W1,2F3,2B2,2W2,2B3,2W3,0B2,0W2,0B3,"
+                      "0W3\n"
+                      ",1F0,1F1,3F0,3B0,3F1,3B1,3W0,1F2,1B0,3W1,1F3,1B1,1W0,3F2,3B2,1W1,3F3,3B3,3W2,1B2,3W3,1B3,1W2,"
+                      "1W3\n"),
+}
 
 
 def _reference(tmp_path: Path, *overrides: str) -> dict:
@@ -58,6 +89,11 @@ def _assert_matches(got: dict, ref: dict, case: str) -> None:
                                        msg=lambda m, kind=kind, name=name: f"{case} {kind} {name}: {m}")
 
 
+def _ran(tmp_path: Path, case: str) -> list[str]:
+    """The per-rank order a pp=2 case recorded (its schedule.csv rows)."""
+    return (tmp_path / "pp2" / case / "schedule.csv").read_text().split()
+
+
 def _add_long_runs(cases: dict, *overrides: str) -> None:
     """Every schedule for 20 steps on the same ranks (the test's timeout is the watchdog)."""
     for name in SCHEDULES:
@@ -86,8 +122,22 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     for csv in ("interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv", "zbv_pp2_m4.csv", "gpipe_pp2_m4.csv"):
         cases[f"csv-{csv}"] = ["schedule=csv", f"schedule.csv={EXAMPLES / csv}", "parallel.pp=2",
                                "parallel.microbatches=4", "train.batch_size=8"]
+    for name, text in TORCH_FILES.items():
+        path = tmp_path / f"{name}.csv"
+        path.write_text(text)
+        cases[f"torch-{name}"] = ["schedule=csv", f"schedule.csv={path}", "parallel.pp=2", "parallel.microbatches=4",
+                                  "train.batch_size=8"]
     cases["explicit-split"] = ["schedule=1f1b", "parallel.pp=2", "parallel.microbatches=4",
                                "train.batch_size=8", "parallel.split_points=[block1]"]
+    # Orders the planner's search writes (plan.synthesize=true): B, I and put-off W mixed on one
+    # stage, in a loop and in a V.
+    for name, spr, v_shape, skew in (("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3.0)):
+        found = synthesize(Problem(4, placement("zbv" if v_shape else "1f1b", 2, 2 * spr), _costs(2 * spr, skew),
+                                   comm_s=0.1), seeds={}, budget=100, seed=0)
+        assert {op.kind for ops in found.order.values() for op in ops} == set("FBIW"), name
+        write_schedule_csv(tmp_path / f"{name}.csv", found.order)
+        cases[name] = ["schedule=csv", f"schedule.csv={tmp_path / f'{name}.csv'}", "parallel.pp=2",
+                       "parallel.microbatches=4", "train.batch_size=8"]
     cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
     cases["verify-catches-dropout"] = ["model=mlp", "model._target_=_models.dropout_mlp", "verify=true",
@@ -121,11 +171,18 @@ def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
     assert results["explicit-split"]["summary"]["stages"]["0"] == ["embed", "block0"]
     assert results["zbv"]["summary"]["num_stages"] == 4
     assert results["csv-gpipe_pp2_m4.csv"]["summary"]["num_stages"] == 2
+    assert results["synthesized-v"]["summary"]["num_stages"] == 4
+    # torch's file shapes ran the orders they hold: the DualPipeV file is DualPipeV's order, the
+    # others the zero-bubble order with stage 2's backward in one piece.
+    assert _ran(tmp_path, "torch-overlap") == _ran(tmp_path, "dualpipev")
+    zero_bubble = (EXAMPLES / "zero_bubble_pp2_m4.csv").read_text().split()
+    assert _ran(tmp_path, "torch-compute-pre26") == zero_bubble
+    assert _ran(tmp_path, "torch-comms-pre26")[1] == zero_bubble[1]
     # The planner's reading of torch's declared orders is what actually ran, for every schedule.
     for name in SCHEDULES:
         spr = results[name]["summary"]["num_stages"] // 2
-        ran = (tmp_path / "pp2" / name / "schedule.csv").read_text().split()
-        assert [",".join(op.name for op in ops) for ops in schedule_order(name, 2, 4, spr).values()] == ran, name
+        assert [",".join(op.name for op in ops) for ops in schedule_order(name, 2, 4, spr).values()] == _ran(
+            tmp_path, name), name
 
 
 @pytest.mark.timeout(300)

@@ -83,16 +83,16 @@ def _no_rank_left(run_dir: Path, proc: subprocess.Popen, within: float = 10) -> 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,failing_rank,symptom", [
-    ("raise:1:2", 1, "injected fault on rank 1 at step 2"),
-    ("kill:1:2", 1, "SIGKILL"),
-    # Rank 1 sleeps at the start of step 2: named with its last action, not as a peer's gloo timeout.
-    ("stall:1:2", 1, r"rank 1 stalled: no progress for 1\d\.\d s; its last action: began step 2"),
+    ("raise:1:3", 1, "injected fault on rank 1 at step 3"),  # steps are numbered from 1
+    ("kill:1:3", 1, "SIGKILL"),
+    # Rank 1 sleeps at the start of step 3: named with its last action, not as a peer's gloo timeout.
+    ("stall:1:3", 1, r"rank 1 stalled: no progress for 1\d\.\d s; its last action: began step 3"),
 ])
 def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_rank, symptom):
     run_dir = tmp_path / "run"
     proc = _start("train.steps=50", run_dir=run_dir, fault=fault)
     _wait_for_steps(run_dir, proc, 2)
-    fault_began = time.monotonic()  # rank 1 reaches step 2 as step 1's metrics are written
+    fault_began = time.monotonic()  # rank 1 reaches step 3 as step 2's metrics are written
     _, err = proc.communicate(timeout=100)
     # launch.timeout_s=10 + launch.grace_s=5: the job ends within them, with exit code 3 (a failed run)
     assert time.monotonic() - fault_began < 10 + 5
@@ -100,22 +100,22 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_ra
     assert f"rank {failing_rank}" in err and re.search(symptom, err), err
     if fault.startswith("raise"):
         assert "Traceback" in err  # the root cause, with its traceback
-    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     assert _no_rank_left(run_dir, proc), "no rank may outlive the job"
 
 
 @pytest.mark.timeout(120)
 def test_a_non_finite_gradient_never_reaches_the_optimizer_or_a_checkpoint(tmp_path):
-    # Step 2's loss is finite but a gradient on rank 1 is NaN: every rank stops before the update.
+    # Step 3's loss is finite but a gradient on rank 1 is NaN: every rank stops before the update.
     run_dir = tmp_path / "run"
     proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", "logging.mlflow=true",
-                  "launch.timeout_s=60", run_dir=run_dir, fault="nangrad:1:2")  # MLflow's setup is slow
+                  "launch.timeout_s=60", run_dir=run_dir, fault="nangrad:1:3")  # MLflow's setup is slow
     _, err = proc.communicate(timeout=100)
     step2 = run_dir / "checkpoints" / "step-2"
     assert proc.returncode == 3, err
-    assert re.search(r"rank \d: non-finite gradient norm at step 2 \(loss 3\.\d+, grad_norm nan\)", err), err
+    assert re.search(r"rank \d: non-finite gradient norm at step 3 \(loss 3\.\d+, grad_norm nan\)", err), err
     assert f"the last good checkpoint is {step2}" in err and "Traceback" not in err
-    assert [m["step"] for m in _metrics(run_dir)] == [0, 1]
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

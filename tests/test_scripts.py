@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from runner.schedule import SCHEDULES, csv_order, default_stages_per_rank, read_csv_schedule, schedule_order
+
 from conftest import ROOT
 
 SCRIPT = str(ROOT / "scripts" / "schedule_csv.py")
@@ -16,11 +18,25 @@ def _run(monkeypatch, *args: str) -> int:
     return done.value.code
 
 
-def test_schedule_csv_script_writes_a_runnable_csv_or_refuses(monkeypatch, capsys):
-    assert _run(monkeypatch, "interleaved_1f1b", "--pp", "2", "--microbatches", "4") == 0
-    assert capsys.readouterr().out == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv").read_text()
-    assert _run(monkeypatch, "1f1b") == 1
-    assert "not runnable" in capsys.readouterr().err
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])
+def test_schedule_csv_script_exports_every_schedule_as_it_runs_and_the_file_reads_back(monkeypatch, capsys,
+                                                                                      tmp_path, pp, m):
+    for name in SCHEDULES:
+        assert _run(monkeypatch, name, "--pp", str(pp), "--microbatches", str(m)) == 0, capsys.readouterr().err
+        path = tmp_path / f"{name}.csv"
+        path.write_text(capsys.readouterr().out)
+        order = schedule_order(name, pp, m, default_stages_per_rank(name))  # what runs (checked in test_parity)
+        assert csv_order(str(path)) == order, name
+        num_stages, _ = read_csv_schedule(str(path), pp=pp, stages_per_rank=None, microbatches=m)
+        assert num_stages == pp * default_stages_per_rank(name)
+    if pp == 2:  # the example file is this export
+        assert (tmp_path / "interleaved_1f1b.csv").read_text() == (ROOT / "examples" / "interleaved_1f1b_pp2_m4.csv"
+                                                                   ).read_text()
+
+
+def test_schedule_csv_script_refuses_a_layout_torch_rejects(monkeypatch, capsys):
+    assert _run(monkeypatch, "dualpipev", "--microbatches", "2") == 1
+    assert "at least as many microbatches as stages" in capsys.readouterr().err
 
 
 # scripts/bench.py: its pure parts and its rendering only; the benchmarks themselves never run here.
@@ -80,14 +96,18 @@ def test_bench_renders_whatever_results_exist(bench, tmp_path):
     assert "**1 of 3 kept results ran under load** (marked *), after re-running 1 that had" in text
     assert "![measured vs theoretical bubble](benchmarks/bubble.png)" in text and (results / "bubble.png").is_file()
     assert "| activation checkpointing full / none, 1f1b | 1.300 | 1.300 |" in text
-    assert "**ran under load**" in text and "No per-phase split" in text
+    assert "**ran under load**" in text and "No per-phase split" in text and "No config-error timings" in text
     assert "No results yet for: overhead, profiling" in text
 
     (results / "notes.md").write_text("## Notes\n\nWritten by hand.\n")
     phases = {"compose_validate": 1.0, "spawn": 3.0, "init": 1.0, "build": 2.0, "first_step": 3.0}
-    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases}] * 2})
+    errors = {name: {"s": s, "returncode": code, "error": "x"} for name, s, code in
+              [("misspelt key", 0.5, 1), ("unknown value", 0.7, 2), ("rejected combination", 0.6, 2)]}
+    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases,
+                                             "config_errors": errors}] * 2})
     text = bench["render"](results, out)
     assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
+    assert "| unknown value | `train.precision=fp16` | 2 | 0.70, 0.70 | 0.70 |" in text
     assert "## Notes\n\nWritten by hand.\n\n## Not measured" in text
 
 
@@ -109,12 +129,17 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     cal = {"latency_s": 2e-4, "bandwidth": 1e9, "action_overhead_s": 5e-4, "corunning_slowdown": 1.0,
            "busy_delay_s": 2e-3, "action_jitter": 0.12}
 
-    def round_(gpipe, zbv, dualpipev):  # measured step times; the predictions stay 2.0 / 1.0 / 1.5
-        return {"calibration": cal,
-                "predicted": {"gpipe/8": {"step_s": 2.0, "bubble": 0.2}, "zbv/8": {"step_s": 1.0, "bubble": 0.05},
-                              "dualpipev/8": {"step_s": 1.5, "bubble": 0.1}},
-                "measured": {"gpipe/8": {"step_s": gpipe, "bubble": 0.21, "replayed_s": gpipe * 0.9},
-                             "zbv/8": {"step_s": zbv, "bubble": 0.06, "replayed_s": zbv},
+    def round_(gpipe, zbv, dualpipev, pick="zbv/8"):  # measured step times; the predictions stay 2.0 / 1.0 / 1.5
+        # Predicted: 0.1 s after the pipeline and forwards of 0.1 s; measured: 0.2 s after it, forwards of 0.12 s.
+        planned = {"0F": 0.1, "0B": 0.2}
+        return {"calibration": cal, "recommended": pick, "tied": [pick, "dualpipev/8"] if pick == "zbv/8" else [],
+                "predicted": {"gpipe/8": {"step_s": 2.0, "bubble": 0.2, "after_s": 0.1, "costs": planned},
+                              "zbv/8": {"step_s": 1.0, "bubble": 0.05, "after_s": 0.1, "costs": planned},
+                              "dualpipev/8": {"step_s": 1.5, "bubble": 0.1, "after_s": 0.1, "costs": planned}},
+                "measured": {"gpipe/8": {"step_s": gpipe, "bubble": 0.21, "replayed_s": gpipe * 0.9,
+                                         "pipeline_s": gpipe - 0.2, "costs": {"0F": 0.12, "0B": 0.2}},
+                             "zbv/8": {"step_s": zbv, "bubble": 0.06, "replayed_s": zbv, "pipeline_s": zbv - 0.2,
+                                       "costs": {"0F": 0.12, "0B": 0.2}},
                              "dualpipev/8": {"step_s": dualpipev, "bubble": 0.12, "replayed_s": None}}}
 
     # zbv and dualpipev overlap (0.9-1.2 vs 1.1-1.3); both are clearly faster than gpipe.
@@ -133,10 +158,22 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     text = bench["render"](results, tmp_path / "BENCHMARKS.md")
     assert ("message 200 us + bytes / 1.00 GB/s, +2000 us while its sender computes, runtime overhead 500 us per "
             "action, co-running compute x1.00 (action times varying by 12%)") in text
-    assert "| gpipe | 8 | 2.000 | 2.000 | 1.900-2.200 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
-    assert "Within 10% of the measured step: 2 of 3 (median error 0.0%, worst 25.0%)" in text
+    assert "| gpipe | 8 | 2000.00 | 2000.00 | 1900.00-2200.00 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
+    assert ("Within 10% of the measured step: 2 of 3 (median error 0.0%, worst 25.0%, median signed +0.0%)"
+            in text)
     assert "Of the 2 pairs whose measured ranges do not overlap, the prediction orders 2 the same way" in text
     assert "Fastest predicted: zbv, measured +0.0% against the measured fastest (zbv)" in text
+    assert "Recommended per round: zbv/8 x3 (3 as a tie)." in text
+    # Over model sizes: a summary row per size, with where the error sits.
+    small = {**res, "rounds": [round_(2.0, 1.2, 1.1, "dualpipev/8"), round_(2.2, 0.9, 1.3)]}
+    _section(results, "planner", {"sizes": {"smoke": small, "benchmark": res}})
+    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    assert "### smoke" in text and "### benchmark" in text
+    # Medians over 2 rounds: gpipe 2.1 s and zbv 1.05 s measured (4.8% low), dualpipev 1.2 s (25% high). Pipeline
+    # predicted / measured: 1.9/1.8, 0.9/1.0, 1.9/2.0, 0.9/0.7: median 1.003; the rest of the step 0.1 / 0.2;
+    # forwards cost 1.2x the plan, backwards as planned.
+    assert ("| smoke | `model.dim=8` | 120.00 | 2 of 3 | 4.8% | -4.8% | 1.003 | 0.500 | 1.200 | 1.000 | "
+            "dualpipev/8 x1, zbv/8 x1 (1 as a tie) |") in text
 
 
 def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_go_elsewhere(bench, tmp_path):
@@ -181,3 +218,39 @@ def test_bench_on_one_gpu_runs_only_the_sections_whose_ranks_fit(bench, tmp_path
     saved = json.loads((tmp_path / "cuda" / "device.json").read_text())
     assert saved["meta"]["machine"]["device_name"] == "1 x Fake GPU"
     assert not (tmp_path / "cuda" / "planner.json").exists()
+
+
+def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(bench, tmp_path):
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+    mib = 2**20
+    runs = [{"config": c, "repeat": r, "status": "ok", "steady_s": s * (1 + r / 10), "peak_mem_bytes": mem,
+             "weights_read_bytes": read}
+            for r in range(2)
+            for c, s, mem, read in [("pp1", 1.0, [600 * mib], [40 * mib]),
+                                    ("pp2-1f1b", 0.6, [400 * mib, 380 * mib], [22 * mib, 18 * mib])]]
+    model = {"vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 8}
+    _section(results, "hf", {"model": model, "file_bytes": 40 * mib, "runs": runs})
+    text = bench["render"](results, out)
+    assert "40.0 MiB of fp32 weights" in text
+    assert "| pp1 | 1.0500 | 1.00 | 600 | 40.0 | 1.00 |" in text
+    assert "| pp2-1f1b | 0.6300 | 0.60 | 400, 380 | 22.0, 18.0 | 0.55, 0.45 |" in text
+
+
+def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_round(bench, tmp_path):
+    def config(label, predicted, steps, peak=2**20):
+        return {"label": label, "schedule": label.split("/")[0].split("-")[0], "overrides": [],
+                "predicted_s": predicted, "peak_activation_bytes": peak,
+                "runs": [{"status": "ok", "step_time_s": s, "under_load": False} for s in steps]}
+
+    case = {"name": "heavy-last", "pp": 2, "model": ["data.vocab_size=8192"], "steps": 16, "microbatches": [4, 8],
+            "configs": [config("synthesized-loop/4", 0.10, [0.11, 0.12, 0.10]),
+                        config("gpipe/4", 0.12, [0.13, 0.15, 0.12]),  # slower every round
+                        config("zbv/8", 0.11, [0.10, 0.13, 0.11]),  # the rounds disagree
+                        config("1f1b/4", 0.09, [0.10, 0.11, 0.09])]}  # faster every round
+    results = tmp_path / "benchmarks"
+    _section(results, "synthesis", {"cases": [case, {"name": "equal", "pp": 2, "error": "the plan failed"}]})
+    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    assert "| gpipe/4 | 120.00 | 130.00 | 0.923 | 1.200 (1.182-1.250) | 1.200 | 1.0 |" in text
+    assert ("faster than 1 of 3 built-ins in every round, slower than 1f1b/4 in every round; against the other 1 the "
+            "rounds disagree") in text
+    assert "### equal, pp=2" in text and "Not measured: the plan failed." in text

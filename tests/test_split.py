@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from runner.errors import ConfigError
-from runner.split import build_meta_model, materialize, plan_split, split_by_cost
+from runner.split import MetaModel, build_meta_model, check_init, materialize, plan_split, split_by_cost
+from runner.units import SequentialSpec
 
 from conftest import TINY, compose
 
@@ -17,7 +18,7 @@ CPU = torch.device("cpu")
 
 def _full(cfg, seed=0):
     meta = build_meta_model(cfg.model)
-    return materialize(meta, list(meta._modules), seed=seed, device=CPU)
+    return materialize(meta, meta.unit_names, seed=seed, device=CPU)
 
 
 @pytest.mark.parametrize("model", ["transformer", "mlp"])
@@ -42,7 +43,7 @@ def test_balanced_split_covers_every_child_once_in_order(num_stages):
     meta = build_meta_model(compose(*TINY).model)
     stages = plan_split(meta, num_stages, None)
     assert len(stages) == num_stages and all(stages)
-    assert [n for s in stages for n in s] == list(meta._modules)
+    assert [n for s in stages for n in s] == meta.unit_names
     blocks = [sum(n.startswith("block") for n in s) for s in stages]
     if num_stages in (2, 3):  # parameter balance puts the 6 blocks evenly
         assert max(blocks) - min(blocks) <= 1
@@ -60,9 +61,14 @@ def test_explicit_split_points_are_used_as_given():
     assert stages == (("embed", "block0", "block1"), ("block2", "block3", "block4", "block5"), ("norm", "head"))
 
 
-def test_tied_weights_stay_tied_inside_a_stage():
-    stage = _full(compose(*TINY, "model.tie_embeddings=true"))
+def test_tied_weights_stay_tied_inside_a_stage_and_copies_start_equal_across_stages():
+    cfg = compose(*TINY, "model.tie_embeddings=true")
+    stage = _full(cfg)
     assert stage.get_parameter("head.weight") is stage.get_parameter("embed.tok.weight")
+    meta = build_meta_model(cfg.model)
+    first, last = plan_split(meta, 2, None)
+    head = materialize(build_meta_model(cfg.model), last, seed=0, device=CPU).get_parameter("head.weight")
+    assert torch.equal(head, stage.get_parameter("embed.tok.weight"))  # the embedding's value, as unsplit
 
 
 class _Scale(nn.Module):
@@ -74,8 +80,8 @@ class _Scale(nn.Module):
         return x * self.weight
 
 
-def test_a_parameter_the_runner_cannot_initialise_is_an_error():
+def test_every_module_the_runner_cannot_initialise_is_listed_before_launch():
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(3, 3), _Scale())
-    with pytest.raises(ConfigError, match="'1' .*_Scale.*reset_parameters"):
-        materialize(model, ["0", "1"], seed=0, device=CPU)
+        model = nn.Sequential(nn.Linear(3, 3), _Scale(), nn.Linear(3, 3), _Scale())
+    with pytest.raises(ConfigError, match=r"2 module\(s\).*1 \(_Scale\), 3 \(_Scale\).*reset_parameters"):
+        check_init(MetaModel(model, SequentialSpec(model), []))

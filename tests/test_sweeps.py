@@ -16,18 +16,20 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from runner import report
-from runner.launch import slurm_rank_env
+from runner.errors import ConfigError
+from runner.rank_env import adopt_slurm_ranks, slurm_rank_env
 
 from conftest import ROOT
 
-QUIET = ["profile.enabled=false", "hydra.sweep.dir=sweep"]
+QUIET = ["profile.enabled=false"]
 
 
-def _sweep(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _sweep(*args: str, cwd: Path, timeout: int = 240, sweep_dir: str = "sweep",
+           env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "runner", "-m", *args, *QUIET], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "runner", "-m", *args, *QUIET, f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _rows(sweep: Path) -> list[dict]:
@@ -37,20 +39,20 @@ def _rows(sweep: Path) -> list[dict]:
 
 @pytest.mark.timeout(240)
 def test_a_sweep_runs_every_job_reports_each_and_fails_listing_the_failures(tmp_path):
-    # m=3 does not divide the batch of 8: two of the four jobs fail before spawning.
+    # m=3 does not divide the batch of 8: two of the four jobs are rejected before spawning.
     done = _sweep("experiment=smoke", "schedule=gpipe,zbv", "parallel.microbatches=4,3", cwd=tmp_path)
     assert done.returncode == 2
-    assert "2 of 4 jobs failed" in done.stderr and "Traceback" not in done.stderr
+    assert "2 of 4 jobs failed or rejected" in done.stderr and "Traceback" not in done.stderr
     sweep = tmp_path / "sweep"
     rows = _rows(sweep)
-    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed"), ("2", "ok"), ("3", "failed")]
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "rejected"), ("2", "ok"), ("3", "rejected")]
     assert "schedule=zbv parallel.microbatches=3" in rows[3]["overrides"] and "train.batch_size=8" in rows[3]["error"]
     for row in (rows[0], rows[2]):
         summary = json.loads((sweep / row["job"] / "summary.json").read_text())
         assert float(row["tokens_per_s"]) == pytest.approx(summary["tokens_per_s"], rel=1e-3)
         assert float(row["final_loss"]) == pytest.approx(summary["final_loss"], abs=1e-5)
         assert 0 <= float(row["bubble"]) < 1 and float(row["peak_mem_mib"]) > 1
-    assert "4 jobs, 2 ok, 2 failed" in (sweep / "sweep.md").read_text()
+    assert "4 jobs, 2 ok, 2 rejected before launch, 0 failed" in (sweep / "sweep.md").read_text()
     assert (sweep / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     (sweep / "sweep.md").unlink()
     assert report.main([str(sweep)]) == 1  # rebuilt by hand; non-zero: the sweep had failures
@@ -79,26 +81,69 @@ def test_every_experiment_config_runs(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
 
 
-@pytest.mark.timeout(240)
-def test_optuna_study_survives_failed_trials_and_finds_the_fastest(tmp_path):
+@pytest.mark.timeout(300)
+def test_optuna_study_persists_resumes_up_to_n_trials_and_its_exit_status_says_trials_failed(tmp_path):
     done = _sweep("hparams_search=optuna", "experiment=smoke", "hydra.sweeper.n_trials=3", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr  # invalid combinations are no failure of the search
     rows = _rows(tmp_path / "sweep")
-    assert len(rows) == 3 and any(r["status"] == "failed" for r in rows)  # seed 0 draws an invalid trial
+    assert len(rows) == 3 and [r["status"] for r in rows].count("rejected") == 1  # seed 0 draws one
+    assert "1 of 3 jobs rejected" in done.stderr
     best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
     assert best["best_value"] == pytest.approx(max(float(r["tokens_per_s"]) for r in rows if r["status"] == "ok"),
                                                rel=1e-3)
+    # Again, from the same directory: the same study, one trial to go of n_trials=4. It crashes
+    # (an injected fault): the study goes on and ends, and the exit status says a trial failed.
+    again = _sweep("hparams_search=optuna", "experiment=smoke", "hydra.sweeper.n_trials=4", cwd=tmp_path,
+                   sweep_dir="sweep-again", env_extra={"RUNNER_FAULT": "raise:1:2"})
+    assert again.returncode == 3 and "1 of 1 jobs failed" in again.stderr and "injected fault" in again.stderr
+    assert [r["status"] for r in _rows(tmp_path / "sweep-again")] == ["failed"]
+    import optuna
+
+    study = optuna.load_study(study_name="pipeline_schedule",
+                              storage=f"sqlite:///{tmp_path / 'multirun' / 'studies' / 'pipeline_schedule.db'}")
+    states = [t.state.name for t in study.trials]
+    assert len(states) == 4 and states.count("COMPLETE") == 2 and states.count("FAIL") == 2
 
 
-def test_slurm_tasks_become_torch_ranks():
-    env = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
-           "SLURM_JOB_NODELIST": "gpu[03-05,09],cpu1", "SLURM_JOB_ID": "123456"}
-    assert slurm_rank_env(env) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                                   "MASTER_ADDR": "gpu03", "MASTER_PORT": "23456"}
-    assert slurm_rank_env({**env, "SLURM_JOB_NODELIST": "node7"})["MASTER_ADDR"] == "node7"
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_srun_tasks_become_torch_ranks_with_the_first_host_as_slurm_expands_it(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"  # prints what SLURM's own expansion of the node list would
+    scontrol.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/asked"\n'
+                        'printf "node001-ib\\nnode002-ib\\nnode003-ib\\nnode004-ib\\n"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "3(x2),2",
+           "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "node[001-004]-ib", "SLURM_JOB_ID": "123456"}
+    assert slurm_rank_env(env) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "node001-ib", "MASTER_PORT": "23456"}
+    assert (bin_dir / "asked").read_text().split() == ["show", "hostnames", "node[001-004]-ib"]
+    assert slurm_rank_env({**env, "SLURM_NODEID": "1"})["LOCAL_WORLD_SIZE"] == "3"  # 3 tasks on nodes 0 and 1
+    assert slurm_rank_env({**env, "MASTER_ADDR": "given"})["MASTER_ADDR"] == "given"
     assert slurm_rank_env({**env, "SLURM_NTASKS": "1"}) == {}  # one task: the runner spawns its ranks
     assert slurm_rank_env({**env, "RANK": "0"}) == {}  # torchrun inside SLURM wins
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # outside an allocation: no scontrol
+    with pytest.raises(ConfigError, match="scontrol show hostnames.*Fix: .*MASTER_ADDR"):
+        slurm_rank_env(env)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("config", overrides=["hydra/launcher=runner_slurm", "parallel.pp=2", "parallel.dp=2"],
                             return_hydra_config=True)
     assert cfg.hydra.launcher.tasks_per_node == 4 and cfg.hydra.launcher.nodes == 1
+
+
+def test_submitit_jobs_take_their_ranks_from_submitit_and_keep_cuda_visible_devices(tmp_path, monkeypatch):
+    job = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]-ib", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+           "CUDA_VISIBLE_DEVICES": "0,1", "PATH": str(tmp_path)}  # no scontrol: submitit's own environment
+    for key, value in job.items():
+        monkeypatch.setenv(key, value)
+    for key in RANK_VARS:
+        monkeypatch.delenv(key, raising=False)
+    adopt_slurm_ranks()
+    assert {k: os.environ[k] for k in RANK_VARS[:5]} == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu03-ib"}
+    assert 20000 <= int(os.environ["MASTER_PORT"]) <= 60000  # submitit's port for this job
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # the runner picks each rank's GPU by LOCAL_RANK

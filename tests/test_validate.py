@@ -64,13 +64,16 @@ BAD = [
     (["parallel.split_points=[block1,block3]"], ["3 stages", "has 2"]),
     (["parallel.split_points=[embed]"], ["out of order or start the first stage"]),
     (["schedule=interleaved_1f1b", "parallel.pp=4", "model.n_layers=1", "parallel.microbatches=8",
-      "train.batch_size=8"], ["4 top-level children", "8 stages"]),
-    (["model.tie_embeddings=true"], ["Tied parameters", "embed.tok.weight", "head.weight"]),
+      "train.batch_size=8"], ["4 pipeline units", "8 stages"]),
     (["parallel.dp=2"], ["parallel.dp=2", "parallel.dp_mode=ddp"]),
     (["parallel.dp_mode=zero3"], ["parallel.dp_mode='zero3'"]),
     (["parallel.microbatches=0"], ["parallel.microbatches=0"]),
     (["device=tpu"], ["device='tpu'"]),
-    (["model._target_=_models.not_sequential"], ["model._target_='_models.not_sequential'", "nn.Sequential"]),
+    (["model._target_=_models.not_sequential"], ["Linear, not an nn.Sequential", "parallel.stage_modules="]),
+    (["parallel.stage_modules=[[embed,block0],[block1]]"], ["parallel.stage_modules", "every unit exactly once",
+                                                             "embed, block0 … block5, norm, head"]),
+    (["parallel.stage_modules=[[embed,block0,block1,block2,block3,block4,block5,norm,head]]"],
+     ["lists 1 stages but the layout has 2"]),
     (["model._target_=nowhere.factory"], ["model._target_='nowhere.factory'"]),
     (["model=mlp", "model._target_=_models.mismatched_mlp"], ["'block0' (stage 0)", "(2, 16, 64)"]),
     (["data=text", "data.vocab_size=256", "data.path=/no/such/file.txt"], ["data.path='/no/such/file.txt'"]),
@@ -138,9 +141,10 @@ def test_compile_on_cpu_without_a_cxx_compiler_is_refused_before_launch(monkeypa
         validate(compose(*PP2, "train.compile=true"))
 
 
-def test_tied_weights_are_fine_when_they_share_a_stage():
-    layout = validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true"))
-    assert layout.num_stages == 1
+def test_tied_weights_may_share_a_stage_or_span_stages():
+    assert validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true")).num_stages == 1
+    layout = validate(compose(*PP2, "model.tie_embeddings=true"))  # embedding and head on two ranks
+    assert layout.stages[0][0] == "embed" and layout.stages[-1][-1] == "head"
 
 
 def _csv(tmp_path, text: str) -> str:
@@ -150,15 +154,20 @@ def _csv(tmp_path, text: str) -> str:
 
 
 CSV_BAD = [
-    ("0F0,0X0\n1F0,1B0\n", ["malformed", "0X0"]),
+    ("0F0,0X0\n1F0,1B0\n", ["malformed", "row 1 (rank 0), column 2: cannot read '0X0'"]),
+    # torch's own cell parser reads these as 2F0 and 2B (no microbatch): ours reads cells whole.
+    ("0F0,0B0\n1F0,2F0x\n", ["malformed", "row 2 (rank 1), column 2: cannot read '2F0x'"]),
+    ("0F0,,0B0\n1F0,1B\n", ["malformed", "row 2 (rank 1), column 2: cannot read '1B'"]),
+    ("0F0,(0F1)OVERLAP_F_B\n1F0\n", ["malformed", "column 2", "two or more compute actions"]),
+    ("0F0,0I0,0W0\n1F0,1BW0\n", ["malformed", "mixes torch >= 2.6 notation"]),
     ("0F0,0B0\n", ["1 rows", "parallel.pp=1"]),
     ("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n", ["2 microbatches", "parallel.microbatches=2"]),
     ("0B0,0F0,0F1,0F2,0F3,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n",
      ["not a valid schedule", "without first running Forward"]),
     # Every action in a valid order per stage, but rank 1 waits on backwards never sent: deadlock.
     ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1B0,1F0,1F1,1F2,1F3,1B1,1B2,1B3\n", ["not a valid schedule"]),
-    ("0F0,0SEND_F0\n1F0\n", ["compute actions only"]),
-    ("", ["compute actions only"]),
+    ("0F0,0SEND_F0\n1RECV_F0,1F0\n", ["schedules 1 microbatches"]),  # a compute+comms file: its compute read
+    ("", ["malformed", "no compute actions"]),
 ]
 
 
@@ -180,9 +189,44 @@ def test_csv_schedule_gives_stage_count_and_placement():
         validate(compose(*PP2, "schedule=csv", "schedule.csv=/nope.csv"))
 
 
+def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line(tmp_path, caplog):
+    """Pre-2.6 names (B = input backward, BW = full), compute+comms cells and OVERLAP_F_B cells."""
+    from runner.schedule_file import read_schedule_file
+
+    path = tmp_path / "schedule.csv"
+    path.write_text("0F0,0SEND_F0,,0RECV_B0,0B0,0W0\n1RECV_F0,1F0,(1F1;1BW0)OVERLAP_F_B,1SEND_B0,1REDUCE_GRAD\n")
+    read = read_schedule_file(path)
+    assert {r: [op.name for op in ops] for r, ops in read.order.items()} == {0: ["0F0", "0I0", "0W0"],
+                                                                            1: ["1F0", "1F1", "1B0"]}
+    old, overlap, comms = read.notes
+    assert "torch < 2.6" in old and "B -> I, BW -> B" in old
+    assert overlap.startswith("1 OVERLAP_F_B cells") and "its 5 communication cells are left out" in comms
+    path.write_text("0F0,0F1,0B0,0W0,0B1,0W1\n")  # B then W, no I: the old notation
+    assert [op.name for op in read_schedule_file(path).order[0]] == ["0F0", "0F1", "0I0", "0W0", "0I1", "0W1"]
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0\n")  # F/B only: today's notation, nothing converted
+    assert read_schedule_file(path).notes == ()
+    path.write_text("0F0,0F1,0F2,0F3,0BW0,0BW1,0BW2,0BW3\n1F0,1F1,1F2,1F3,1BW0,1BW1,1BW2,1BW3\n")
+    with caplog.at_level("WARNING", logger="runner.schedule"):
+        layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}"))
+    assert layout.num_stages == 2 and "BW -> B" in caplog.text
+
+
 def test_checkpointing_with_split_backward_warns_of_the_recompute_cost(caplog):
     with caplog.at_level("WARNING", logger="runner.validate"):
         validate(compose(*PP2, "schedule=1f1b", "train.activation_checkpointing=full"))
         assert not caplog.records
         validate(compose(*PP2, "schedule=zbv", "train.activation_checkpointing=full"))
     assert "per parameter group" in caplog.text and "schedule=zbv" in caplog.text
+
+
+def test_memory_sizes_take_the_forms_users_type():
+    from runner.config import parse_bytes
+
+    forms = [(2000000000, 2 * 10**9), ("2e9", 2 * 10**9), (2e9, 2 * 10**9), ("2GB", 2 * 10**9),
+             ("1.5GiB", 3 * 2**29), ("512 MiB", 2**29), ("100kb", 10**5), (None, None)]
+    assert [(form, parse_bytes("plan.memory_limit", form)) for form, _ in forms] == forms
+    with pytest.raises(ConfigError, match=r"plan.memory_limit='2XB' is not a memory size\. Fix: .*2GB"):
+        parse_bytes("plan.memory_limit", "2XB")
+    assert compose(*TINY, "plan.memory_limit=2e9").plan.memory_limit == "2000000000.0"  # a float, as typed
+    with pytest.raises(ConfigError, match="plan.memory_limit='lots'"):
+        validate(compose(*TINY, "plan.memory_limit=lots"))

@@ -1,0 +1,360 @@
+"""Hugging Face causal LMs (``model=hf``): a local directory with ``config.json`` and optionally
+``*.safetensors`` weights and tokenizer files.
+
+The stage modules hold transformers' own modules (embedding, decoder layers, norm, head) under
+their own names, so nothing of transformers is copied. What the base model computes beside the
+hidden states (position ids, rotary position embeddings, the causal or sliding-window mask for
+each layer) each stage recomputes from the batch's keyword inputs (``attention_mask``,
+``position_ids``) with transformers' own functions, per family. Families are a tested list, each
+held to the model's own forward; another family runs only with ``model.allow_unlisted=true``,
+where ``verify=true`` decides.
+
+Pretrained weights: each rank reads only its own stages' tensors (``safe_open``, lazily), through
+transformers' key renames; a tied head absent from the file reads the embedding it is tied to.
+Random initialisation (no weights, or ``model.pretrained=false``) runs the family's
+``_init_weights`` per module, children before parents as transformers does, each module under a
+seed of its own (the runner's layout-independent initialisation).
+
+Uses transformers' weight-renaming helpers (``conversion_mapping``, ``core_model_loading``), which
+are not public API: tested with the transformers range pinned in pyproject.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from runner.errors import ConfigError
+from runner.units import ModelSpec, Unit, tied_groups
+
+__all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files"]
+
+log = logging.getLogger(__name__)
+
+
+def _full(config, i: int) -> str:
+    return "full_attention"
+
+
+def _sliding_if_configured(config, i: int) -> str:
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _by_layer_type(config, i: int) -> str:
+    return config.layer_types[i]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one family's base model computes around its layers (names relative to the base model)."""
+
+    embed: tuple[str, ...] = ("embed_tokens",)  # modules of the first unit
+    layers: str = "layers"  # the container of decoder layers
+    norm: str = "norm"
+    rotary: str | None = "rotary_emb"  # computes (cos, sin) from the positions
+    positions: str | None = None  # a learned position embedding added to the tokens' (GPT-2's wpe)
+    dropout: str | None = None  # dropout after the embedding (GPT-2's drop)
+    mask: Callable[[Any, int], str] = _full  # the mask layer i takes: full_attention | sliding_attention
+
+
+# model_type -> family; each is checked against the model's own forward in tests/test_hf.py.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(mask=_sliding_if_configured),
+    "qwen2": Family(mask=_by_layer_type),
+    "qwen3": Family(mask=_by_layer_type),
+    "gpt2": Family(embed=("wte", "wpe", "drop"), layers="h", norm="ln_f", rotary=None, positions="wpe",
+                   dropout="drop"),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError("model=hf needs transformers and safetensors (not installed). "
+                          "Fix: pip install -e '.[hf]' (or 'runner[hf]').") from e
+    return transformers
+
+
+def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = False,
+              config_overrides: Mapping[str, Any] | None = None, attn_implementation: str | None = None) -> nn.Module:
+    """The model factory of ``model=hf``: the causal LM of ``path`` (built on the current device:
+    meta when the runner builds it), carrying its pipeline units as ``runner_spec``."""
+    transformers = _import_transformers()
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"model.path={path!r} holds no config.json. Fix: a local directory written by "
+                          "save_pretrained (config.json, and optionally *.safetensors and tokenizer files).")
+    overrides = dict(config_overrides or {})
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True, **overrides)
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"model.path={path!r}: transformers cannot build a causal LM from its config.json: {e}\n"
+                          "Fix: a directory of a causal language model (AutoModelForCausalLM).") from e
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        if not allow_unlisted:
+            raise ConfigError(
+                f"model.path={path!r} is a {config.model_type!r} model, which is not in the tested list "
+                f"({', '.join(FAMILIES)}): what its base model computes beside the layers (masks, position "
+                "embeddings, scalings) may differ. Fix: a listed family, or model.allow_unlisted=true to run it "
+                "as a Llama-like decoder, with verify=true to check it against the model's own forward.")
+        family = _unlisted_family(model)
+    model.runner_spec = HFSpec(model, family, directory, pretrained=pretrained)
+    return model
+
+
+def _unlisted_family(model: nn.Module) -> Family:
+    """A Llama-like reading of a family that declares a pipeline plan (embed_tokens, layers, norm):
+    masks by each layer's ``attention_type``."""
+    base = model.base_model
+    plan = getattr(base.config, "base_model_pp_plan", None) or {}
+    if list(plan)[:3] != ["embed_tokens", "layers", "norm"] or not hasattr(model, "lm_head"):
+        raise ConfigError(f"model.allow_unlisted=true: a {model.config.model_type!r} model declares no "
+                          "embed_tokens/layers/norm pipeline plan the runner can follow. Fix: a listed family.")
+    rotary = "rotary_emb" if hasattr(base, "rotary_emb") else None
+    return Family(rotary=rotary, mask=lambda config, i: getattr(base.layers[i], "attention_type", "full_attention"))
+
+
+@dataclass
+class _Context:
+    """What the base model computes once per forward and its layers take."""
+
+    hidden: torch.Tensor  # the masks take their shape, dtype and device from the hidden states
+    attention_mask: torch.Tensor | None  # the batch's (batch, seq) padding mask
+    position_ids: torch.Tensor
+    position_embeddings: Any = None
+    masks: dict[str, Any] = field(default_factory=dict)  # per mask kind, made when a layer first needs it
+
+
+class HFSpec(ModelSpec):
+    """A Hugging Face causal LM's units: the embedding, each decoder layer, the final norm, the head."""
+
+    def __init__(self, model: nn.Module, family: Family, path: Path, *, pretrained: bool):
+        from transformers import PreTrainedModel
+
+        self.family = model.config.model_type
+        self.config = model.config
+        self.path = path
+        self._family = family
+        self._model = model
+        base = model.base_model_prefix
+        self._base = base
+        layers = model.get_submodule(f"{base}.{family.layers}")
+        self._layer_names = [f"{base}.{family.layers}.{i}" for i in range(len(layers))]
+        embed = Unit(f"{base}.{family.embed[0]}", tuple(f"{base}.{n}" for n in family.embed))
+        self.units = (embed, *(Unit(n, (n,)) for n in self._layer_names),
+                      Unit(f"{base}.{family.norm}", (f"{base}.{family.norm}",)), Unit("lm_head", ("lm_head",)))
+        self.shared = (f"{base}.{family.rotary}",) if family.rotary else ()
+        self._kind = {embed.name: "embed", **{n: "layer" for n in self._layer_names},
+                      self.units[-2].name: "norm", "lm_head": "head"}
+        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
+        # Each module is initialised by the _init_weights of its closest PreTrainedModel.
+        self._init_owners = sorted(((name, m) for name, m in model.named_modules() if isinstance(m, PreTrainedModel)),
+                                   key=lambda item: -len(item[0]))
+        self._tied = tied_groups(model)
+        self._weights = _weight_files(path) if pretrained else None
+        self.bytes_read = 0
+
+    # -- running a stage ------------------------------------------------------------------------
+    def blocks(self) -> list[str]:
+        return list(self._layer_names)
+
+    def keyword_inputs(self) -> set[str]:
+        return {"attention_mask", "position_ids"}
+
+    def run(self, stage: nn.Module, units: Sequence[str], x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        ctx = None
+        for name in units:
+            kind = self._kind[name]
+            if kind == "embed":
+                x = self._embed(stage, x, kwargs)
+            elif kind == "layer":
+                ctx = ctx or self._context(stage, x, kwargs)
+                x = self._layer(stage.get_submodule(name), self._layer_index[name], x, ctx)
+            else:  # the final norm, the head
+                x = stage.get_submodule(name)(x)
+        return x
+
+    def _positions(self, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        # As the base model: the batch's position_ids, else 0..seq-1 (also with left padding).
+        given = kwargs.get("position_ids")
+        return given if given is not None else torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+    def _embed(self, stage: nn.Module, ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        f, base = self._family, self._base
+        h = stage.get_submodule(f"{base}.{f.embed[0]}")(ids)
+        if f.positions:
+            h = h + stage.get_submodule(f"{base}.{f.positions}")(self._positions(ids, kwargs)).to(h.device)
+        if f.dropout:
+            h = stage.get_submodule(f"{base}.{f.dropout}")(h)
+        return h
+
+    def _context(self, stage: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]) -> _Context:
+        ctx = _Context(h, kwargs.get("attention_mask"), self._positions(h, kwargs))
+        if self._family.rotary:
+            ctx.position_embeddings = stage.get_submodule(f"{self._base}.{self._family.rotary}")(h, ctx.position_ids)
+        return ctx
+
+    def _mask(self, ctx: _Context, kind: str):
+        if kind not in ctx.masks:
+            from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+            if ctx.hidden.device.type == "meta":  # shape checks and torch's shape inference: no values
+                ctx.masks[kind] = None
+            else:
+                make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+                ctx.masks[kind] = make(config=self.config, inputs_embeds=ctx.hidden, attention_mask=ctx.attention_mask,
+                                       cache=None, position_ids=ctx.position_ids)
+        return ctx.masks[kind]
+
+    def _layer(self, layer: nn.Module, index: int, h: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        kwargs = {"attention_mask": self._mask(ctx, self._family.mask(self.config, index)),
+                  "position_ids": ctx.position_ids, "use_cache": False}
+        if ctx.position_embeddings is not None:
+            kwargs["position_embeddings"] = ctx.position_embeddings
+        return layer(h, **kwargs)
+
+    def reference_forward(self, model: nn.Module) -> Callable[..., torch.Tensor]:
+        """transformers' own forward of the whole, unmodified model."""
+        return lambda x, **kwargs: model(input_ids=x, use_cache=False, **kwargs).logits
+
+    # -- initialisation and weights -------------------------------------------------------------
+    def cannot_init(self, model: nn.Module) -> list[str]:
+        return []  # transformers' _init_weights covers its own modules
+
+    def init_order(self, names: Sequence[str]) -> list[str]:
+        return list(reversed(names))  # children before parents, as transformers' smart_apply
+
+    def needs_init(self, module: nn.Module) -> bool:
+        return True  # a parent's _init_weights may set its children's weights (GPT-2's c_proj)
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        owner = next(m for prefix, m in self._init_owners if not prefix or name == prefix or
+                     name.startswith(f"{prefix}."))
+        owner._init_weights(module)
+
+    def load_pretrained(self, stage: nn.Module) -> set[str] | None:
+        if self._weights is None:
+            return None
+        from safetensors import safe_open
+
+        wanted = _persistent_state(stage)
+        sources = {name: self._weights.source(name, self._model, self._tied) for name in wanted}
+        missing = [name for name, src in sources.items() if src is None]
+        if missing:
+            raise ConfigError(f"model.path={str(self.path)!r}: the weights hold no tensor for {missing[:5]}"
+                              f"{' …' if len(missing) > 5 else ''}. Fix: complete weights, or model.pretrained=false "
+                              "to start from random initialisation.")
+        by_file: dict[str, list[str]] = {}
+        for name, (file, _) in sources.items():
+            by_file.setdefault(file, []).append(name)
+        with torch.no_grad():
+            for file, names in by_file.items():
+                with safe_open(self.path / file, framework="pt") as f:
+                    for name in names:
+                        tensor = f.get_tensor(sources[name][1])
+                        target = wanted[name]
+                        if tensor.shape != target.shape:
+                            raise ConfigError(f"model.path: {sources[name][1]} has shape {tuple(tensor.shape)}, "
+                                              f"the model's {name} {tuple(target.shape)}. Fix: weights that match "
+                                              "config.json.")
+                        target.copy_(tensor)
+                        self.bytes_read += tensor.numel() * tensor.element_size()
+        return set(wanted)
+
+    def save_metadata(self, directory: Path) -> None:
+        """What an exported model needs besides its tensors: config and tokenizer files."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(directory)
+        copy_model_files(self.path, directory)
+
+
+def copy_model_files(source: Path, target: Path) -> None:
+    """The tokenizer and generation-config files of a model directory, where it has them."""
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file() and not (target / name).exists():
+            shutil.copy2(source / name, target / name)
+
+
+def _persistent_state(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by full name (what a checkpoint file holds)."""
+    out = dict(stage.named_parameters(remove_duplicate=False))
+    for module_name, module in stage.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf_name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{buf_name}" if module_name else buf_name] = buf
+    return out
+
+
+class _WeightFiles:
+    """The tensors of a directory's safetensors files, by the model's parameter names."""
+
+    def __init__(self, keys: dict[str, str]):
+        self.keys = keys  # file key -> file name
+        self._by_name: dict[str, tuple[str, str]] | None = None
+
+    def source(self, name: str, model: nn.Module, tied: list[list[str]]) -> tuple[str, str] | None:
+        """(file, key) holding the model's parameter ``name``; a tied parameter absent from the
+        files reads the one it is tied to."""
+        if self._by_name is None:
+            self._by_name = _rename(self.keys, model)
+        if name in self._by_name:
+            return self._by_name[name]
+        for group in tied:
+            if name in group:
+                return next((self._by_name[n] for n in group if n in self._by_name), None)
+        return None
+
+
+def _weight_files(path: Path) -> _WeightFiles | None:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return _WeightFiles(dict(json.loads(index.read_text())["weight_map"]))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise ConfigError(f"model.path={str(path)!r} holds pickled weights (*.bin) only; the runner reads "
+                              "safetensors (no code runs when they load). Fix: convert them with transformers "
+                              "(from_pretrained, then save_pretrained), or model.pretrained=false.")
+        log.info("model.path=%s holds no weights: random initialisation", path)
+        return None
+    from safetensors import safe_open
+
+    keys = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:  # reads the header only
+            keys.update({k: file.name for k in f.keys()})
+    return _WeightFiles(keys)
+
+
+def _rename(keys: Mapping[str, str], model: nn.Module) -> dict[str, tuple[str, str]]:
+    """Model parameter name -> (file, file key), through transformers' own renames (legacy names,
+    a base-model checkpoint loaded into a model with a head, ...)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    expected = model.state_dict()
+    out = {}
+    for key, file in keys.items():
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if converted is not None:
+            raise ConfigError(f"model.path: the weight {key!r} needs transformers' tensor conversion "
+                              f"({converted}), which the runner's per-stage loading does not do. Fix: a listed family.")
+        out[name] = (file, key)
+    return out

@@ -1,0 +1,92 @@
+"""Tiny Hugging Face models, tokenizers and corpora written into a test's directory (nothing is
+downloaded), and Hugging Face's own unsplit training as the reference."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+VOCAB = 64
+LAYERS = 6  # 9 units: enough for 8 stages
+
+
+def family_configs() -> dict:
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    return {
+        "llama": LlamaConfig(**common),
+        # Sliding windows shorter than the sequence: the masks differ from plain causal ones.
+        "mistral": MistralConfig(**common, sliding_window=5),
+        "qwen2": Qwen2Config(**common, use_sliding_window=True, sliding_window=5, max_window_layers=2),
+        "qwen3": Qwen3Config(**common, head_dim=8),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, bos_token_id=1,
+                           eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    }
+
+
+def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0) -> Path:
+    """``save_pretrained`` of a tiny model of ``family``: with random weights, or its config only."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_configs()[family]
+    if weights:
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    else:
+        config.save_pretrained(directory)
+    return directory
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer over a small vocabulary, with <pad>, <s>, </s> and <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the a pipeline stage runs every microbatch forward and backward while another rank waits".split()
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words, "."])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(directory)
+    return directory
+
+
+def hf_training(cfg: DictConfig, steps: int) -> dict:
+    """transformers' own model (the class itself, with the run's initial weights) trained as the
+    runner trains: the same batches, microbatches, AdamW groups, LR schedule and global clip."""
+    from runner.data import build_dataset, get_batch
+    from runner.losses import build_loss
+    from runner.optim import build_optimizer
+    from runner.pipeline import UnsplitStep
+    from runner.verify import collect_grads, reference_model
+
+    model, forward = reference_model(cfg)
+    t = cfg.train
+    step = UnsplitStep(model, cfg.parallel.microbatches, build_loss(cfg.loss), forward=forward)
+    optimizer, scheduler = build_optimizer([model], t)
+    data = build_dataset(cfg.data, seed=t.seed)
+    out = {"losses": []}
+    for i in range(steps):
+        inputs, targets, kwargs = get_batch(data, i, t.batch_size, t.seq_len)
+        optimizer.zero_grad(set_to_none=True)
+        out["losses"].append(step(inputs, targets, **kwargs).item())
+        if i == 0:
+            out["grads"] = collect_grads([model])
+            with torch.no_grad():  # transformers' own loss, with the runner's targets
+                out["hf_loss"] = model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False,
+                                       **kwargs).loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        if i == 0:
+            out["clipped"] = collect_grads([model])
+        optimizer.step()
+        scheduler.step()
+    return out
