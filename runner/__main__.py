@@ -1,7 +1,8 @@
 """``python -m runner`` (or the ``runner`` console script): compose the config with Hydra, check
 it, launch the ranks, print the summary.
 
-Only this outermost entry turns a ``RunnerError`` into an exit code; inside, errors are raised.
+Only this outermost entry turns errors into exit codes (``runner.errors``: 2 the configuration
+cannot run, 3 the run failed, 130/143 interrupted, 1 a bug); inside, errors are raised.
 Nothing imported at the top imports torch: Hydra's own errors (a misspelt key, a wrong type, an
 unknown option), the checks that need no torch, ``--version`` and shell completion answer in a
 fraction of a second; torch, the pipelining runtime and DCP load once a run needs them.
@@ -27,7 +28,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import config_dir  # also registers the config schemas
-from runner.errors import RunnerError
+from runner.errors import EXIT_CONFIG, EXIT_FAILED, RunnerError, exit_code
 from runner.outputs import format_table
 from runner.provenance import versions
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
@@ -47,7 +48,10 @@ def main(cfg: DictConfig) -> float | None:
         summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else composed_at,
                          composed_at=composed_at)
     except Exception as e:  # leave the reason in the job directory for the sweep report
-        (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
+        try:
+            (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
+        except OSError:  # a full disk: the error itself still reaches the user
+            pass
         raise
     if summary is None:
         return None
@@ -81,6 +85,47 @@ def _version() -> str:
             f"configs: {config_dir()})")
 
 
+def _end_of_search() -> None:
+    """A search (optuna) records failing trials and carries on; its exit status says they failed.
+    Rejected trials (invalid combinations of its search space) are listed, but are no failure."""
+    sweep_dir, rows = _sweep_jobs()
+    rejected, failed = _listed(sweep_dir, rows, ("rejected",)), _listed(sweep_dir, rows, ("failed",))
+    if rejected:
+        print(rejected, file=sys.stderr)
+    if failed:
+        print(failed, file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def _run_dir_unwritable(e: BaseException) -> bool:
+    """Hydra creates the run directory, saves ``.hydra/`` and opens ``runner.log`` before the job
+    starts: an ``OSError`` then, or logging's ``ValueError`` wrapping one (an existing directory
+    that cannot be written), means the run directory. Not after a job has launched."""
+    if not _FIRST_LAUNCH:
+        return False
+    cause = e.__cause__ or e.__context__
+    return isinstance(e, OSError) or (isinstance(e, ValueError) and str(e).startswith("Unable to configure")
+                                      and isinstance(cause, OSError))
+
+
+def _outcome(e: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) for an error that ended the command; None for one to re-raise (a
+    bug in the runner: Python's traceback and status 1). Codes: runner.errors."""
+    if isinstance(e, (HydraException, OmegaConfBaseException)):  # a typo, a wrong type, an unknown option
+        # (Hydra's MissingConfigException is also an OSError: checked first.)
+        cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
+        return EXIT_CONFIG, f"{e}{cause}"
+    if isinstance(e, RunnerError):
+        return exit_code(e), _failed_jobs() or f"error: {e}"
+    if isinstance(e, KeyboardInterrupt):  # SIGINT before the launcher's own handler was set
+        return exit_code(e), "interrupted"
+    if _run_dir_unwritable(e):
+        cause = e if isinstance(e, OSError) else (e.__cause__ or e.__context__)
+        return EXIT_CONFIG, (f"error: cannot write the run directory: {cause}\n"
+                             "Fix: hydra.run.dir=<a writable directory>.")
+    return None
+
+
 def cli() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's own --version names only Hydra's
         print(_version())
@@ -95,32 +140,14 @@ def cli() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         main()
-        # A search (optuna) records failing trials and carries on; its exit status says they failed.
-        # Rejected trials (invalid combinations of its search space) are listed, but are no failure.
-        sweep_dir, rows = _sweep_jobs()
-        rejected, failed = _listed(sweep_dir, rows, ("rejected",)), _listed(sweep_dir, rows, ("failed",))
-        if rejected:
-            print(rejected, file=sys.stderr)
-        if failed:
-            print(failed, file=sys.stderr)
-            sys.exit(2)
-    except RunnerError as e:
-        print(_failed_jobs() or f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        if not _FIRST_LAUNCH:  # raised by the job, after launching: a crash, with its traceback
+        _end_of_search()
+    except (Exception, KeyboardInterrupt) as e:
+        outcome = _outcome(e)
+        if outcome is None:  # a crash: its traceback, after the sweep's list of failed jobs if any
+            print(_failed_jobs(), file=sys.stderr)
             raise
-        # Hydra creates the run directory (and .hydra/) before the job starts.
-        print(f"error: cannot write the run directory: {e}\nFix: hydra.run.dir=<a writable directory>.",
-              file=sys.stderr)
-        sys.exit(2)
-    except (HydraException, OmegaConfBaseException) as e:  # a typo or a wrong type
-        cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
-        print(f"{e}{cause}", file=sys.stderr)
-        sys.exit(1)
-    except Exception:  # a crash: its traceback, after the sweep's list of failed jobs if any
-        print(_failed_jobs(), file=sys.stderr)
-        raise
+        print(outcome[1], file=sys.stderr)
+        sys.exit(outcome[0])
 
 
 if __name__ == "__main__":

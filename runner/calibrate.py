@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from runner.dist import pick_device, synchronize
+from runner.dist import init_distributed, pick_device, synchronize
 from runner.launch import start_method
 from runner.schedule import schedule_order
 from runner.simulate import simulate
@@ -153,8 +153,8 @@ def _rank(rank: int, store_path: str, kind: str, message_bytes: int, bandwidth_b
           out: str) -> None:
     torch.set_num_threads(1)
     device = pick_device(kind, rank)
-    dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.FileStore(store_path, 2), rank=rank,
-                            world_size=2, device_id=device if kind == "cuda" else None)
+    # As a run's ranks: gloo bound to loopback, so the calibration listens on no other address.
+    init_distributed(rank=rank, world_size=2, device=device, timeout_s=300, store=dist.FileStore(store_path, 2))
     try:
         small = _one_way_s(torch.zeros(1, device=device), rank, repeats)
         large = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)

@@ -4,18 +4,29 @@ checkpoint written under one layout (pp, dp, schedule) loads under any other.
 A checkpoint counts only once complete. DCP writes shards and then ``.metadata`` into the target
 directory, overwriting in place, so every save goes into a fresh ``.partial-*`` directory that rank 0
 renames to ``step-N`` once all ranks have written: a crash mid-save leaves the previous checkpoints
-untouched and the partial one ignored. DCP reads ``.metadata`` with pickle: load only checkpoints
-from a trusted source.
+untouched and the partial one ignored (and removed when a run next starts in that directory). A
+save that fails (a full disk) removes its partial directory and ends the run with the reason.
+
+Integrity: at the commit each rank writes ``manifest-rank<R>.json``, the size and sha256 of every
+file it wrote; a resume checks them and names the file that does not match. This detects damage,
+not forgery: whoever can write the checkpoint can rewrite its manifests. Loading runs no code from
+the checkpoint either way (``runner._torch_dcp``): ``.metadata`` and the non-tensor entries are
+unpickled by allowlist. A checkpoint never holds a non-finite value: the save refuses them.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import logging
 import re
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,44 +39,134 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
+from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError, root_causes
 from runner.dist import DistEnv
-from runner.errors import ConfigError, RunnerError
+from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.faults import fault_point
 from runner.split import StageModule
 from runner.tied import TiedWeights
+from runner.watchdog import busy
 
-__all__ = ["CheckpointError", "find_checkpoint", "checkpoint_step", "Checkpointer"]
+__all__ = ["CheckpointError", "find_checkpoint", "checkpoint_step", "read_train_state", "hold_run_lock",
+           "run_in_progress", "write_manifest", "Checkpointer"]
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Optimizer state keyed by parameter name ("state.block0.ffn.up.weight.exp_avg"), not by position.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+LOCK_FILE = ".runner.lock"  # held (flock) by a run's launcher while the run is in progress
+_MANIFEST = "manifest-rank{}.json"
+# Where checkpoint.resume=latest looks under its root: the root itself, and run directories one,
+# two (Hydra's outputs/<date>/<time>) and three (multirun/<date>/<time>/<job>) levels down.
+_LATEST_PATTERNS = ("checkpoints", "*/checkpoints", "*/*/checkpoints", "*/*/*/checkpoints")
 
 
-class CheckpointError(RunnerError):
-    pass
+# -- runs in progress -------------------------------------------------------------------------
+
+@contextmanager
+def hold_run_lock(run_dir: Path) -> Iterator[None]:
+    """Mark ``run_dir`` as in progress for as long as this block runs (and any forked rank
+    lives: they inherit the lock). A second run in the same directory is refused."""
+    with open(run_dir / LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is in use by another run that is still in "
+                              "progress. Fix: another hydra.run.dir, or wait for that run to end.") from None
+        except OSError as e:  # a filesystem without locks (some network mounts)
+            log.warning("cannot lock %s (%s): checkpoint.resume=latest will not see this run as in progress",
+                        f.name, e)
+        yield
 
 
-def _complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "train_state.json").is_file()
+def run_in_progress(run_dir: Path) -> bool:
+    lock = run_dir / LOCK_FILE
+    if not lock.is_file():
+        return False
+    try:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # unreadable, or a filesystem without locks: nothing says it is running
+        return False
+    return False
 
 
-def _steps_in(directory: Path) -> list[Path]:
-    found = [p for p in directory.glob("step-*") if _STEP_DIR.match(p.name) and _complete(p)]
+# -- what a checkpoint directory holds ---------------------------------------------------------
+
+def read_train_state(path: Path) -> dict:
+    """``train_state.json``, or a ``CheckpointError`` naming the file and what is wrong with it."""
+    file = path / "train_state.json"
+    try:
+        state = json.loads(file.read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("step"), int)
+                and isinstance(state.get("world_size"), int) and isinstance(state.get("lr_scheduler"), dict)):
+            raise ValueError("expected an object with an integer step and world_size and lr_scheduler")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file} is unreadable or corrupt ({e}).") from None
+    return state
+
+
+def checkpoint_step(path: Path) -> int:
+    """Optimizer steps done when the checkpoint was saved."""
+    return read_train_state(path)["step"]
+
+
+def _incomplete(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None."""
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata (its save did not finish, or the file was removed)"
+    try:
+        world_size = read_train_state(path)["world_size"]
+    except CheckpointError as e:
+        return str(e)
+    missing = [_MANIFEST.format(r) for r in range(world_size) if not (path / _MANIFEST.format(r)).is_file()]
+    if missing:
+        return f"it has no {', '.join(missing)} (its save did not finish, or they were removed)"
+    return None
+
+
+def _steps_in(directory: Path, *, log_skipped: bool = True) -> list[Path]:
+    """The complete ``step-N`` checkpoints in ``directory``, oldest first; the others are logged."""
+    found = []
+    for p in directory.glob("step-*"):
+        if not _STEP_DIR.match(p.name):
+            continue
+        reason = _incomplete(p)
+        if reason is None:
+            found.append(p)
+        elif log_skipped:
+            log.warning("skipping checkpoint %s: %s", p, reason)
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def find_checkpoint(resume: str, run_dir: Path) -> Path:
-    """The checkpoint directory ``checkpoint.resume`` names (checked before any rank starts)."""
+def _latest(root: Path, run_dir: Path) -> Path:
+    """The newest complete checkpoint of the runs under ``root`` that are not in progress."""
+    candidates = []
+    for checkpoints in sorted({d for pattern in _LATEST_PATTERNS for d in root.glob(pattern) if d.is_dir()}):
+        run = checkpoints.parent
+        if run.resolve() != run_dir.resolve() and run_in_progress(run):
+            log.warning("checkpoint.resume=latest: skipping the checkpoints of %s: that run is still in "
+                        "progress (it holds %s), and its checkpoint.keep may delete them", run, LOCK_FILE)
+            continue
+        candidates += _steps_in(checkpoints)
+    if not candidates:
+        raise ConfigError(f"checkpoint.resume=latest: no complete checkpoint in the runs under {root} "
+                          "(checkpoint.latest_root). Fix: checkpoint.resume=<a checkpoint or run directory>, "
+                          "or checkpoint.latest_root=<the directory your runs are in>.")
+    return max(candidates, key=lambda p: (p / "train_state.json").stat().st_mtime)
+
+
+def find_checkpoint(resume: str, run_dir: Path, latest_root: Path | None = None) -> Path:
+    """The checkpoint directory ``checkpoint.resume`` names (checked before any rank starts).
+    ``latest`` searches the runs under ``latest_root`` only (default: ``outputs`` of the
+    working directory), never the parents of a custom run directory."""
     if resume == "latest":
-        outputs = run_dir.parent.parent  # outputs/<date>/<time>: every run under outputs/
-        candidates = [c for d in outputs.glob("*/*/checkpoints") for c in _steps_in(d)]
-        if not candidates:
-            raise ConfigError(f"checkpoint.resume=latest: no complete checkpoint under {outputs}. "
-                              "Fix: give a checkpoint or run directory.")
-        return max(candidates, key=lambda p: (p / ".metadata").stat().st_mtime)
+        return _latest((latest_root or Path("outputs")).expanduser().resolve(), run_dir)
     path = Path(resume).expanduser().resolve()
     if not path.exists():
         raise ConfigError(f"checkpoint.resume={resume!r}: no such directory. Fix: a checkpoint directory "
@@ -73,22 +174,84 @@ def find_checkpoint(resume: str, run_dir: Path) -> Path:
     if (path / "checkpoints").is_dir():
         steps = _steps_in(path / "checkpoints")
         if not steps:
-            raise ConfigError(f"checkpoint.resume={resume!r}: the run has no complete checkpoint.")
-        return steps[-1]
-    if not _complete(path):
-        raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint (no .metadata or "
-                          "train_state.json: truncated or never committed).")
-    try:
-        checkpoint_step(path)
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"checkpoint.resume={resume!r}: train_state.json is corrupt ({e}).") from e
+            raise ConfigError(f"checkpoint.resume={resume!r}: the run has no complete checkpoint "
+                              "(the log names each one skipped and why).")
+        path = steps[-1]
+    else:
+        reason = _incomplete(path)
+        if reason is not None:
+            raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {reason}.")
+    run = path.parent.parent
+    if run.resolve() != run_dir.resolve() and run_in_progress(run):
+        log.warning("checkpoint.resume: %s belongs to a run still in progress; its checkpoint.keep may "
+                    "delete it while this run loads it", path)
     return path
 
 
-def checkpoint_step(path: Path) -> int:
-    """Optimizer steps done when the checkpoint was saved."""
-    return json.loads((path / "train_state.json").read_text())["step"]
+# -- manifests --------------------------------------------------------------------------------
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path, rank: int, names: list[str]) -> None:
+    """Size and sha256 of the files ``rank`` wrote into the checkpoint ``directory``."""
+    files = {name: {"size": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+             for name in sorted(names)}
+    (directory / _MANIFEST.format(rank)).write_text(json.dumps({"rank": rank, "files": files}, indent=1))
+
+
+def _files_of(directory: Path, rank: int, is_main: bool) -> list[str]:
+    """What ``rank`` writes into a checkpoint: its DCP shards (``__<rank>_<n>.distcp``), its RNG
+    state and, on rank 0, ``.metadata``, ``train_state.json`` and a Hugging Face model's ``hf/``."""
+    names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [f"rng-rank{rank}.pt"]
+    if not is_main:
+        return names
+    extra = [str(p.relative_to(directory)) for p in sorted((directory / "hf").rglob("*")) if p.is_file()]
+    return names + [".metadata", "train_state.json", *extra]
+
+
+def _manifest_problems(directory: Path, rank: int) -> list[str]:
+    manifest = directory / _MANIFEST.format(rank)
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{manifest} is unreadable or corrupt ({e})"]
+    problems = []
+    for name, size, digest in entries:
+        file = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{file} has {file.stat().st_size} bytes, its manifest {manifest.name} says {size} "
+                            "(truncated or overwritten)")
+        elif _sha256(file) != digest:
+            problems.append(f"{file} does not match the sha256 in {manifest.name} (changed after it was saved)")
+    return problems
+
+
+def _gather(obj, env: DistEnv) -> list:
+    if env.world_size == 1:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify_checkpoint(path: Path, saved_world_size: int, env: DistEnv) -> None:
+    """Check every file of ``path`` against its manifest, the hashing shared among the ranks;
+    every rank raises the same ``CheckpointError`` if one does not match."""
+    mine = [r for r in range(saved_world_size) if r % env.world_size == env.rank]
+    problems = [p for found in _gather([p for r in mine for p in _manifest_problems(path, r)], env) for p in found]
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}. Nothing was loaded. Fix: "
+                              "resume from an older checkpoint of that run, or restore the file.")
+
+
+# -- saving and loading ------------------------------------------------------------------------
 
 def _named(modules: list[StageModule]) -> StageModule:
     """This rank's stage modules seen as one module holding their units under the full model's
@@ -127,6 +290,55 @@ def _fill_copies(state: dict, equal: dict[str, str]) -> None:
                         state[key] = state[source]
 
 
+def _non_finite(state: dict) -> list[str]:
+    names = []
+    for group, entries in state.items():
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                names.append(f"{group}.{key}")
+    return names
+
+
+def _save_failure(error: BaseException, rank: int) -> str:
+    """One line for a failed write: ENOSPC said plainly, with the file it hit."""
+    for failed_rank, exc in root_causes(error):
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return f"no space left on device (rank {rank if failed_rank is None else failed_rank}: {exc})"
+    failed_rank, exc = root_causes(error)[0]
+    return f"rank {rank if failed_rank is None else failed_rank}: {type(exc).__name__}: {exc}"
+
+
+def _load_failure(path: Path, error: BaseException) -> str:
+    rank, exc = root_causes(error)[0]
+    where = "" if rank is None else f" (rank {rank})"
+    if isinstance(exc, UnsafeCheckpointError):
+        return (f"checkpoint {path} was refused{where}: {exc}. Fix: resume only from checkpoints this runner "
+                "wrote; a checkpoint from elsewhere may have been tampered with.")
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"checkpoint {path} could not be loaded{where}: {type(exc).__name__}: {first_line}"
+
+
+@contextmanager
+def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """torch 2.13's ``set_optimizer_state_dict`` indexes the first parameter of every group and
+    fails (IndexError) on an empty one, e.g. the no-decay group with ``train.no_decay=[]`` or on a
+    stage without biases or norms. Such groups hold no state: hide them during the load and put
+    them back in place."""
+    groups = optimizer.param_groups
+    empty = {i for i, g in enumerate(groups) if not g["params"]}
+    if not empty:
+        yield
+        return
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [groups[i] if i in empty else next(loaded) for i in range(len(groups))]
+
+
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
                  *, tied: TiedWeights | None = None):
@@ -137,6 +349,16 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.stored, self.equal = tied.renames() if tied else ({}, {})
+        self.last_good: Path | None = None  # the newest checkpoint this run saved or resumed from
+        if env.is_main:
+            self._remove_partials()
+
+    def _remove_partials(self) -> None:
+        """Partial directories of saves that crashed hold space and are never loaded. Only this
+        run writes here (``hold_run_lock``)."""
+        for partial in self.dir.glob(".partial-step-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+            log.warning("removed %s, left by a checkpoint save that did not finish", partial)
 
     def _local_state(self) -> dict:
         return {
@@ -151,52 +373,93 @@ class Checkpointer:
         if self.every and steps_done % self.every == 0:
             self.save(steps_done)
 
+    def _agree(self, problem: tuple[str, str] | None, partial: Path, steps_done: int) -> None:
+        """Every rank learns whether any rank failed, and all raise the same error."""
+        failed = next((p for p in _gather(problem, self.env) if p is not None), None)
+        if failed is None:
+            return
+        if self.env.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        kind, text = failed
+        last = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was saved before"
+        if kind == "non-finite":
+            raise NonFiniteLossError(f"checkpoint step-{steps_done} was not written: non-finite values in {text}; "
+                                     f"{last}. Fix: a lower train.lr or a tighter train.grad_clip.")
+        fix = ("free space there, a smaller checkpoint.keep or a larger checkpoint.every, or hydra.run.dir=<a "
+               "larger filesystem>" if text.startswith("no space left") else "make that directory writable")
+        raise CheckpointError(f"checkpoint step-{steps_done} was not saved in {self.dir}: {text}. The partial "
+                              f"checkpoint was removed; {last}. Fix: {fix}.")
+
     def save(self, steps_done: int) -> None:
+        busy(f"saving checkpoint step-{steps_done}")
         name = [f".partial-step-{steps_done}-{uuid.uuid4().hex[:8]}"]
         if self.env.world_size > 1:
             dist.broadcast_object_list(name, src=0)
         partial = self.dir / name[0]
-        partial.mkdir(parents=True, exist_ok=True)
-        dcp.save(self._state(), checkpoint_id=str(partial))
-        if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
-            self.model.spec.save_metadata(partial / "hf")
-        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
-        if self.env.world_size > 1:
-            dist.barrier()  # every rank's shards are on disk
+        state = self._state()
+        problem = None
+        bad = _non_finite(state)
+        if bad:
+            more = " and more" if len(bad) > 3 else ""
+            problem = ("non-finite", f"{', '.join(bad[:3])}{more} (rank {self.env.rank})")
+        else:
+            try:
+                partial.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                problem = ("save", _save_failure(e, self.env.rank))
+        self._agree(problem, partial, steps_done)
+        try:  # DCP gathers a failure on any rank and raises it on every rank
+            dcp.save(state, checkpoint_id=str(partial))
+            if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
+                self.model.spec.save_metadata(partial / "hf")
+            torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
+            if self.env.is_main:
+                (partial / "train_state.json").write_text(json.dumps(
+                    {"step": steps_done, "world_size": self.env.world_size,
+                     "lr_scheduler": self.scheduler.state_dict()}))
+            write_manifest(partial, self.env.rank, _files_of(partial, self.env.rank, self.env.is_main))
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            problem = ("save", _save_failure(e, self.env.rank))
+        self._agree(problem, partial, steps_done)  # also: every rank's files are on disk
+        final = self.dir / f"step-{steps_done}"
         if self.env.is_main:
-            (partial / "train_state.json").write_text(json.dumps(
-                {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict()}))
             fault_point(f"checkpoint-commit-step-{steps_done}", self.env.rank)
-            final = self.dir / f"step-{steps_done}"
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)  # the commit: atomic on one filesystem
-            for old in _steps_in(self.dir)[:-self.keep]:
+            for old in _steps_in(self.dir, log_skipped=False)[:-self.keep]:
                 shutil.rmtree(old)
             log.info("checkpoint saved: %s", final)
         if self.env.world_size > 1:
             dist.barrier()
+        self.last_good = final
 
     def load(self, path: Path) -> int:
         """Restore model, optimizer, LR schedule and (same world size) RNG; returns steps done.
         The data position is the step: every batch is a function of (seed, step)."""
-        train_state = json.loads((path / "train_state.json").read_text())
+        busy(f"loading checkpoint {path}")
+        train_state = read_train_state(path)
+        verify_checkpoint(path, train_state["world_size"], self.env)
         local = self._local_state()
         stored = {k: _renamed(v, self.stored, self.equal) for k, v in local.items()}  # the same tensors
+        reader = SafeReader(path)
         try:
-            dcp.load(stored, checkpoint_id=str(path))
+            reader.read_metadata()  # here first: inside dcp.load, its error would be reworded
+            dcp.load(stored, checkpoint_id=str(path), storage_reader=reader, planner=SafePlanner())
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {e}") from e
+            raise CheckpointError(_load_failure(path, e)) from e
         for key in local:  # values DCP placed in new objects (non-tensor entries), and the tied copies
             renamed = _renamed({k: k for k in local[key]}, self.stored, self.equal)
             local[key].update({orig: stored[key][new] for new, orig in renamed.items()})
             _fill_copies(local[key], self.equal)
         set_model_state_dict(self.model, local["model"], options=_OPTIONS)
-        set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
+        with _empty_param_groups_set_aside(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
         steps_done = train_state["step"]
         self.scheduler.load_state_dict(train_state["lr_scheduler"])
         rng = path / f"rng-rank{self.env.rank}.pt"
         if train_state["world_size"] == self.env.world_size and rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
+        self.last_good = path
         log.info("resumed from %s at step %d", path, steps_done)
         return steps_done

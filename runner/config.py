@@ -129,14 +129,16 @@ class EvalConfig:
 
 @dataclass
 class LaunchConfig:
-    # Seconds a collective may wait before the job is declared stuck (gloo/nccl timeout).
+    # Seconds without progress before the job is declared stuck (> 0): the gloo/nccl collective
+    # timeout, and a spawned rank silent this long while training ends the job, named.
     timeout_s: float = 300.0
     # Intra-op threads per rank; null = this host's cores divided among the ranks it runs.
     threads_per_rank: Optional[int] = None
     # Rendezvous: null = a file in the run directory (no port, no collisions); N = a TCP store on
-    # 127.0.0.1:N hosted by the launcher (torch's store listens on every interface).
+    # 127.0.0.1:N hosted by the launcher (bound to loopback only).
     port: Optional[int] = None
-    grace_s: float = 10.0  # after SIGINT/SIGTERM, how long ranks get to exit before SIGKILL
+    # After SIGINT/SIGTERM, a stall or a failed rank: how long ranks get to exit before SIGKILL (>= 0).
+    grace_s: float = 10.0
     # How rank processes start: fork (children inherit the launcher's imports: startup in
     # milliseconds instead of seconds), spawn (fresh interpreters), or auto: fork for CPU runs
     # on Linux, spawn where fork is unsafe (CUDA, macOS).
@@ -172,9 +174,12 @@ class LoggingConfig:
 class CheckpointConfig:
     every: int = 0  # save every K optimizer steps into <run dir>/checkpoints/step-N; 0 = never
     keep: int = 2  # complete checkpoints kept (the newest)
-    # Continue from: a checkpoint directory, a run directory (its newest checkpoint), or "latest"
-    # (the newest checkpoint of any run under the same outputs directory).
+    # Continue from: a checkpoint directory, a run directory (its newest complete checkpoint), or
+    # "latest": the newest complete checkpoint of the runs under latest_root that are not in progress.
     resume: Optional[str] = None
+    # Where resume=latest looks (relative to the launch directory): this directory and run
+    # directories up to three levels below it (outputs/<date>/<time>, multirun/<date>/<time>/<job>).
+    latest_root: str = "outputs"
 
 
 @dataclass

@@ -1,6 +1,18 @@
-"""The runner's exceptions. Code raises them; only the outermost entry turns them into exit codes."""
+"""The runner's exceptions and exit codes. Code raises the exceptions; only the outermost entry
+(``runner.__main__.cli``) turns them into exit codes, with ``exit_code``."""
 
-__all__ = ["RunnerError", "ConfigError", "RankFailedError", "VerifyError", "NonFiniteLossError"]
+import signal
+
+__all__ = ["RunnerError", "ConfigError", "RankFailedError", "StalledRankError", "VerifyError",
+           "NonFiniteLossError", "CheckpointError", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED",
+           "exit_code", "interrupted_exit_code"]
+
+# Exit codes: distinct from each other and from 1, Python's own status for an uncaught exception
+# (a bug in the runner, shown with its traceback).
+EXIT_CONFIG = 2  # the configuration cannot run: nothing was started (argparse's usage-error code)
+EXIT_FAILED = 3  # the run started and failed: a rank raised, died or stalled, a non-finite step, ...
+# Stopped by a signal: the shell's 128 + the signal number, whichever way the signal arrived.
+EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class RunnerError(Exception):
@@ -15,9 +27,33 @@ class RankFailedError(RunnerError):
     """A rank process failed; the message carries its traceback."""
 
 
+class StalledRankError(RankFailedError):
+    """A rank made no progress for ``launch.timeout_s``; the message names it and its last action."""
+
+
 class VerifyError(RunnerError):
     """``verify=true`` found the pipelined gradients differ from the unsplit model's."""
 
 
 class NonFiniteLossError(RunnerError):
-    """The step's loss is NaN or infinite; every rank stops at the same step."""
+    """The step's loss or gradient norm is NaN or infinite; every rank stops at the same step,
+    before the optimizer applies it."""
+
+
+class CheckpointError(RunnerError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the reason."""
+
+
+def exit_code(error: BaseException) -> int:
+    """The process's exit status for an error that ended the run (1 for a bug: not ours)."""
+    if isinstance(error, ConfigError):
+        return EXIT_CONFIG
+    if isinstance(error, RunnerError):
+        return EXIT_FAILED
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED[signal.SIGINT]
+    return 1
+
+
+def interrupted_exit_code(signum: int) -> int:
+    return EXIT_INTERRUPTED.get(signum, 128 + signum)

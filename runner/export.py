@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from runner.checkpoint import find_checkpoint
-from runner.errors import ConfigError, RunnerError
+from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError
+from runner.checkpoint import find_checkpoint, read_train_state, verify_checkpoint
+from runner.dist import DistEnv
+from runner.errors import CheckpointError, ConfigError, RunnerError, exit_code
 from runner.units import tied_groups
 
 __all__ = ["export", "main"]
@@ -29,14 +30,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors of a DCP checkpoint (not the optimizer's), read in this process."""
-    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    """The model's tensors of a DCP checkpoint (not the optimizer's), read in this process: its
+    files checked against their manifests, and nothing unpickled but checkpoint data."""
+    verify_checkpoint(checkpoint, read_train_state(checkpoint)["world_size"], DistEnv(0, 1, torch.device("cpu")))
+    reader = SafeReader(str(checkpoint))
+    try:
+        metadata = reader.read_metadata()
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(f"checkpoint {checkpoint} was refused: {e}.") from None
     model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=str(checkpoint))
+        dcp.load({"model": model}, checkpoint_id=str(checkpoint), storage_reader=reader, planner=SafePlanner())
     return model
 
 
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         out = export(args.source.expanduser().resolve(), args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except RunnerError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_code(e))
     print(f"exported to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 

@@ -2,8 +2,9 @@
 ``RUNNER_FAULT`` environment variable and inert otherwise.
 
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
-(SIGKILL), ``stall`` (sleep far past the collective timeout) or ``nan`` (a non-finite loss), on
-that rank at the start of that step (numbered from 1, as in the logs and metrics.jsonl).
+(SIGKILL), ``stall`` (sleep far past the collective timeout), ``nan`` (a non-finite loss) or
+``nangrad`` (a finite loss with a non-finite gradient), on that rank at the start of that step
+(numbered from 1, as in the logs and metrics.jsonl).
 ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0 between the shard writes and the commit
 of step N's checkpoint.
 """
@@ -30,7 +31,8 @@ def _train_fault_spec() -> tuple[str, int, int] | None:
 
 
 def train_fault(step: int, rank: int) -> str | None:
-    """Act on a ``<what>:<rank>:<step>`` fault due here; returns ``"nan"`` for the loop to apply."""
+    """Act on a ``<what>:<rank>:<step>`` fault due here; returns ``"nan"`` or ``"nangrad"`` for the
+    loop to apply."""
     spec = _train_fault_spec()
     if spec is None or spec[1:] != (rank, step):
         return None

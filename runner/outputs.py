@@ -96,11 +96,19 @@ class MetricsWriter:
     already checked by ``check_loggers`` before launch. Runs are named and grouped by
     ``run_identity``."""
 
-    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None):
+    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, resumed_after: int = 0):
         if isinstance(run_config, DictConfig):
             run_config = OmegaConf.to_container(run_config, resolve=True)
         hparams = dict(run_config or {})
-        self.file = open(run_dir / "metrics.jsonl", "w")
+        path = run_dir / "metrics.jsonl"
+        # Resumed from a checkpoint of step N into a run directory: its records of steps 1..N stay
+        # (``history``); the steps after N are trained again and replace the old ones.
+        self.history = _history(path, resumed_after)
+        if resumed_after:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            os.replace(tmp, path)
+        self.file = open(path, "a" if resumed_after else "w")
         self.last_step = 0
         self.tb = self.wandb = self.mlflow = None
         name, group = run_identity(run_dir)
@@ -146,6 +154,21 @@ class MetricsWriter:
             for path in artifacts:
                 self.mlflow.client.log_artifact(self.mlflow.run_id, str(path))
             self.mlflow.finish("FAILED" if failed else "FINISHED")
+
+
+def _history(path: Path, steps_done: int) -> list[dict]:
+    """The records of steps up to ``steps_done`` (numbered from 1) in an existing ``metrics.jsonl``."""
+    if not steps_done or not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= steps_done:
+            kept.append(record)
+    return kept
 
 
 def _start_wandb(run_dir: Path, options, hparams: dict, *, name: str, group: str | None):

@@ -5,7 +5,8 @@ ones wrap compute *and* the wait for its input in ``PP:`` ranges), and the decla
 ``pipeline_order`` is not always what executes. So the recorder wraps each ``PipelineStage``'s
 forward, backward and weight-backward calls: whatever the schedule, each action becomes an
 ``Action`` with its own start and end, and a ``compute:<stage><F|B|I|W><microbatch>`` range in the
-torch profiler trace. Outside the recorded window a wrapped call costs one flag check.
+torch profiler trace. Outside the recorded window a wrapped call costs one flag check and two
+heartbeats (``runner.watchdog``: what the rank is doing, for the launcher).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Iterator
 from torch.profiler import record_function
 
 from runner.simulate import Op
+from runner.watchdog import beat
 
 __all__ = ["Action", "StepSpan", "Recorder"]
 
@@ -90,12 +92,16 @@ class Recorder:
             @functools.wraps(method)
             def call(chunk_id, *args, **kwargs):
                 kind = kind_of(kwargs)
+                name = f"stage {index} action {index}{kind}{chunk_id} of step {self.step}"
+                beat(f"running {name}")  # the launcher's watchdog names a stalled rank's last action
                 try:
                     with self.action(index, kind, chunk_id):
-                        return method(chunk_id, *args, **kwargs)
+                        result = method(chunk_id, *args, **kwargs)
                 except Exception as e:  # say where in the pipeline it happened
                     e.add_note(f"runner: in pipeline stage {index}, action {index}{kind}{chunk_id}")
                     raise
+                beat(f"finished {name}")
+                return result
 
             return call
 

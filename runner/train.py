@@ -27,6 +27,7 @@ from runner.profile import RunProfiler
 from runner.provenance import device_name
 from runner.validate import Layout
 from runner.verify import gather_grads, verify_first_step
+from runner.watchdog import beat, busy
 
 __all__ = ["TrainResult", "train", "reduce_loss_and_grad_norm", "evaluate"]
 
@@ -85,6 +86,14 @@ def evaluate(step_fn: UnsplitStep | PipelinedStep, data, cfg: DictConfig, env: D
     return _step_loss(None if losses[0] is None else torch.stack(losses).mean(), env, mesh)
 
 
+def _non_finite_message(step: int, loss: float, grad_norm: float, last_good: Path | None) -> str:
+    what = "gradient norm" if math.isfinite(loss) else "loss"
+    last = (f"the last good checkpoint is {last_good} (checkpoint.resume={last_good})" if last_good
+            else "no checkpoint was saved before it")
+    return (f"non-finite {what} at step {step} (loss {loss}, grad_norm {grad_norm}): the optimizer did not apply "
+            f"this step and no checkpoint holds it; {last}. Fix: a lower train.lr or a tighter train.grad_clip.")
+
+
 def _phases(launch_time: float, marks: dict[str, float]) -> dict[str, float]:
     """Each phase's duration: from the end of the one before (the first from the launch)."""
     ends = list(marks.values())
@@ -128,7 +137,7 @@ def train(
     profiler = RunProfiler(cfg.profile, steps=t.steps - first_step, env=env, run_dir=run_dir,
                            first_step=first_step + 1)
     step_fn.attach(profiler.recorder)
-    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg) if env.is_main else None
+    metrics = MetricsWriter(run_dir, cfg.logging, run_config=cfg, resumed_after=first_step) if env.is_main else None
     result = TrainResult(losses=[])
     step_times: list[float] = []
     val_losses: list[tuple[int, float]] = []
@@ -141,6 +150,7 @@ def train(
         # ``index`` (from 0) is the position in the data and in the LR schedule.
         for index in range(first_step, t.steps):
             step = index + 1
+            beat(f"began step {step}")
             batch = get_batch(data, index, t.batch_size, t.seq_len)
             inputs, targets, kwargs = _replica_share(batch, mesh, env.device)
             profiler.begin_step(index - first_step)
@@ -151,14 +161,18 @@ def train(
                 local_loss = step_fn(inputs, targets, **kwargs)
             if fault == "nan" and local_loss is not None:
                 local_loss = local_loss * float("nan")
+            if fault == "nangrad":  # a finite loss with a non-finite gradient
+                next(p.grad for p in params if p.grad is not None).mul_(float("nan"))
             tied.sync_grads()
             loss, grad_norm = reduce_loss_and_grad_norm(local_loss, norm_params, env, mesh)
-            if not math.isfinite(loss):  # every rank sees the reduced loss: all stop at this step
-                raise NonFiniteLossError(f"non-finite loss at step {step}: {loss}. Fix: a lower train.lr or a "
-                                         "tighter train.grad_clip; checkpoints before this step are intact.")
+            # Every rank sees the same reduced values: all stop at this step, before the optimizer
+            # writes NaN into the parameters (a finite loss can come with a non-finite gradient).
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteLossError(_non_finite_message(step, loss, grad_norm, checkpointer.last_good))
             if index == first_step and keep_first_grads:
                 result.first_grads = gather_grads(step_fn.modules, env, skip=tied.not_counted())
             if index == first_step and cfg.verify:
+                busy(f"verifying step {step} against the unsplit model")
                 verify_report = verify_first_step(cfg, step_fn.modules, loss, batch, env, skip=tied.not_counted())
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, torch.tensor(grad_norm))
@@ -176,6 +190,7 @@ def train(
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
                       "tokens_per_s": t.batch_size * t.seq_len / step_time}
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == t.steps):
+                beat(f"evaluating after step {step}")
                 with profiler.recorder.paused():  # not part of the training schedule's timeline
                     record["val_loss"] = evaluate(step_fn, data, cfg, env, mesh)
                 val_losses.append((step, record["val_loss"]))
@@ -189,15 +204,18 @@ def train(
         if metrics:
             metrics.close(failed=True)
         raise
+    busy("writing the profile and summary")
     bubble = profiler.finish(layout)
     # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
     per_rank = gather_to_main((peak_memory_bytes(env.device), device_name(env.device),
                                getattr(step_fn.modules[0].spec, "bytes_read", 0)), env)
     if env.is_main:
+        history = metrics.history  # resumed into its own run directory: the steps before the checkpoint
+        val_losses = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r] + val_losses
         result.summary = make_summary(
-            cfg=cfg, layout=layout, first_step=first_step + 1, losses=result.losses, step_times=step_times,
-            tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time, startup_s=startup_s,
-            peak_mem=[r[0] for r in per_rank], device_names=[r[1] for r in per_rank],
+            cfg=cfg, layout=layout, first_step=first_step + 1, losses=[r["loss"] for r in history] + result.losses,
+            step_times=step_times, tokens_per_step=t.batch_size * t.seq_len, launch_time=launch_time,
+            startup_s=startup_s, peak_mem=[r[0] for r in per_rank], device_names=[r[1] for r in per_rank],
             config_path=write_resolved_config(run_dir, cfg),
         )
         result.summary["bubble"] = bubble

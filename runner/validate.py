@@ -7,11 +7,13 @@ need them (schedule rules asked of torch, the meta model, the first batch) impor
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -73,6 +75,33 @@ def _check_missing(cfg: DictConfig) -> None:
         )
 
 
+# Groups whose keys are the arguments of a user's factory (model._target_=pkg.mod.fn and so on):
+# extra keys there are legitimate, and the factory itself rejects what it does not take.
+_OPEN_GROUPS = ("model", "data", "loss")
+
+
+def _schema_nodes(node: DictConfig, path: str) -> Iterator[tuple[str, DictConfig]]:
+    if dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        yield path, node
+    for key, child in node.items_ex(resolve=False):
+        if isinstance(child, DictConfig) and not (path == "" and key in _OPEN_GROUPS):
+            yield from _schema_nodes(child, f"{path}{key}.")
+
+
+def _check_unknown_keys(cfg: DictConfig) -> None:
+    """A key added with ``+key=value`` that no schema declares would be ignored without a word:
+    ``+parallel.microbtches=8`` (Hydra's own suggestion for the typo) is refused like a plain typo."""
+    for path, node in _schema_nodes(cfg, ""):
+        known = sorted(f.name for f in dataclasses.fields(OmegaConf.get_type(node)))
+        for key in node.keys():
+            if key in known:
+                continue
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"Did you mean {path}{close[0]}? " if close else ""
+            raise ConfigError(f"{path}{key} is not a key of {path.rstrip('.') or 'the config'}: nothing would read "
+                              f"it. {hint}Fix: drop +{path}{key}; the keys are {', '.join(known)}.")
+
+
 def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
     for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp),
@@ -87,6 +116,9 @@ def _check_numbers(cfg: DictConfig) -> None:
             f"parallel.dp={p.dp} with parallel.dp_mode=none: replicas would train apart. "
             "Fix: parallel.dp_mode=ddp or parallel.dp_mode=fsdp."
         )
+    if not cfg.launch.timeout_s > 0 or not cfg.launch.grace_s >= 0:
+        raise ConfigError(f"launch.timeout_s={cfg.launch.timeout_s}, launch.grace_s={cfg.launch.grace_s}: the "
+                          "timeout must be > 0 seconds and the grace period >= 0. Fix: e.g. launch.timeout_s=300.")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(
             f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
@@ -261,6 +293,7 @@ def _splits_backward(cfg: DictConfig, layout: Layout) -> bool:
 def check_config(cfg: DictConfig) -> None:
     """The checks that need no torch: missing values, numbers, option names, loggers."""
     _check_missing(cfg)
+    _check_unknown_keys(cfg)
     _check_numbers(cfg)
     check_loggers(cfg.logging)  # enabled loggers' packages are importable; wandb_mode is known
     _check_training_options(cfg)

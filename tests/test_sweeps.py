@@ -95,7 +95,7 @@ def test_optuna_study_persists_resumes_up_to_n_trials_and_its_exit_status_says_t
     # (an injected fault): the study goes on and ends, and the exit status says a trial failed.
     again = _sweep("hparams_search=optuna", "experiment=smoke", "hydra.sweeper.n_trials=4", cwd=tmp_path,
                    sweep_dir="sweep-again", env_extra={"RUNNER_FAULT": "raise:1:2"})
-    assert again.returncode == 2 and "1 of 1 jobs failed" in again.stderr and "injected fault" in again.stderr
+    assert again.returncode == 3 and "1 of 1 jobs failed" in again.stderr and "injected fault" in again.stderr
     assert [r["status"] for r in _rows(tmp_path / "sweep-again")] == ["failed"]
     import optuna
 

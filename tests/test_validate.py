@@ -88,6 +88,13 @@ BAD = [
     (["loss._target_=nowhere.loss"], ["loss._target_='nowhere.loss'", "loss(logits, targets)"]),
     (["data._target_=_models.ShortBatches"],
      ["data._target_='_models.ShortBatches'", "(8, 15)", "(8, 16)"]),
+    # '+' forces a key into a schema-backed group: refused like a plain typo (Hydra suggests the '+').
+    (["+parallel.microbtches=8"], ["parallel.microbtches", "Did you mean parallel.microbatches?"]),
+    (["+checkpoint.evry=2"], ["checkpoint.evry", "Did you mean checkpoint.every?"]),
+    (["+verbose=true"], ["verbose is not a key of the config"]),
+    (["launch.timeout_s=0"], ["launch.timeout_s=0", "> 0"]),
+    (["launch.timeout_s=-1"], ["launch.timeout_s=-1"]),
+    (["launch.grace_s=-1"], ["launch.grace_s=-1", ">= 0"]),
 ]
 
 
@@ -97,6 +104,13 @@ def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
         validate(compose(*PP2, *overrides))
     for text in expected:
         assert text in str(info.value), str(info.value)
+
+
+def test_extra_keys_are_accepted_where_a_factory_takes_them():
+    # A user's (or the built-in) loss/model/data factory is called with its group's keys.
+    cfg = compose(*PP2, "+loss.label_smoothing=0.1")
+    validate(cfg)
+    assert cfg.loss.label_smoothing == 0.1
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])

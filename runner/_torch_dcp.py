@@ -1,0 +1,99 @@
+"""Loading a DCP checkpoint without running code from it: every use of torch.distributed.checkpoint
+internals, in one place. Tested with torch 2.13.
+
+DCP unpickles in two places. ``FileSystemReader.read_metadata`` reads ``.metadata`` with plain
+``pickle``; ``DefaultLoadPlanner.load_bytes`` reads every non-tensor entry of the shards (the
+optimizer's hyperparameters, for one) with ``torch.load`` and ``weights_only`` off. A crafted file runs
+arbitrary code through either. ``SafeReader`` unpickles ``.metadata`` admitting only DCP's metadata
+classes and the plain values they hold; ``SafePlanner`` loads byte entries with
+``weights_only=True``. Anything else is refused with ``UnsafeCheckpointError``. (Tensor entries are
+already read with ``weights_only=True`` by DCP itself.)
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+__all__ = ["UnsafeCheckpointError", "SafeReader", "SafePlanner", "root_causes"]
+
+# What DCP's ``.metadata`` pickle refers to (torch 2.13): its dataclasses, tensor sizes, dtypes
+# and layouts, and the path it was saved to.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name among torch's own
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UnsafeCheckpointError(Exception):
+    """A checkpoint file holds something other than checkpoint data; it was not loaded."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f".metadata refers to {module}.{name}, which is not checkpoint metadata; loading it "
+            "could run code, so it was not loaded")
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled by an allowlist (see the module)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # torch 2.13's FileSystemReader.read_metadata with pickle.load replaced.
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = _MetadataUnpickler(metadata_file).load()
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor entries with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            what = f"refers to {found.group(1)}, which is not plain data" if found else f"is not plain data ({e})"
+            raise UnsafeCheckpointError(f"entry {fqn!r} {what}; loading it could run code, so it was not "
+                                        "loaded") from None
+        # torch 2.13's DefaultLoadPlanner.load_bytes, with the value loaded above.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def root_causes(error: BaseException) -> list[tuple[int | None, BaseException]]:
+    """(rank, exception) for each failure a DCP ``CheckpointException`` gathered from the ranks;
+    any other exception is its own root cause."""
+    if isinstance(error, CheckpointException):
+        return [(rank, exc) for rank, (exc, _trace) in sorted(error.failures.items())]
+    return [(None, error)]

@@ -1,0 +1,237 @@
+"""Checkpoints that are poisoned, foreign, damaged, in use or half-written are never loaded
+silently; a resume keeps the run's history. In-process, one rank (pp=1): every case trains a
+few tiny steps or none, and damages real checkpoint files."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import pickle
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from runner.checkpoint import Checkpointer, find_checkpoint, hold_run_lock, run_in_progress, write_manifest
+from runner.dist import DistEnv
+from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
+from runner.launch import launch
+from runner.optim import build_optimizer
+from runner.train import train
+from runner.validate import validate
+
+from conftest import TINY, compose
+
+ONE = [*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4"]
+ENV = DistEnv(0, 1, torch.device("cpu"))
+
+
+def _train(run_dir: Path, *overrides: str, resume: Path | None = None):
+    cfg = compose(*ONE, *overrides)
+    if resume is not None:
+        cfg.checkpoint.resume = str(resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return train(cfg, validate(cfg), ENV, run_dir, launch_time=time.time())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A finished run under outputs/<date>/<time>: checkpoints step-1 and step-2 of 2 steps."""
+    run_dir = tmp_path_factory.mktemp("saved") / "outputs" / "day" / "first"
+    _train(run_dir, "train.steps=2", "checkpoint.every=1")
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(saved, tmp_path) -> Path:
+    """A copy of the saved run, free to damage."""
+    copy = tmp_path / "outputs" / "day" / "first"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def _all_files(step: Path) -> list[str]:
+    return [p.name for p in step.iterdir() if not p.name.startswith("manifest-")]
+
+
+class _Payload:
+    """Unpickled without our allowlist, it creates ``marker``: code run by loading a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_a_crafted_metadata_file_runs_no_code_even_with_a_matching_manifest(run_copy, tmp_path):
+    step = run_copy / "checkpoints" / "step-2"
+    marker = tmp_path / "pwned"
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    pickle.loads((step / ".metadata").read_bytes())  # the payload is live: plain pickle runs it
+    assert marker.exists()
+    marker.unlink()
+    write_manifest(step, 0, _all_files(step))  # whoever can plant a file can rewrite the manifest
+    with pytest.raises(CheckpointError, match=r"refused.*builtins\.exec.*not checkpoint metadata") as info:
+        _train(tmp_path / "resume", "train.steps=3", resume=step)
+    assert str(step) in str(info.value) and not marker.exists()
+
+
+def test_a_crafted_non_tensor_entry_runs_no_code(run_copy, tmp_path):
+    # The runner's own optimizer hyperparameters are pickled entries of the shard files.
+    step = run_copy / "checkpoints" / "step-2"
+    dcp_to_torch_save(step, tmp_path / "full.pt")
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    key = next(k for k in state["optim"] if k.startswith("param_groups.") and k.endswith(".lr"))
+    marker = tmp_path / "pwned"
+    state["optim"][key] = _Payload(marker)
+    evil = tmp_path / "evil"
+    dcp.save(state, checkpoint_id=str(evil))
+    for name in ("train_state.json", "rng-rank0.pt"):
+        shutil.copy(step / name, evil / name)
+    write_manifest(evil, 0, _all_files(evil))
+    dcp_to_torch_save(evil, tmp_path / "check.pt")  # torch's default load planner runs the payload
+    assert marker.exists()
+    marker.unlink()
+    refused = rf"refused.*entry 'optim\.{key}' refers to exec, which is not plain data"
+    with pytest.raises(CheckpointError, match=refused):
+        _train(tmp_path / "resume", "train.steps=3", resume=evil)
+    assert not marker.exists()
+
+
+def test_a_damaged_file_is_named_and_nothing_is_loaded(run_copy, tmp_path):
+    step = run_copy / "checkpoints" / "step-2"
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit in a tensor: DCP itself would load it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard} does not match the sha256 in manifest-rank0.json"):
+        _train(tmp_path / "resume", "train.steps=3", resume=step)
+    shard.write_bytes(bytes(data[:100]))  # truncated
+    with pytest.raises(CheckpointError, match=f"{shard} has 100 bytes, its manifest"):
+        _train(tmp_path / "resume", "train.steps=3", resume=step)
+
+
+def test_an_incomplete_newest_checkpoint_is_skipped_and_named(run_copy, caplog):
+    (run_copy / "checkpoints" / "step-2" / ".metadata").unlink()
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        assert find_checkpoint(str(run_copy), run_copy) == run_copy / "checkpoints" / "step-1"
+    assert f"skipping checkpoint {run_copy / 'checkpoints' / 'step-2'}: it has no .metadata" in caplog.text
+    (run_copy / "checkpoints" / "step-1" / "manifest-rank0.json").unlink()
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        find_checkpoint(str(run_copy), run_copy)
+    assert "step-1: it has no manifest-rank0.json" in caplog.text
+
+
+def test_a_garbage_train_state_names_its_file(run_copy):
+    step = run_copy / "checkpoints" / "step-2"
+    (step / "train_state.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=f"{step / 'train_state.json'} is unreadable or corrupt"):
+        find_checkpoint(str(step), run_copy)
+
+
+def test_latest_looks_only_under_its_root_and_skips_runs_in_progress(saved, tmp_path, caplog):
+    root = tmp_path / "outputs"
+    older, newer = root / "day" / "older", root / "day" / "newer"
+    shutil.copytree(saved, older)
+    time.sleep(0.01)
+    shutil.copytree(saved, newer)
+    planted = tmp_path / "planted" / "checkpoints"  # outside the root, and the newest of all
+    shutil.copytree(saved / "checkpoints", planted)
+    custom_run = tmp_path / "x" / "run"  # a custom hydra.run.dir: its parents are not searched
+    custom_run.mkdir(parents=True)
+    assert find_checkpoint("latest", custom_run, root) == newer / "checkpoints" / "step-2"
+    with pytest.raises(ConfigError, match=f"no complete checkpoint in the runs under {custom_run.parent}"):
+        find_checkpoint("latest", custom_run, custom_run.parent)
+    with hold_run_lock(newer), caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        assert run_in_progress(newer)
+        assert find_checkpoint("latest", custom_run, root) == older / "checkpoints" / "step-2"
+        assert f"skipping the checkpoints of {newer}: that run is still in progress" in caplog.text
+        with pytest.raises(ConfigError, match="in use by another run"):
+            with hold_run_lock(newer):
+                pass
+    assert not run_in_progress(newer)
+
+
+def test_a_full_disk_during_a_save_says_so_and_leaves_no_partial_directory(tmp_path, monkeypatch, caplog):
+    run_dir = tmp_path / "run"
+    stale = run_dir / "checkpoints" / ".partial-step-7-deadbeef"  # left by a save that crashed
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"x" * 1000)
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "checkpoints" / "__0_0.distcp"))
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full)
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"), pytest.raises(CheckpointError) as info:
+        _train(run_dir, "train.steps=2", "checkpoint.every=2")
+    message = str(info.value)
+    assert "checkpoint step-2 was not saved in" in message and str(run_dir / "checkpoints") in message
+    assert "no space left on device" in message and "__0_0.distcp" in message
+    assert "partial checkpoint was removed" in message
+    assert f"removed {stale}" in caplog.text
+    assert list((run_dir / "checkpoints").iterdir()) == []
+
+
+def test_a_checkpoint_never_holds_a_non_finite_value(tmp_path):
+    from runner.split import StageModule
+    from runner.units import SequentialSpec
+
+    whole = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        whole[1].weight[0, 0] = float("inf")
+    spec = SequentialSpec(whole)
+    model = StageModule(spec, spec.unit_names, dict(whole.named_children()))
+    optimizer, scheduler = build_optimizer([model], compose(*ONE).train)
+    cfg = compose(*ONE, "checkpoint.every=1").checkpoint
+    checkpointer = Checkpointer(cfg, tmp_path, ENV, [model], optimizer, scheduler)
+    refused = r"step-1 was not written: non-finite values in model\.1\.weight \(rank 0\)"
+    with pytest.raises(NonFiniteLossError, match=refused):
+        checkpointer.save(1)
+    assert not list(tmp_path.glob("checkpoints/*"))
+
+
+def test_divergence_stops_before_the_optimizer_and_names_the_last_good_checkpoint(tmp_path):
+    # lr=1e6: step 2's update makes step 3's loss NaN; checkpoints after steps 1 and 2 exist.
+    with pytest.raises(NonFiniteLossError) as info:
+        _train(tmp_path, "train.steps=5", "train.lr=1e6", "checkpoint.every=1", "checkpoint.keep=5")
+    step2 = tmp_path / "checkpoints" / "step-2"
+    assert "non-finite loss at step 3" in str(info.value)
+    assert f"the last good checkpoint is {step2}" in str(info.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    dcp_to_torch_save(step2, tmp_path / "full.pt")
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    tensors = [v for group in state.values() for v in group.values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) > 20 and all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_resume_with_an_empty_parameter_group(tmp_path):
+    # train.no_decay=[]: the no-decay group is empty (as on a stage without biases or norms).
+    full = _train(tmp_path / "full", "train.steps=3", "train.no_decay=[]", "checkpoint.every=2").losses
+    resumed = _train(tmp_path / "resumed", "train.steps=3", "train.no_decay=[]",
+                     resume=tmp_path / "full" / "checkpoints" / "step-2").losses
+    assert resumed == pytest.approx(full[2:], rel=1e-6, abs=0)
+
+
+def test_resuming_into_its_own_run_directory_keeps_its_history(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*ONE, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "eval.every=1"]
+    first = launch(compose(*common), run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    # Resume from step-2 into the same directory, for 6 steps: 1-2 kept, 3-4 replaced, 5-6 added.
+    resumed = launch(compose(*common, "train.steps=6", f"checkpoint.resume={run_dir}/checkpoints/step-2"), run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[:2] == [json.loads(line) for line in lines[:2]]
+    assert [r["loss"] for r in records[:4]] == pytest.approx(first["losses"], rel=1e-6, abs=0)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == resumed and summary["first_step"] == 3 and summary["steps"] == 6
+    assert summary["losses"] == [r["loss"] for r in records]
+    assert [v["step"] for v in summary["val_losses"]] == [1, 2, 3, 4, 5, 6]
