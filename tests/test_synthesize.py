@@ -78,7 +78,7 @@ def test_synthesized_order_runs_and_comes_near_the_lower_bound(tmp_path, pp, m, 
     done = simulate(found.order, costs, num_stages=n, comm_s=0.1)  # raises if it cannot progress
     assert max(a.end for a in done) == pytest.approx(found.makespan_s)
     bound = lower_bound(problem)
-    assert found.lower_bound_s == bound <= found.makespan_s <= bound * (1 + MARGIN)
+    assert found.lower_bound_s == bound <= found.makespan_s * (1 + 1e-9) <= bound * (1 + MARGIN) * (1 + 1e-9)
     # Never worse than the built-ins it started from.
     for name, order in seeds.items():
         assert found.makespan_s <= max(a.end for a in simulate(order, costs, num_stages=n, comm_s=0.1)) + 1e-9, name
@@ -145,7 +145,7 @@ def test_plan_lists_synthesized_orders_beside_the_builtins(tmp_path):
                 and b.stages_per_rank == c.stages_per_rank and b.split_points == c.split_points
                 and (b.schedule in V_SHAPED) == (c.search["placement"] == "V")]
         assert same and c.pipeline_s <= min(b.pipeline_s for b in same) + 1e-9
-        assert c.lower_bound_s <= c.pipeline_s
+        assert c.lower_bound_s <= c.pipeline_s * (1 + 1e-9)  # equal when the order is optimal (up to rounding)
     report = "\n".join(_search_report(candidates))
     assert "lower bound" in report and "best built-in there" in report
     assert "synthesized" in _table(candidates)
