@@ -98,7 +98,7 @@ def build_meta_model(model_cfg: DictConfig, stage_modules: Sequence[Sequence[str
         ) from e
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_={model_cfg.get('_target_')!r} returned {type(model).__name__}, "
-                          "not an nn.Module. Fix: return the model (see README, 'Bring your own model').")
+                          "not an nn.Module. Fix: return the model (see docs/models.md, 'Bring your own model').")
     return MetaModel(model, spec_for(model, stage_modules), tied_groups(model))
 
 
@@ -244,7 +244,7 @@ def check_shapes(
                     "Hugging Face causal LM" if isinstance(e, TypeError) else "make consecutive units' shapes agree")
             raise ConfigError(
                 f"Model unit '{name}' (stage {stage_of[name]}) cannot take the output of the unit before it "
-                f"(shape {tuple(x.shape)}): {e}\nFix: {hint} (see README, 'Bring your own model')."
+                f"(shape {tuple(x.shape)}): {e}\nFix: {hint} (see docs/models.md, 'Bring your own model')."
             ) from e
         if not isinstance(x, torch.Tensor):
             raise ConfigError(f"Model unit '{name}' (stage {stage_of[name]}) returned {type(x).__name__}; "

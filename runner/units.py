@@ -234,5 +234,5 @@ def spec_for(model: nn.Module, stage_modules: Sequence[Sequence[str]] | None = N
         f"The model is a {type(model).__name__}, not an nn.Sequential, and does not declare its pipeline units. "
         "Fix: name the modules of each stage, in the order they run, with parallel.stage_modules="
         "[[embed,layers.0],[layers.1,norm,head]] (each takes one tensor), give the model a pipeline_units "
-        "list, or use model=hf for a Hugging Face causal LM (see README, 'Bring your own model')."
+        "list, or use model=hf for a Hugging Face causal LM (see docs/models.md, 'Bring your own model')."
     )

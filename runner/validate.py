@@ -198,7 +198,7 @@ def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
         except (TypeError, ValueError) as e:
             raise ConfigError(
                 f"data._target_={cfg.data.get('_target_')!r}: batch(step, batch_size, seq_len, split={split!r}) "
-                f"failed: {e}\nFix: return (inputs, targets) or (inputs, targets, keyword_inputs); see README."
+                f"failed: {e}\nFix: return (inputs, targets) or (inputs, targets, keyword_inputs); see docs/models.md."
             ) from e
         bad = [k for k, v in kwargs.items() if not isinstance(v, torch.Tensor) or v.shape[:1] != (t.batch_size,)]
         if bad or inputs.shape != (t.batch_size, t.seq_len) or targets.shape != inputs.shape:

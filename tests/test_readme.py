@@ -1,6 +1,7 @@
-"""Every command the README shows composes and passes the pre-launch checks, so the README cannot
-drift from the code. Commands are taken from the README itself (code blocks and inline code);
-sweeps are expanded as Hydra's basic sweeper expands them; nothing is spawned."""
+"""Every command the README and the docs/ pages show composes and passes the pre-launch checks, so
+the documentation cannot drift from the code. Commands are taken from the pages themselves (code
+blocks and inline code); sweeps are expanded as Hydra's basic sweeper expands them; nothing is
+spawned."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _shell_commands(text: str) -> list[str]:
 def readme_commands() -> list[tuple[str, str, list[str]]]:
     """(the command as shown, the module it runs: runner or runner.plan, its arguments)."""
     found, placeholders = [], dict(PLACEHOLDERS)
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     if "model=hf" in text:
         placeholders.update(_hugging_face_stand_ins())
     for shown in _shell_commands(text):
