@@ -311,6 +311,9 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Experiment loggers as Hydra's logger group: logger=wandb, 'logger=[tensorboard,mlflow]'
+    # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
+    logger: Dict[str, Any] = field(default_factory=dict)
     device: str = "auto"  # auto | cpu | cuda
     # Also run the unsplit model on the first batch and compare loss and every gradient.
     verify: bool = False

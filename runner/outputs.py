@@ -4,57 +4,22 @@ checks the loggers and prints the table from here before (and without) a run's h
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import WANDB_MODES
-from runner.errors import ConfigError
-from runner.provenance import git_commit, provenance
+from runner.loggers import build_loggers
+from runner.provenance import provenance
 
-__all__ = ["MetricsWriter", "check_loggers", "peak_memory_bytes", "write_resolved_config", "make_summary",
+__all__ = ["MetricsWriter", "peak_memory_bytes", "write_resolved_config", "make_summary",
            "write_summary", "format_table"]
-
-
-# What each optional logger imports, and the extra that installs it.
-_LOGGER_PACKAGES = {
-    "tensorboard": (["tensorboard"], "tensorboard"),
-    "wandb": (["wandb"], "wandb"),
-    # mlflow-skinny; its local store (sqlite) also needs sqlalchemy and alembic.
-    "mlflow": (["mlflow", "sqlalchemy", "alembic"], "mlflow"),
-}
-
-
-def check_loggers(options) -> None:
-    """Raise ``ConfigError`` for an enabled logger whose package is missing, or a bad
-    ``logging.wandb_mode``. Cheap (no imports): runs before any rank starts."""
-    if options.wandb_mode not in WANDB_MODES:
-        raise ConfigError(f"logging.wandb_mode={options.wandb_mode!r} is not one of {', '.join(WANDB_MODES)}.")
-    for key, (modules, extra) in _LOGGER_PACKAGES.items():
-        if not getattr(options, key):
-            continue
-        if key == "mlflow" and not _local_sqlite(options.mlflow_tracking_uri):
-            modules = ["mlflow"]  # a server or file store needs no database driver here
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if missing:
-            raise ConfigError(_missing_message(key, extra, missing))
-
-
-def _missing_message(key: str, extra: str, missing: list[str]) -> str:
-    return (f"logging.{key}=true needs {', '.join(missing)} (not installed). "
-            f"Fix: pip install -e '.[{extra}]' (or 'runner[{extra}]'), or logging.{key}=false.")
-
-
-def _local_sqlite(uri: str | None) -> bool:
-    return uri is None or uri.startswith("sqlite:")
 
 
 def _metric_name(key: str) -> str:
@@ -66,15 +31,6 @@ def _numbers(record: dict) -> dict[str, float]:
     """Every numeric entry of a step's record but the step itself, under its logger name."""
     return {_metric_name(k): float(v) for k, v in record.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
 
 
 def run_identity(run_dir: Path) -> tuple[str, str | None]:
@@ -89,11 +45,12 @@ def run_identity(run_dir: Path) -> tuple[str, str | None]:
 
 
 class MetricsWriter:
-    """``metrics.jsonl``, plus the loggers ``logging.*`` turns on: TensorBoard, Weights & Biases,
-    MLflow. Every numeric key of a record is logged, as ``train/<key>`` (``val_<key>`` as
-    ``val/<key>``); the pipeline bubble at close as ``pipeline/bubble``. ``run_config`` (the
-    composed config) is logged as the run's hyperparameters. ``options`` is ``cfg.logging``,
-    already checked by ``check_loggers`` before launch. Runs are named and grouped by
+    """``metrics.jsonl``, plus the loggers the ``logger`` group (or the older ``logging.*`` keys)
+    enables (``runner.loggers``: TensorBoard, Weights & Biases, MLflow). Every numeric key of a
+    record is logged, as ``train/<key>`` (``val_<key>`` as ``val/<key>``); the pipeline bubble at
+    close as ``pipeline/bubble``. ``run_config`` (the composed config) is logged as the run's
+    hyperparameters, and its ``logger`` entries name the loggers; ``options`` is ``cfg.logging``.
+    Both were checked by ``check_loggers`` before launch. Runs are named and grouped by
     ``run_identity``."""
 
     def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, resumed_after: int = 0):
@@ -110,50 +67,28 @@ class MetricsWriter:
             os.replace(tmp, path)
         self.file = open(path, "a" if resumed_after else "w")
         self.last_step = 0
-        self.tb = self.wandb = self.mlflow = None
         name, group = run_identity(run_dir)
-        if options.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # optional extra: runner[tensorboard]
-
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if options.wandb:
-            self.wandb = _start_wandb(run_dir, options, hparams, name=name, group=group)
-        if options.mlflow:
-            self.mlflow = _MLflowRun(run_dir, options, hparams, name=name, group=group)
+        self.loggers = build_loggers(options, hparams.get("logger"), run_dir=run_dir, hparams=hparams, name=name,
+                                     group_name=group)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()  # a crashed run keeps every finished step
         step = self.last_step = record["step"]
         numbers = _numbers(record)
-        if self.tb:
-            for name, value in numbers.items():
-                self.tb.add_scalar(name, value, step)
-        if self.wandb:
-            self.wandb.log(numbers, step=step)
-        if self.mlflow:
-            self.mlflow.log(numbers, step)
+        for logger in self.loggers:
+            logger.log(numbers, step)
 
     def close(self, bubble: dict | None = None, *, failed: bool = False, artifacts: list[Path] = ()) -> None:
         """Finish every logger; ``failed`` marks the W&B and MLflow runs as failed (a crashed or
         stopped run must not stay "running" in their UIs); ``artifacts`` (the summary, the
-        pictures) are copied into MLflow's run."""
+        pictures) are copied into the loggers that keep files (MLflow)."""
         self.file.close()
         final = {}
         if bubble:
             final = {"pipeline/bubble": bubble["mean"], "pipeline/bubble_theoretical": bubble["theoretical"]}
-        if self.tb:
-            for name, value in final.items():
-                self.tb.add_scalar(name, value, self.last_step)
-            self.tb.close()
-        if self.wandb:
-            self.wandb.summary.update(final)  # one number per run: the summary, not a time series
-            self.wandb.finish(exit_code=1 if failed else 0)
-        if self.mlflow:
-            self.mlflow.log(final, self.last_step)
-            for path in artifacts:
-                self.mlflow.client.log_artifact(self.mlflow.run_id, str(path))
-            self.mlflow.finish("FAILED" if failed else "FINISHED")
+        for logger in self.loggers:
+            logger.finish(final, self.last_step, failed=failed, artifacts=list(artifacts))
 
 
 def _history(path: Path, steps_done: int) -> list[dict]:
@@ -169,69 +104,6 @@ def _history(path: Path, steps_done: int) -> list[dict]:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= steps_done:
             kept.append(record)
     return kept
-
-
-def _start_wandb(run_dir: Path, options, hparams: dict, *, name: str, group: str | None):
-    try:
-        import wandb  # optional extra: runner[wandb]
-    except ImportError as e:
-        raise ConfigError(_missing_message("wandb", "wandb", ["wandb"])) from e
-    # The process-wide settings must carry the mode too: with only the run's mode offline,
-    # wandb 0.31's telemetry still contacts the server (a DNS lookup and a POST at exit).
-    wandb.setup(settings=wandb.Settings(mode=options.wandb_mode))
-    return wandb.init(project=options.wandb_project, mode=options.wandb_mode, dir=str(run_dir),
-                      config=hparams, name=name, group=group)
-
-
-class _MLflowRun:
-    """One MLflow run, through ``MlflowClient`` rather than mlflow's process-wide active run, so a
-    run that fails before ``close()`` leaves nothing behind for the next one in this process."""
-
-    def __init__(self, run_dir: Path, options, hparams: dict, *, name: str, group: str | None):
-        try:
-            from mlflow.entities import Metric, Param  # optional extra: runner[mlflow]
-            from mlflow.exceptions import MlflowException
-            from mlflow.tracking import MlflowClient
-            from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
-        except ImportError as e:
-            raise ConfigError(_missing_message("mlflow", "mlflow", ["mlflow"])) from e
-        self._metric = Metric
-        uri = options.mlflow_tracking_uri
-        local = uri is None
-        if local:  # no server: a database in the run directory (mlflow 3 refuses a plain mlruns/)
-            uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-        self.client = MlflowClient(tracking_uri=uri)
-        self.tracking_uri = uri
-        experiment = self.client.get_experiment_by_name(options.mlflow_experiment)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            artifacts = (run_dir / "mlruns").resolve().as_uri() if local else None
-            try:
-                experiment_id = self.client.create_experiment(options.mlflow_experiment, artifact_location=artifacts)
-            except MlflowException:  # another run sharing this store created it first
-                experiment_id = self.client.get_experiment_by_name(options.mlflow_experiment).experiment_id
-        # MLflow's own tag for the code version; the sweep as a tag to filter by.
-        tags = {"mlflow.source.git.commit": git_commit(), "sweep": group}
-        self.run_id = self.client.create_run(experiment_id, run_name=name,
-                                             tags={k: v for k, v in tags.items() if v}).info.run_id
-        params = [Param(k, _param_value(v, MAX_PARAM_VAL_LENGTH)) for k, v in _flatten(hparams).items()]
-        for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
-
-    def log(self, numbers: dict[str, float], step: int) -> None:
-        if numbers:
-            now = int(time.time() * 1000)
-            self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in numbers.items()])
-
-    def finish(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status=status)
-
-
-def _param_value(value: Any, limit: int) -> str:
-    """Config values as they would be written on the command line; too long → cut, marked."""
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def peak_memory_bytes(device) -> int:

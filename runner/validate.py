@@ -28,7 +28,7 @@ from runner.config import (
     parse_bytes,
 )
 from runner.errors import ConfigError
-from runner.outputs import check_loggers
+from runner.loggers import check_loggers
 
 if TYPE_CHECKING:
     import torch
@@ -295,7 +295,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_missing(cfg)
     _check_unknown_keys(cfg)
     _check_numbers(cfg)
-    check_loggers(cfg.logging)  # enabled loggers' packages are importable; wandb_mode is known
+    check_loggers(cfg.logging, cfg.get("logger"))  # enabled loggers' packages are importable, options known
     _check_training_options(cfg)
 
 

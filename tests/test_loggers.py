@@ -224,3 +224,34 @@ def test_mlflow_server_uri_needs_no_sqlite_driver(monkeypatch):
 def test_bad_wandb_mode_fails_before_spawn():
     with pytest.raises(ConfigError, match=r"logging.wandb_mode='onlin' is not one of offline, online, disabled"):
         validate(compose(*TINY, "logging.wandb=true", "logging.wandb_mode=onlin"))
+
+
+def test_loggers_compose_as_a_group_of_targets_and_the_older_keys_pick_the_same_classes(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = compose(*TINY, "logger=[tensorboard,mlflow]", "logger.mlflow.experiment=grouped")
+    assert cfg.logger.mlflow._target_ == "runner.loggers.mlflow.MLflowLogger"
+    writer = MetricsWriter(tmp_path, cfg.logging, run_config=cfg)
+    assert [type(logger).__name__ for logger in writer.loggers] == ["TensorBoardLogger", "MLflowLogger"]
+    for record in RECORDS:
+        writer.write(record)
+    writer.close(BUBBLE)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [3.5, 3.0, 2.5]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("grouped").experiment_id])
+    assert run.data.metrics["val/loss"] == 2.75
+    legacy = compose(*TINY, "logging.tensorboard=true")
+    assert [type(logger).__name__ for logger in MetricsWriter(tmp_path / "old", legacy.logging).loggers] == \
+        ["TensorBoardLogger"]
+    # The group spelling's checks name its own keys.
+    with pytest.raises(ConfigError, match=r"logger.wandb.mode='onlin' is not one of offline, online, disabled"):
+        validate(compose(*TINY, "logger=wandb", "logger.wandb.mode=onlin"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"logger=wandb needs wandb \(not installed\).*leave wandb out of logger"):
+        validate(compose(*TINY, "logger=wandb"))
