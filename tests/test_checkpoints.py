@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from runner.checkpoint import Checkpointer, find_checkpoint, hold_run_lock, run_in_progress, write_manifest
+from runner.checkpoint import Checkpointer
+from runner.checkpoint_files import find_checkpoint, hold_run_lock, run_in_progress, write_manifest
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
@@ -36,7 +37,7 @@ def _train(run_dir: Path, *overrides: str, resume: Path | None = None):
     if resume is not None:
         cfg.checkpoint.resume = str(resume)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return train(cfg, validate(cfg), ENV, run_dir, launch_time=time.time())
+    return train(validate(cfg, run_dir), cfg, ENV)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from runner import _torch_pp
 from runner.profile import Window, plan_window
 from runner.record import Action, StepSpan
 from runner.schedule import SCHEDULES, schedule_order
-from runner.simulate import UNIT_COSTS, Op, bubble_fractions, expected_makespan, simulate, theoretical_bubble
+from runner.schedules import theoretical_bubble
+from runner.simulate import UNIT_COSTS, Op, bubble_fractions, expected_makespan, simulate
 from runner.timeline import (
     HostClock,
     clock_offsets,

@@ -18,7 +18,7 @@ PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
                                       "interleaved_zb", "zbv", "dualpipev"])
 @pytest.mark.parametrize("model", ["transformer", "mlp"])
 def test_every_schedule_and_model_composes_and_validates(schedule, model):
-    layout = validate(compose(*PP2, f"schedule={schedule}", f"model={model}"))
+    layout = validate(compose(*PP2, f"schedule={schedule}", f"model={model}")).layout
     assert layout.pp == 2 and layout.microbatches == 4
     single = schedule in ("gpipe", "1f1b")
     assert layout.num_stages == (2 if single else 4)
@@ -27,13 +27,13 @@ def test_every_schedule_and_model_composes_and_validates(schedule, model):
 
 
 def test_v_schedules_fold_stages_back_onto_rank_0():
-    layout = validate(compose(*PP2, "schedule=zbv"))
+    layout = validate(compose(*PP2, "schedule=zbv")).layout
     assert layout.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
-    assert validate(compose(*PP2, "schedule=interleaved_1f1b")).stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert validate(compose(*PP2, "schedule=interleaved_1f1b")).layout.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
 
 
 def test_smoke_experiment_and_text_data_compose(tmp_path):
-    assert validate(compose("experiment=smoke")).num_stages == 2
+    assert validate(compose("experiment=smoke")).layout.num_stages == 2
     text = tmp_path / "corpus.txt"
     text.write_text("pipeline parallelism " * 100)
     cfg = compose("data=text", f"data.path={text}")
@@ -142,8 +142,8 @@ def test_compile_on_cpu_without_a_cxx_compiler_is_refused_before_launch(monkeypa
 
 
 def test_tied_weights_may_share_a_stage_or_span_stages():
-    assert validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true")).num_stages == 1
-    layout = validate(compose(*PP2, "model.tie_embeddings=true"))  # embedding and head on two ranks
+    assert validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true")).layout.num_stages == 1
+    layout = validate(compose(*PP2, "model.tie_embeddings=true")).layout  # embedding and head on two ranks
     assert layout.stages[0][0] == "embed" and layout.stages[-1][-1] == "head"
 
 
@@ -181,7 +181,7 @@ def test_bad_csv_schedules_are_linted_before_spawning(tmp_path, text, expected):
 
 def test_csv_schedule_gives_stage_count_and_placement():
     csv = EXAMPLES / "interleaved_1f1b_pp2_m4.csv"
-    layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}"))
+    layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}")).layout
     assert layout.num_stages == 4 and layout.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
     with pytest.raises(ConfigError, match="parallel.stages_per_rank=3"):
         validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}", "parallel.stages_per_rank=3"))
@@ -207,7 +207,7 @@ def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line
     assert read_schedule_file(path).notes == ()
     path.write_text("0F0,0F1,0F2,0F3,0BW0,0BW1,0BW2,0BW3\n1F0,1F1,1F2,1F3,1BW0,1BW1,1BW2,1BW3\n")
     with caplog.at_level("WARNING", logger="runner.schedule"):
-        layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}"))
+        layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}")).layout
     assert layout.num_stages == 2 and "BW -> B" in caplog.text
 
 
