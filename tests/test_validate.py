@@ -3,8 +3,12 @@ names the key, the value and the fix. Everything here runs in-process in millise
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from runner.errors import ConfigError
 from runner.validate import validate
@@ -104,6 +108,19 @@ def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
         validate(compose(*PP2, *overrides))
     for text in expected:
         assert text in str(info.value), str(info.value)
+
+
+def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(tmp_path):
+    cfg = compose(*TINY, "device=auto", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
+                  "parallel.microbatches=4", "train.batch_size=16")
+    composed = OmegaConf.to_yaml(cfg)
+    plan = validate(cfg, tmp_path)
+    assert plan.device == ("cuda" if torch.cuda.device_count() >= 4 else "cpu")  # auto, resolved for this host
+    assert plan.world_size == 4 and plan.layout.microbatches == 4 and plan.microbatch_size == 2
+    assert plan.threads_per_rank >= 1 and plan.run_dir == tmp_path and plan.resume is None
+    assert OmegaConf.to_yaml(cfg) == composed  # device: auto, launch.threads_per_rank: null
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.device = "cuda"
 
 
 def test_extra_keys_are_accepted_where_a_factory_takes_them():
