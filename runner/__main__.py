@@ -27,6 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.clock import StartupClock
 from runner.config import config_dir  # also registers the config schemas
 from runner.errors import EXIT_CONFIG, EXIT_FAILED, RunnerError, exit_code
 from runner.outputs import format_table
@@ -43,10 +44,11 @@ def main(cfg: DictConfig) -> float | None:
     try:
         check_config(cfg)  # before torch is imported: a wrong value fails at once
         composed_at = time.time()
+        clock = StartupClock(launched_at=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else composed_at)
+        clock.mark("compose", composed_at)
         from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
 
-        summary = launch(cfg, run_dir, launch_time=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else composed_at,
-                         composed_at=composed_at)
+        summary = launch(cfg, run_dir, clock=clock)
     except Exception as e:  # leave the reason in the job directory for the sweep report
         try:
             (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from runner.dist import init_distributed, pick_device, synchronize
-from runner.launch import start_method
+from runner.dist import DistEnv, synchronize
+from runner.processes import spawn
 from runner.schedule import schedule_order
 from runner.simulate import simulate
 
@@ -149,24 +148,17 @@ def _corunning(rank: int, repeats: int, device: torch.device) -> tuple[float, fl
     return statistics.median(ratios), statistics.stdev(together) / statistics.fmean(together)
 
 
-def _rank(rank: int, store_path: str, kind: str, message_bytes: int, bandwidth_bytes: int, repeats: int,
-          out: str) -> None:
-    torch.set_num_threads(1)
-    device = pick_device(kind, rank)
-    # As a run's ranks: gloo bound to loopback, so the calibration listens on no other address.
-    init_distributed(rank=rank, world_size=2, device=device, timeout_s=300, store=dist.FileStore(store_path, 2))
-    try:
-        small = _one_way_s(torch.zeros(1, device=device), rank, repeats)
-        large = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)
-        message = torch.zeros(message_bytes // 4, device=device)
-        idle, busy = _one_way_s(message, rank, repeats), _busy_one_way_s(message, rank, repeats)
-        step = _pipeline_step_s(rank, repeats, device)
-        slowdown, jitter = _corunning(rank, repeats, device)
-        if rank == 0:
-            torch.save({"small": small, "large": large, "step": step, "slowdown": slowdown, "jitter": jitter,
-                        "busy_delay": busy - idle}, out)
-    finally:
-        dist.destroy_process_group()
+def _rank(env: DistEnv, message_bytes: int, bandwidth_bytes: int, repeats: int, out: str) -> None:
+    rank, device = env.rank, env.device
+    small = _one_way_s(torch.zeros(1, device=device), rank, repeats)
+    large = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)
+    message = torch.zeros(message_bytes // 4, device=device)
+    idle, busy = _one_way_s(message, rank, repeats), _busy_one_way_s(message, rank, repeats)
+    step = _pipeline_step_s(rank, repeats, device)
+    slowdown, jitter = _corunning(rank, repeats, device)
+    if rank == 0:
+        torch.save({"small": small, "large": large, "step": step, "slowdown": slowdown, "jitter": jitter,
+                    "busy_delay": busy - idle}, out)
 
 
 def solve_action_overhead(step_s: float, comm_s: float) -> float:
@@ -189,9 +181,10 @@ def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20) -> 
     bandwidth_bytes = max(message_bytes, 4 * 2**20)
     with tempfile.TemporaryDirectory(prefix="runner-calibrate-") as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.start_processes(_rank, args=(str(Path(tmp) / "store"), device, max(message_bytes, 4), bandwidth_bytes,
-                                        repeats, out),
-                           nprocs=2, join=True, start_method=start_method("auto", device))
+        # Started as a run's ranks are: gloo bound to loopback, the calibration listens on no address.
+        with spawn(2, _rank, max(message_bytes, 4), bandwidth_bytes, repeats, out, device=device, directory=Path(tmp),
+                   threads=1) as ranks:
+            ranks.join()
         result = torch.load(out, weights_only=True)
     bandwidth = (bandwidth_bytes - 4) / max(result["large"] - result["small"], 1e-9)
     latency = result["small"]

@@ -16,20 +16,25 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
+from runner.dp import DP_MODES
 from runner.errors import ConfigError
+from runner.options import (
+    ActivationCheckpointing,
+    Device,
+    LRSchedule,
+    NoDecay,
+    Precision,
+    StartMethod,
+    WandbMode,
+    choices,
+)
+from runner.schedules import schedule_names
 
 __all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
 
-# The accepted values of the string options, here (not next to the torch code that uses them) so
-# that the checks before launch run without importing torch.
-DP_MODES = ("none", "ddp", "fsdp")
-DEVICES = ("auto", "cpu", "cuda")
-START_METHODS = ("auto", "fork", "spawn")
-PRECISION_NAMES = ("fp32", "bf16")
-AC_MODES = ("none", "full", "every_n")
-LR_SCHEDULES = ("constant", "cosine", "linear")
-NO_DECAY_NAMES = ("bias", "norm", "embedding")
-WANDB_MODES = ("offline", "online", "disabled")
+# A string option's accepted values are its field's choices (runner.options, or a registry):
+# the checks before launch (runner.validate) refuse any other value, naming key, value and fix.
+WANDB_MODES = WandbMode.values()
 
 
 def config_dir() -> Path:
@@ -58,14 +63,14 @@ def parse_bytes(key: str, value: Any) -> int | None:
 
 @dataclass
 class ScheduleConfig:
-    # One of runner.schedule.SCHEDULES (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
-    # interleaved_zb, zbv, dualpipev).
-    name: str = MISSING
+    # A schedule of the registry runner.schedules (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
+    # interleaved_zb, zbv, dualpipev), or csv.
+    name: str = field(default=MISSING, metadata=choices(schedule_names, set_as="schedule"))
 
 
 @dataclass
 class CsvScheduleConfig(ScheduleConfig):
-    name: str = "csv"
+    name: str = field(default="csv", metadata=choices(schedule_names, set_as="schedule"))
     # Path to a compute-only action CSV (one row per pipeline rank, e.g. "0F0,0F1,2F0,...").
     csv: str = MISSING
 
@@ -76,7 +81,7 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas of the whole pipeline (ranks = pp * dp)
     # How each stage is replicated over dp: none (dp must be 1), ddp (torch's FSDP-based
     # replicate: gradients all-reduced, correct for every schedule), fsdp (FSDP2 fully_shard).
-    dp_mode: str = "none"
+    dp_mode: str = field(default="none", metadata=choices(DP_MODES))  # runner.dp
     microbatches: int = 4  # microbatches per step, per pipeline
     # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
     stages_per_rank: Optional[int] = None
@@ -97,23 +102,23 @@ class TrainConfig:
     seq_len: int = 32  # tokens per sample
     lr: float = 3e-3  # peak learning rate (AdamW)
     # After warmup: cosine or linear decay to lr * min_lr_ratio at the last step, or constant.
-    lr_schedule: str = "cosine"
+    lr_schedule: str = field(default="cosine", metadata=choices(LRSchedule))
     min_lr_ratio: float = 0.1
     warmup_steps: int = 3  # linear warmup from lr / warmup_steps
     weight_decay: float = 0.1
     # Parameter kinds AdamW does not decay: bias, norm (LayerNorm/RMSNorm/... weights), embedding.
     # Decaying them pulls gains and lookup rows towards zero for no regularisation benefit.
-    no_decay: List[str] = field(default_factory=lambda: ["bias", "norm", "embedding"])
+    no_decay: List[str] = field(default_factory=lambda: ["bias", "norm", "embedding"], metadata=choices(NoDecay))
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global gradient norm across all stages; 0 = off
     seed: int = 0
     # fp32 | bf16. bf16 autocasts each stage's forward (parameters, gradients and the optimizer
     # stay fp32); with parallel.dp_mode=fsdp it is FSDP's mixed-precision policy instead.
-    precision: str = "fp32"
+    precision: str = field(default="fp32", metadata=choices(Precision))
     # Recompute activations in backward instead of keeping them: none | full (every block) |
     # every_n (every ac_every-th block). Blocks are the model's children between the first and
     # the last (the embedding and the head are never recomputed).
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = field(default="none", metadata=choices(ActivationCheckpointing))
     ac_every: int = 2
     # torch.compile each child of every stage (in place: parameter names do not change).
     # Schedules that split backward into input and weight parts (interleaved_zb, zbv, dualpipev,
@@ -142,7 +147,7 @@ class LaunchConfig:
     # How rank processes start: fork (children inherit the launcher's imports: startup in
     # milliseconds instead of seconds), spawn (fresh interpreters), or auto: fork for CPU runs
     # on Linux, spawn where fork is unsafe (CUDA, macOS).
-    start_method: str = "auto"
+    start_method: str = field(default="auto", metadata=choices(StartMethod))
 
 
 @dataclass
@@ -162,7 +167,8 @@ class LoggingConfig:
     # account; `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
     wandb: bool = False
     wandb_project: str = "runner"  # groups runs in the W&B UI
-    wandb_mode: str = "offline"  # offline | online (needs `wandb login`) | disabled (keep config, log nothing)
+    # offline | online (needs `wandb login`) | disabled (keep config, log nothing)
+    wandb_mode: str = field(default="offline", metadata=choices(WandbMode))
     # MLflow (needs runner[mlflow]): a per-run database, or a shared store to compare runs in one UI.
     mlflow: bool = False
     # null = sqlite:///<run dir>/mlflow.db (no server); or a shared store, e.g. http://host:5000.
@@ -314,7 +320,7 @@ class RunConfig:
     # Experiment loggers as Hydra's logger group: logger=wandb, 'logger=[tensorboard,mlflow]'
     # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
     logger: Dict[str, Any] = field(default_factory=dict)
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = field(default="auto", metadata=choices(Device))  # auto | cpu | cuda
     # Also run the unsplit model on the first batch and compare loss and every gradient.
     verify: bool = False
 

@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError
-from runner.checkpoint import find_checkpoint, read_train_state, verify_checkpoint
+from runner.checkpoint import verify_checkpoint
+from runner.checkpoint_files import find_checkpoint, read_train_state
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, ConfigError, RunnerError, exit_code
 from runner.units import tied_groups

@@ -9,9 +9,9 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from runner.config import LR_SCHEDULES, NO_DECAY_NAMES
+from runner.options import LRSchedule, NoDecay
 
-__all__ = ["LR_SCHEDULES", "NO_DECAY_KINDS", "lr_factor", "param_groups", "build_optimizer"]
+__all__ = ["NO_DECAY_KINDS", "lr_factor", "param_groups", "build_optimizer"]
 
 # By shape and role, not by a list of classes (transformers' LlamaRMSNorm is no torch norm):
 # every 1-D parameter is a bias or a gain (the weights of norms of any class), and embedding tables
@@ -21,17 +21,17 @@ NO_DECAY_KINDS = {
     "norm": lambda module, name, p: p.dim() == 1 and name != "bias",
     "embedding": lambda module, name, p: isinstance(module, nn.Embedding),
 }
-assert tuple(NO_DECAY_KINDS) == NO_DECAY_NAMES, "the names checked before launch (runner.config)"
+assert tuple(NO_DECAY_KINDS) == NoDecay.values(), "a rule for every train.no_decay kind (runner.options)"
 
 
 def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
     """Linear warmup to 1, then ``schedule`` from 1 to ``min_lr_ratio`` at the last step."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    if schedule == "constant":
+    if schedule == LRSchedule.constant:
         return 1.0
     progress = min((step - warmup_steps) / max(1, steps - warmup_steps - 1), 1.0)
-    decay = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    decay = 1 - progress if schedule == LRSchedule.linear else 0.5 * (1 + math.cos(math.pi * progress))
     return min_lr_ratio + (1 - min_lr_ratio) * decay
 
 

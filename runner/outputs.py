@@ -10,7 +10,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -18,7 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from runner.loggers import build_loggers
 from runner.provenance import provenance
 
-__all__ = ["MetricsWriter", "peak_memory_bytes", "write_resolved_config", "make_summary",
+if TYPE_CHECKING:
+    from runner.clock import StartupClock
+    from runner.layout import RunPlan
+
+__all__ = ["MetricsWriter", "peak_memory_bytes", "as_ran", "write_resolved_config", "make_summary",
            "write_summary", "format_table"]
 
 
@@ -115,22 +119,36 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def write_resolved_config(run_dir: Path, cfg: DictConfig) -> Path:
+def as_ran(cfg: DictConfig, plan: RunPlan) -> dict:
     """The config as the ranks ran it: interpolations resolved, and what the launcher decided
-    (the device, threads per rank, the checkpoint a resume found) filled in."""
+    (``RunPlan.resolved_values``: the device, threads per rank, the checkpoint a resume found)
+    filled in. A copy: the composed config itself stays as composed."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for key, value in plan.resolved_values().items():
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config
+
+
+def write_resolved_config(run_dir: Path, config: Mapping) -> Path:
+    """``resolved_config.yaml``: ``config`` as ``as_ran`` gives it."""
     path = run_dir / "resolved_config.yaml"
-    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    path.write_text(OmegaConf.to_yaml(config))
     return path
 
 
-def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step, launch_time, startup_s,
-                 peak_mem, device_names: list[str], config_path: Path) -> dict:
+def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses: list[float],
+                 step_times: list[float], peak_mem: list[int], device_names: list[str], config_path: Path) -> dict:
     steady = step_times[1:] or step_times  # the first step includes shape inference and warm-up
     step_time = statistics.median(steady)
+    layout = plan.layout
     return {
         "schedule": layout.schedule,
-        "pp": cfg.parallel.pp,
-        "dp": cfg.parallel.dp,
+        "pp": layout.pp,
+        "dp": plan.dp,
         "microbatches": layout.microbatches,
         "num_stages": layout.num_stages,
         "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
@@ -139,9 +157,9 @@ def make_summary(*, cfg, layout, first_step, losses, step_times, tokens_per_step
         "losses": losses,
         "final_loss": losses[-1],
         "step_time_s": step_time,
-        "tokens_per_s": tokens_per_step / step_time,
-        "startup_s": startup_s,
-        "started_at": launch_time,  # epoch seconds: when this job was launched, and when it ended
+        "tokens_per_s": plan.tokens_per_step / step_time,
+        "startup_s": clock.since_launch("setup"),  # to the end of setup: the first step is measured apart
+        "started_at": clock.launched_at,  # epoch seconds: when this job was launched, and when it ended
         "finished_at": time.time(),
         "peak_mem_bytes": peak_mem,
         # Provenance: what produced these numbers.

@@ -15,6 +15,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from runner import _torch_pp
 from runner.dist import DistEnv
+from runner.dp import DP_MODES
+from runner.layout import Layout, RunPlan
 from runner.losses import build_loss
 from runner.mesh import Mesh
 from runner.parallelize import parallelize
@@ -23,7 +25,6 @@ from runner.schedule import build_schedule
 from runner.split import build_meta_model, materialize
 from runner.tied import TiedWeights, share_local_copies
 from runner.units import describe_names
-from runner.validate import Layout
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
 
@@ -123,13 +124,13 @@ class PipelinedStep:
         return self._run(self.schedule.eval, inputs, targets, kwargs)
 
 
-def build_step(cfg: DictConfig, layout: Layout, env: DistEnv, mesh: Mesh) -> tuple[UnsplitStep | PipelinedStep,
+def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tuple[UnsplitStep | PipelinedStep,
                                                                                TiedWeights]:
     """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
     them for the schedule. Also returns what keeps weights tied across stages equal."""
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     seed, loss_fn = cfg.train.seed, build_loss(cfg.loss)
-    dp_mode = cfg.parallel.dp_mode
+    layout, dp_mode = plan.layout, plan.dp_mode
 
     if layout.pp == 1:
         module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
@@ -137,7 +138,7 @@ def build_step(cfg: DictConfig, layout: Layout, env: DistEnv, mesh: Mesh) -> tup
         return step, TiedWeights([], {}, step.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
     modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
-    if dp_mode == "none":  # FSDP and replicate wrap each stage on its own: they cannot share a parameter
+    if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):

@@ -40,13 +40,14 @@ from runner.calibrate import Calibration, calibrate
 from runner.config import CsvScheduleConfig, config_dir, parse_bytes  # also registers the schemas
 from runner.dist import pick_device, resolve_device, synchronize
 from runner.errors import ConfigError
+from runner.layout import Layout
 from runner.losses import build_loss
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
 from runner.simulate import Op, expected_makespan, peak_in_flight, simulate
 from runner.split import StageModule, build_meta_model, materialize, split_by_cost
 from runner.synthesize import Problem, lower_bound, synthesize
 from runner.timeline import simulated_slices, write_chrome_trace, write_schedule_csv
-from runner.validate import Layout, validate
+from runner.validate import validate
 
 __all__ = ["Candidate", "schedule_order", "measure_child_costs", "stage_costs", "peak_in_flight", "plan"]
 
@@ -317,7 +318,7 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
         trial = copy.deepcopy(cfg)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
         try:
-            layout = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
+            layout = validate(trial).layout  # a CSV that would deadlock fails here, in torch's dry run
         except ConfigError as e:
             own.reason = str(e).splitlines()[0]
             continue
@@ -343,7 +344,7 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
             results.append(by_time)
             trial.parallel.split_points = points
             try:
-                splits.append((by_time, validate(trial)))
+                splits.append((by_time, validate(trial).layout))
             except ConfigError as e:  # e.g. tied weights that this split would put on two stages
                 by_time.reason = str(e).splitlines()[0]
         for candidate, split_layout in splits:
@@ -401,7 +402,7 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
     trial.schedule = CsvScheduleConfig(csv=str(path))
     trial.parallel.microbatches, trial.parallel.stages_per_rank, trial.parallel.split_points = m, None, split_points
     try:
-        checked = validate(trial)
+        checked = validate(trial).layout
     except ConfigError as e:  # the search checked it already: this would be a bug
         candidate.reason = str(e).splitlines()[0]
         return candidate, None

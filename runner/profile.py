@@ -17,8 +17,10 @@ from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity
 
 from runner.dist import DistEnv, gather_to_main
+from runner.layout import Layout
 from runner.record import Recorder
-from runner.simulate import UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
+from runner.schedules import theoretical_bubble
+from runner.simulate import UNIT_COSTS, bubble_fractions, simulate
 from runner.timeline import (
     clock_offsets,
     executed_order,
@@ -34,7 +36,6 @@ from runner.timeline import (
     write_chrome_trace,
     write_schedule_csv,
 )
-from runner.validate import Layout
 
 __all__ = ["Window", "plan_window", "RunProfiler"]
 
@@ -127,9 +128,9 @@ class RunProfiler:
         simulated = simulate(order, costs, num_stages=layout.num_stages)
         per_rank = measured_bubble(actions, spans)
         sim_bubble = bubble_fractions(simulated)
-        stages_per_rank = max(1, layout.num_stages // layout.pp)
-        formula = theoretical_bubble(layout.schedule, pp=layout.pp, microbatches=layout.microbatches,
-                                     stages_per_rank=stages_per_rank)
+        formula = None if layout.csv else theoretical_bubble(layout.schedule, pp=layout.pp,
+                                                             microbatches=layout.microbatches,
+                                                             stages_per_rank=layout.stages_per_rank)
         if self.enabled:
             ranks = sorted(actions)
             write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans), ranks=ranks,

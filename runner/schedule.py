@@ -1,5 +1,6 @@
-"""Schedules: our config names → torch's classes, their stage placement, the pre-spawn check
-that asks torch itself whether it accepts the layout, and construction on each rank."""
+"""Schedules as torch runs them: the registry's names (``runner.schedules``) → torch's classes, their
+stage placement, the pre-spawn check that asks torch itself whether it accepts the layout, the
+action order each runs, and construction on each rank."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from runner import _torch_pp
 from runner.errors import ConfigError
 from runner.schedule_file import CELL_FORMS, ScheduleFileError, read_schedule_file
+from runner.schedules import SCHEDULES, schedule_names
 from runner.simulate import Op
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
@@ -19,26 +21,16 @@ __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement
 
 log = logging.getLogger(__name__)
 
-# Config name → torch.distributed.pipelining class name; "csv" runs a file's action order.
-SCHEDULES = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved_1f1b": "Interleaved1F1B",
-    "looped_bfs": "LoopedBFS",
-    "interleaved_zb": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-V_SHAPED = {"zbv", "dualpipev"}  # stages fold back: rank 0 holds the first and the last stage
+V_SHAPED = {name for name, kind in SCHEDULES.items() if kind.v_shape}  # rank 0 holds the first and the last stage
 
 
 def _schedule_class(name: str):
     if name not in SCHEDULES:
         raise ConfigError(
             f"schedule.name={name!r} is not a schedule. "
-            f"Fix: schedule=<one of {', '.join([*SCHEDULES, 'csv'])}>."
+            f"Fix: schedule=<one of {', '.join(schedule_names())}>."
         )
-    return get_schedule_class(SCHEDULES[name])
+    return get_schedule_class(SCHEDULES[name].torch_class)
 
 
 def is_single_stage(name: str) -> bool:
@@ -51,11 +43,11 @@ def default_stages_per_rank(name: str) -> int:
 
 def placement(name: str, pp: int, num_stages: int) -> dict[int, int]:
     """Stage index → pipeline rank: looped, or V-shaped for ZBV/DualPipeV."""
-    return _torch_pp.stage_to_rank_mapping(pp, num_stages, v_shape=name in V_SHAPED)
+    return _torch_pp.stage_to_rank_mapping(pp, num_stages, v_shape=SCHEDULES[name].v_shape)
 
 
 COMPILE_FIX = ("Fix: train.compile=false, or a schedule with whole backward steps "
-               "(gpipe, 1f1b, interleaved_1f1b, looped_bfs).")
+               f"({', '.join(n for n, kind in SCHEDULES.items() if not kind.splits_backward)}).")
 
 
 def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False) -> None:
@@ -68,7 +60,7 @@ def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: in
         raise ConfigError(
             f"schedule={name} runs one stage per rank, but parallel.stages_per_rank="
             f"{stages_per_rank}. Fix: parallel.stages_per_rank=1 (or null), or pick a multi-stage "
-            "schedule (interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev)."
+            f"schedule ({', '.join(n for n in SCHEDULES if not is_single_stage(n))})."
         )
     if not single and stages_per_rank < 2:
         raise ConfigError(
@@ -148,7 +140,7 @@ def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable
     the schedule sums their gradients (``scale_grads=False``) and the step divides them by the
     microbatch count once (``pipeline.PipelinedStep``): the step's loss and gradients are those of
     the mean over microbatches, the same quantity as the unsplit model's."""
-    if name == "csv":
+    if csv is not None:  # the file's action order, whatever the name
         return _torch_pp.csv_schedule(stages, microbatches, loss_fn, csv_order(csv))
     cls = _schedule_class(name)
     target = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
@@ -161,7 +153,7 @@ def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) 
     forwards numbered 1..m instead of 0..m-1 (it runs 0..m-1): renumbered here, and the test
     suite compares every schedule's order with what a real run recorded."""
     stages = _torch_pp.stand_in_stages(pp, pp * stages_per_rank, stages_per_rank)
-    cls = get_schedule_class(SCHEDULES[name])
+    cls = _schedule_class(name)
     schedule = cls(stages[0] if stages_per_rank == 1 else stages, microbatches)
     order = {}
     for rank in range(pp):

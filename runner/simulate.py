@@ -16,8 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
-__all__ = ["Op", "SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions",
-           "theoretical_bubble", "UNIT_COSTS"]
+__all__ = ["Op", "SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -152,21 +151,3 @@ def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:
     for a in actions:
         busy[a.rank] = busy.get(a.rank, 0.0) + a.end - a.start
     return {rank: 1.0 - b / makespan for rank, b in sorted(busy.items())}
-
-
-def theoretical_bubble(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
-    """The closed-form idle fraction of the step, assuming equal stages; None where the ideal
-    depends on the F/B/W cost ratio (zero-bubble, DualPipeV, custom CSV: simulate those).
-
-    - GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021): p-1 idle
-      slots of m+p-1, i.e. (p-1)/(m+p-1).
-    - Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
-      GPU Clusters") and looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"):
-      stages v times smaller shrink the ramp, (p-1)/(v*m+p-1).
-    """
-    p, m, v = pp, microbatches, stages_per_rank
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (p - 1) / (v * m + p - 1)
-    return None

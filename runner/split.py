@@ -102,12 +102,6 @@ def build_meta_model(model_cfg: DictConfig, stage_modules: Sequence[Sequence[str
     return MetaModel(model, spec_for(model, stage_modules), tied_groups(model))
 
 
-def _unit_costs(meta: MetaModel) -> list[int]:
-    # Parameter count as the cost proxy; +1 so parameter-free units still count.
-    return [1 + sum(p.numel() for n in u.modules for p in meta.module.get_submodule(n).parameters())
-            for u in meta.spec.units]
-
-
 def _balanced_bounds(costs: Sequence[float], num_stages: int) -> list[int]:
     """Start index of each stage for contiguous groups that minimise the costliest group."""
     n = len(costs)
@@ -152,7 +146,7 @@ def _expand(meta: MetaModel, name: str) -> list[str]:
 def plan_split(meta: MetaModel, num_stages: int, split_points: Sequence[str] | None = None,
                stage_modules: Sequence[Sequence[str]] | None = None) -> tuple[tuple[str, ...], ...]:
     """The unit names of each stage, in stage order: as ``stage_modules`` lists them, starting at
-    ``split_points``, or balanced by parameter count."""
+    ``split_points``, or balanced by the spec's cost hints (``ModelSpec.unit_costs``)."""
     names = meta.unit_names
     if stage_modules is not None:
         return _listed_stages(meta, num_stages, stage_modules)
@@ -163,7 +157,7 @@ def plan_split(meta: MetaModel, num_stages: int, split_points: Sequence[str] | N
             "parallel.stages_per_rank."
         )
     if split_points is None:
-        starts = _balanced_bounds(_unit_costs(meta), num_stages)
+        starts = _balanced_bounds(meta.spec.unit_costs(meta.module), num_stages)
     else:
         points = list(split_points)
         unknown = [p for p in points if p not in names]

@@ -78,8 +78,18 @@ def describe_names(names: Sequence[str], limit: int = 12) -> str:
 
 
 class ModelSpec:
-    """How a model is cut into units and how a stage runs them. Subclasses set ``units`` and may
-    override the rest."""
+    """A model family's contract with the runner. Subclasses set ``units`` and may override the
+    rest:
+
+    * ``units``: the pipeline units in the order they run (what stages are cut from), and
+      ``shared``: parameter-free modules every stage holds;
+    * ``blocks()``: the units activation checkpointing may recompute;
+    * ``unit_costs(model)``: a relative cost per unit, which the default split balances;
+    * ``run``: how a stage runs its units; ``reference_forward``: the unsplit model's own forward
+      (``verify``'s reference); ``keyword_inputs``: what the model consumes besides the tokens;
+    * ``init_module``, ``init_order``, ``needs_init``, ``cannot_init``, ``load_pretrained``: how
+      each module is initialised on its own (or read from pretrained weights).
+    """
 
     units: tuple[Unit, ...] = ()
     shared: tuple[str, ...] = ()  # parameter-free modules every stage holds (rotary embeddings)
@@ -102,6 +112,13 @@ class ModelSpec:
         """Units activation checkpointing may recompute: those between the first and the last
         (the embedding and the head are never recomputed), the same whatever the split."""
         return self.unit_names[1:-1]
+
+    def unit_costs(self, model: nn.Module) -> list[int]:
+        """A relative cost per unit, in order, for the split the runner picks when none is given:
+        its parameter count (+1, so that a parameter-free unit still counts). ``python -m
+        runner.plan`` times the units instead."""
+        return [1 + sum(p.numel() for n in u.modules for p in model.get_submodule(n).parameters())
+                for u in self.units]
 
     def run(self, stage: nn.Module, units: Sequence[str], x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         """Run ``units`` of ``stage`` (a module holding them under their full names) in order."""

@@ -1,5 +1,5 @@
 """Pre-spawn validation: everything that can be checked without ranks is checked here, in the
-launching process, and produces the ``Layout`` every rank then follows.
+launching process, and resolved into the ``RunPlan`` (``runner.layout``) every rank then follows.
 
 ``check_config`` holds the checks that need no torch; the command line runs it before importing
 torch, the pipelining runtime and DCP (seconds), so a wrong value fails at once. The checks that
@@ -12,58 +12,27 @@ import difflib
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config import (
-    AC_MODES,
-    DEVICES,
-    DP_MODES,
-    LR_SCHEDULES,
-    NO_DECAY_NAMES,
-    PRECISION_NAMES,
-    START_METHODS,
-    parse_bytes,
-)
-from runner.errors import ConfigError
+from runner.checkpoint_files import checkpoint_step, find_checkpoint
+from runner.config import parse_bytes
+from runner.dp import DP_MODES
+from runner.errors import CheckpointError, ConfigError
+from runner.layout import Layout, RunPlan, microbatch_size
 from runner.loggers import check_loggers
+from runner.options import allowed
+from runner.schedules import CSV, SCHEDULES
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Layout", "check_config", "validate"]
+__all__ = ["check_config", "validate"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where every part of the model runs: derived once from the config, never configured twice."""
-
-    schedule: str
-    csv: str | None
-    pp: int
-    microbatches: int
-    stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.units)
-    stage_to_rank: dict[int, int]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    def stages_on(self, rank: int) -> list[int]:
-        return sorted(s for s, r in self.stage_to_rank.items() if r == rank)
-
-    def describe(self) -> str:
-        lines = [f"schedule={self.schedule} pp={self.pp} stages={self.num_stages} "
-                 f"microbatches={self.microbatches}"]
-        from runner.units import describe_names
-
-        for s, names in enumerate(self.stages):
-            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
-        return "\n".join(lines)
 
 
 def _check_missing(cfg: DictConfig) -> None:
@@ -102,6 +71,24 @@ def _check_unknown_keys(cfg: DictConfig) -> None:
                               f"it. {hint}Fix: drop +{path}{key}; the keys are {', '.join(known)}.")
 
 
+def _check_choices(cfg: DictConfig) -> None:
+    """Every string option against its schema field's choices (``runner.options``, or a registry:
+    ``runner.schedules``, ``runner.dp``)."""
+    for path, node in _schema_nodes(cfg, ""):
+        for f in dataclasses.fields(OmegaConf.get_type(node)):
+            if "choices" not in f.metadata or f.name not in node:
+                continue
+            key, value, values = f"{path}{f.name}", node[f.name], allowed(f.metadata["choices"])
+            if isinstance(value, ListConfig):
+                unknown = [v for v in value if v not in values]
+                if unknown:
+                    raise ConfigError(f"{key}={list(value)} has unknown values {unknown}. "
+                                      f"Fix: a subset of {list(values)}.")
+            elif value not in values:
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(values)}. "
+                                  f"Fix: {f.metadata['set_as'] or key}=<one of them>.")
+
+
 def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
     for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp),
@@ -109,13 +96,10 @@ def _check_numbers(cfg: DictConfig) -> None:
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1.")
-    if p.dp_mode not in DP_MODES:
-        raise ConfigError(f"parallel.dp_mode={p.dp_mode!r} is not one of {', '.join(DP_MODES)}.")
-    if p.dp > 1 and p.dp_mode == "none":
-        raise ConfigError(
-            f"parallel.dp={p.dp} with parallel.dp_mode=none: replicas would train apart. "
-            "Fix: parallel.dp_mode=ddp or parallel.dp_mode=fsdp."
-        )
+    if p.dp > 1 and not DP_MODES[p.dp_mode].replicates:
+        modes = " or ".join(f"parallel.dp_mode={m.name}" for m in DP_MODES.values() if m.replicates)
+        raise ConfigError(f"parallel.dp={p.dp} with parallel.dp_mode={p.dp_mode}: replicas would train apart. "
+                          f"Fix: {modes}.")
     if not cfg.launch.timeout_s > 0 or not cfg.launch.grace_s >= 0:
         raise ConfigError(f"launch.timeout_s={cfg.launch.timeout_s}, launch.grace_s={cfg.launch.grace_s}: the "
                           "timeout must be > 0 seconds and the grace period >= 0. Fix: e.g. launch.timeout_s=300.")
@@ -124,61 +108,50 @@ def _check_numbers(cfg: DictConfig) -> None:
             f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
             "every must be >= 0 and keep >= 1."
         )
-    if t.batch_size < p.microbatches * p.dp:
+    split = p.microbatches * p.dp  # equal microbatches in every replica
+    if t.batch_size < split:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is smaller than parallel.microbatches x parallel.dp "
-            f"= {p.microbatches * p.dp}. Fix: train.batch_size={p.microbatches * p.dp} or more."
+            f"= {split}. Fix: train.batch_size={split} or more."
         )
-    if t.batch_size % (p.microbatches * p.dp):
+    if t.batch_size % split:
         raise ConfigError(
             f"train.batch_size={t.batch_size} does not divide into parallel.dp={p.dp} x "
             f"parallel.microbatches={p.microbatches} equal microbatches. "
-            f"Fix: a multiple of {p.microbatches * p.dp}."
+            f"Fix: a multiple of {split}."
         )
-    if cfg.device not in DEVICES:
-        raise ConfigError(f"device={cfg.device!r} is not one of {', '.join(DEVICES)}.")
-    if cfg.launch.start_method not in START_METHODS:
-        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is not one of "
-                          f"{', '.join(START_METHODS)}.")
     if cfg.eval.every < 0 or cfg.eval.steps < 1:
         raise ConfigError(f"eval.every={cfg.eval.every}, eval.steps={cfg.eval.steps}: every must be >= 0 "
                           "(0 = no evaluation) and steps >= 1.")
+    if t.ac_every < 1:
+        raise ConfigError(f"train.ac_every={t.ac_every} must be at least 1.")
     parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
 
 
-def _one_of(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}. "
-                          f"Fix: {key}=<one of them>.")
+def _schedule_file(cfg: DictConfig) -> str | None:
+    """The schedule file the run follows (``schedule=csv``), if any: from here on its own key
+    (``Layout.csv``), not the name ``csv``."""
+    if cfg.schedule.name != CSV:
+        return None
+    if cfg.schedule.get("csv") is None:
+        raise ConfigError("schedule.name=csv needs a file: nothing sets schedule.csv. "
+                          "Fix: schedule=csv schedule.csv=<the file>.")
+    return cfg.schedule.csv
 
 
-def _check_training_options(cfg: DictConfig) -> None:
-    t = cfg.train
-    _one_of("train.precision", t.precision, PRECISION_NAMES)
-    _one_of("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
-    _one_of("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    unknown = [k for k in t.no_decay if k not in NO_DECAY_NAMES]
-    if unknown:
-        raise ConfigError(f"train.no_decay={list(t.no_decay)} has unknown kinds {unknown}. "
-                          f"Fix: a subset of {list(NO_DECAY_NAMES)} ([] decays everything).")
-    if t.ac_every < 1:
-        raise ConfigError(f"train.ac_every={t.ac_every} must be at least 1.")
-
-
-def _check_host(cfg: DictConfig) -> None:
-    """What depends on this host's GPUs and compilers (asks torch)."""
+def _check_host(cfg: DictConfig, device: str, ranks: int) -> None:
+    """What depends on this host's GPUs and compilers (asks torch); ``device``: resolved."""
     import torch
 
-    t, ranks = cfg.train, cfg.parallel.pp * cfg.parallel.dp
-    if cfg.device == "cuda" and torch.cuda.device_count() < ranks:
+    t = cfg.train
+    if device == "cuda" and torch.cuda.device_count() < ranks:
         raise ConfigError(
             f"device=cuda needs one GPU per rank ({ranks}) but this host has "
             f"{torch.cuda.device_count()}. Fix: device=cpu, or fewer ranks."
         )
-    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if t.precision == "bf16" and on_gpu and not torch.cuda.is_bf16_supported():
+    if t.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16: this GPU has no bf16 support. Fix: train.precision=fp32.")
-    if t.compile and not on_gpu and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+    if t.compile and device != "cuda" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
         raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor, and none was found "
                           "(g++, clang++ or $CXX). Fix: install one, or train.compile=false.")
 
@@ -207,7 +180,7 @@ def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
                 f"{tuple(targets.shape)}, keyword inputs {bad or 'ok'}: expected (batch_size, seq_len) = "
                 f"{(t.batch_size, t.seq_len)} and batch-first tensors. Fix: the dataset's batch()."
             )
-    microbatch = t.batch_size // (p.dp * p.microbatches)
+    microbatch = microbatch_size(t.batch_size, dp=p.dp, microbatches=p.microbatches)
     return {k: v[:microbatch] for k, v in kwargs.items()}
 
 
@@ -257,8 +230,8 @@ def _log_tied(meta, stages) -> None:
                      " = ".join(names), owners)
 
 
-def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
-    """(number of stages, stage → rank) as the schedule dictates."""
+def _schedule_layout(cfg: DictConfig, csv: str | None) -> tuple[int, dict[int, int]]:
+    """(number of stages, stage → rank) as the schedule, or the schedule file ``csv``, dictates."""
     from runner import schedule as sched
 
     p, name = cfg.parallel, cfg.schedule.name
@@ -269,46 +242,78 @@ def _schedule_layout(cfg: DictConfig) -> tuple[int, dict[int, int]]:
             log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
         return 1, {0: 0}
     compiled = cfg.train.compile
-    if name == "csv":
-        return sched.read_csv_schedule(
-            cfg.schedule.csv, pp=p.pp, stages_per_rank=p.stages_per_rank, microbatches=p.microbatches,
-            compiled=compiled,
-        )
+    if csv is not None:
+        return sched.read_csv_schedule(csv, pp=p.pp, stages_per_rank=p.stages_per_rank,
+                                       microbatches=p.microbatches, compiled=compiled)
     spr = p.stages_per_rank or sched.default_stages_per_rank(name)
     sched.check_schedule(name, pp=p.pp, stages_per_rank=spr, microbatches=p.microbatches, compiled=compiled)
     return p.pp * spr, sched.placement(name, p.pp, p.pp * spr)
 
 
-def _splits_backward(cfg: DictConfig, layout: Layout) -> bool:
+def _splits_backward(layout: Layout) -> bool:
     """Whether the schedule runs separate input (I) and weight (W) backward actions."""
-    from runner import schedule as sched
+    if layout.csv is None:
+        return SCHEDULES[layout.schedule].splits_backward
+    from runner.schedule import csv_order
 
-    if layout.schedule == "csv":
-        order = sched.csv_order(layout.csv)
-    else:
-        order = sched.schedule_order(layout.schedule, layout.pp, layout.microbatches, layout.num_stages // layout.pp)
-    return any(op.kind in ("I", "W") for ops in order.values() for op in ops)
+    return any(op.kind in ("I", "W") for ops in csv_order(layout.csv).values() for op in ops)
+
+
+# -- what the launcher resolves ---------------------------------------------------------------
+
+def _concurrent_jobs() -> int:
+    """Jobs a Hydra launcher runs at once on this host (joblib's n_jobs; -1 = one per core)."""
+    n_jobs = HydraConfig.get().launcher.get("n_jobs") if HydraConfig.initialized() else None
+    if not n_jobs:
+        return 1
+    return n_jobs if n_jobs > 0 else os.cpu_count() or 1
+
+
+def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
+    """Ranks on one host, of every job running at once, share its cores: oversubscribed
+    intra-op threads slow every rank down."""
+    return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // (ranks_on_host * _concurrent_jobs()))
+
+
+def _launch_dir() -> Path:
+    """Where the user started the runner (Hydra may have changed into the run directory)."""
+    return Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
+
+
+def _resume_point(cfg: DictConfig, run_dir: Path) -> Path:
+    """The checkpoint directory ``checkpoint.resume`` names: a checkpoint, a run directory's newest
+    complete one, or (``latest``) the newest of the runs under ``checkpoint.latest_root``."""
+    try:
+        latest_root = _launch_dir() / Path(cfg.checkpoint.latest_root).expanduser()
+        path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
+        step = checkpoint_step(path)
+    except CheckpointError as e:  # before any rank starts: the configuration names a bad checkpoint
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
+    if step >= cfg.train.steps:
+        raise ConfigError(f"checkpoint.resume: {path} is at step {step}, already "
+                          f"train.steps={cfg.train.steps}. Fix: a larger train.steps.")
+    return path
 
 
 def check_config(cfg: DictConfig) -> None:
-    """The checks that need no torch: missing values, numbers, option names, loggers."""
+    """The checks that need no torch: missing values, unknown keys, option values, numbers,
+    loggers."""
     _check_missing(cfg)
     _check_unknown_keys(cfg)
+    _check_choices(cfg)
     _check_numbers(cfg)
+    _schedule_file(cfg)
     check_loggers(cfg.logging, cfg.get("logger"))  # enabled loggers' packages are importable, options known
-    _check_training_options(cfg)
 
 
-def validate(cfg: DictConfig) -> Layout:
-    """Check a composed config; raise ``ConfigError`` naming key, value and fix."""
+def _layout(cfg: DictConfig, csv: str | None) -> Layout:
+    """The stages and their placement, after every check that needs the model or the data."""
     from runner.split import build_meta_model, check_init, check_shapes, plan_split
 
-    check_config(cfg)
-    _check_host(cfg)
-    num_stages, stage_to_rank = _schedule_layout(cfg)
+    p = cfg.parallel
+    num_stages, stage_to_rank = _schedule_layout(cfg, csv)
     kwargs = _check_batches(cfg)
     _check_loss(cfg)
-    p = cfg.parallel
     stage_modules = p.get("stage_modules")
     meta = build_meta_model(cfg.model, stage_modules)
     pipelined = p.pp > 1
@@ -316,22 +321,17 @@ def validate(cfg: DictConfig) -> Layout:
                         stage_modules if pipelined else None)
     check_init(meta)
     _check_keyword_inputs(meta, kwargs)
-    vocab = check_shapes(meta, stages, microbatch=cfg.train.batch_size // (p.dp * p.microbatches),
+    vocab = check_shapes(meta, stages, microbatch=microbatch_size(cfg.train.batch_size, dp=p.dp,
+                                                                  microbatches=p.microbatches),
                          seq_len=cfg.train.seq_len, kwargs=kwargs)
     _check_vocab(cfg, vocab)
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (units per stage): %s", sizes)
     _log_tied(meta, stages)
-    layout = Layout(
-        schedule=cfg.schedule.name,
-        csv=cfg.schedule.get("csv"),
-        pp=cfg.parallel.pp,
-        microbatches=cfg.parallel.microbatches,
-        stages=stages,
-        stage_to_rank=stage_to_rank,
-    )
-    if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and _splits_backward(cfg, layout):
+    layout = Layout(schedule=cfg.schedule.name, csv=csv, pp=p.pp, microbatches=p.microbatches, stages=stages,
+                    stage_to_rank=stage_to_rank)
+    if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and _splits_backward(layout):
         log.warning(
             "train.activation_checkpointing=%s with schedule=%s: its weight backward (W) runs one autograd pass "
             "per parameter group and recomputes every checkpointed block in each, so a step is several times "
@@ -339,3 +339,24 @@ def validate(cfg: DictConfig) -> Layout:
             "train.activation_checkpointing=every_n or none, or a schedule with whole backward steps.",
             cfg.train.activation_checkpointing, layout.schedule)
     return layout
+
+
+def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
+    """Check a composed config (raising ``ConfigError`` naming key, value and fix) and resolve it
+    into the run's plan: its layout, the device ``auto`` picks here, threads per rank and, for a
+    run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
+    run (the planner's candidates); no checkpoint is looked for."""
+    from runner.dist import resolve_device
+
+    check_config(cfg)
+    csv = _schedule_file(cfg)
+    world = cfg.parallel.pp * cfg.parallel.dp
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = resolve_device(cfg.device, ranks_on_host)
+    _check_host(cfg, device, ranks_on_host)
+    layout = _layout(cfg, csv)
+    resume = _resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
+    return RunPlan(layout=layout, dp=cfg.parallel.dp, dp_mode=cfg.parallel.dp_mode, batch_size=cfg.train.batch_size,
+                   seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device,
+                   threads_per_rank=_threads_per_rank(cfg, ranks_on_host), run_dir=run_dir, resume=resume,
+                   verify=cfg.verify)

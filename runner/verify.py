@@ -18,13 +18,15 @@ from torch.distributed.tensor import DTensor
 
 from runner.dist import DistEnv, gather_to_main
 from runner.errors import VerifyError
+from runner.hooks import Hook, StepState
 from runner.losses import build_loss
 from runner.parallelize import PRECISIONS
 from runner.pipeline import Batch, UnsplitStep
 from runner.split import build_meta_model, materialize
 from runner.units import SequentialSpec, tied_groups
+from runner.watchdog import busy
 
-__all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step"]
+__all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step", "VerifyFirstStep"]
 
 log = logging.getLogger(__name__)
 
@@ -147,18 +149,20 @@ def verify_first_step(
     batch: Batch,
     env: DistEnv,
     *,
+    microbatches: int,
     skip: Collection[str] = (),
 ) -> dict:
     """Call after the first step's backward, before clipping and the optimizer, with the step's
-    global batch. The reference runs in the run's precision (autocast for bf16) on CPU. Every
-    rank gets the report; every rank raises ``VerifyError`` together when it failed (none is left
-    waiting). ``skip``: names of tied copies (see ``collect_grads``)."""
+    global batch and the layout's microbatch count. The reference runs in the run's precision
+    (autocast for bf16) on CPU. Every rank gets the report; every rank raises ``VerifyError``
+    together when it failed (none is left waiting). ``skip``: names of tied copies (see
+    ``collect_grads``)."""
     got = gather_grads(modules, env, skip)
     report = None
     if env.is_main:
         model, forward = reference_model(cfg)
         inputs, targets, kwargs = batch
-        step = UnsplitStep(model, cfg.parallel.microbatches, build_loss(cfg.loss), forward=forward)
+        step = UnsplitStep(model, microbatches, build_loss(cfg.loss), forward=forward)
         ref_loss = step(inputs, targets, **kwargs)
         rtol, atol = TOLERANCES[cfg.train.precision]
         report = compare(got, collect_grads([model]), loss, ref_loss.item(), rtol=rtol, atol=atol)
@@ -182,3 +186,21 @@ def verify_first_step(
             + "\n  ".join(report["problems"])
         )
     return report
+
+
+class VerifyFirstStep(Hook):
+    """``verify=true``: the first step this run trains, compared with the unsplit model's on the
+    same batch, after the backward and before clipping; its report goes into the summary."""
+
+    def __init__(self) -> None:
+        self.report: dict | None = None
+
+    def after_reduce(self, trainer, state: StepState) -> None:
+        if state.first:
+            busy(f"verifying step {state.step} against the unsplit model")
+            self.report = verify_first_step(trainer.cfg, trainer.modules, state.loss, state.batch, trainer.env,
+                                            microbatches=trainer.plan.layout.microbatches,
+                                            skip=trainer.tied.not_counted())
+
+    def summary(self) -> dict:
+        return {} if self.report is None else {"verify": self.report}

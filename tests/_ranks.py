@@ -1,37 +1,42 @@
-"""Run a function on N gloo ranks, spawned once; the tests put many cases into one spawn."""
+"""Run a function on N gloo ranks, spawned once (``runner.processes.spawn``, as runs start
+theirs); the tests put many cases into one spawn."""
 
 from __future__ import annotations
 
-import time
 import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from runner.dist import cleanup, init_distributed
 from runner.errors import RunnerError
+from runner.hooks import Hook
+from runner.processes import spawn as spawn_ranks
 from runner.train import train
 from runner.validate import validate
+from runner.verify import gather_grads
 
 
 def spawn(world: int, fn, *args) -> None:
     Path(args[0]).mkdir(parents=True, exist_ok=True)
-    store = Path(args[0]) / f".store-{time.time_ns()}"
-    mp.start_processes(_entry, args=(world, str(store), fn, args), nprocs=world, join=True,
-                       start_method="spawn")
+    with spawn_ranks(world, fn, *args, directory=Path(args[0]), timeout_s=120, method="spawn", threads=1) as ranks:
+        ranks.join()
 
 
-def _entry(rank: int, world: int, store: str, fn, args) -> None:
-    torch.set_num_threads(1)
-    env = init_distributed(rank=rank, world_size=world, device=torch.device("cpu"), timeout_s=120,
-                           store=dist.FileStore(store, world))
-    try:
-        fn(env, *args)
-    finally:
-        cleanup()
+class FirstGrads(Hook):
+    """The first step's gradients on rank 0 (by full parameter name), before and after clipping."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor | None] = {}
+        self.clipped: dict[str, torch.Tensor | None] = {}
+
+    def after_reduce(self, trainer, state) -> None:
+        if state.first:
+            self.grads = gather_grads(trainer.modules, trainer.env, skip=trainer.tied.not_counted())
+
+    def after_clip(self, trainer, state) -> None:
+        if state.first:
+            self.clipped = gather_grads(trainer.modules, trainer.env, skip=trainer.tied.not_counted())
 
 
 def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:
@@ -42,9 +47,10 @@ def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:
         run_dir = Path(out_dir) / name
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            result = train(cfg, validate(cfg), env, run_dir, launch_time=time.time(), keep_first_grads=True)
-            record = {"losses": result.losses, "grads": result.first_grads,
-                      "clipped": result.first_clipped_grads, "summary": result.summary}
+            grads = FirstGrads()
+            result = train(validate(cfg, run_dir), cfg, env, hooks=[grads])
+            record = {"losses": result.losses, "grads": grads.grads, "clipped": grads.clipped,
+                      "summary": result.summary}
         except RunnerError as e:
             record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if env.is_main:

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from runner.checkpoint import Checkpointer, find_checkpoint, hold_run_lock, run_in_progress, write_manifest
+from runner.checkpoint import Checkpointer
+from runner.checkpoint_files import find_checkpoint, hold_run_lock, run_in_progress, write_manifest
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
@@ -36,7 +38,7 @@ def _train(run_dir: Path, *overrides: str, resume: Path | None = None):
     if resume is not None:
         cfg.checkpoint.resume = str(resume)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return train(cfg, validate(cfg), ENV, run_dir, launch_time=time.time())
+    return train(validate(cfg, run_dir), cfg, ENV)
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +211,16 @@ def test_divergence_stops_before_the_optimizer_and_names_the_last_good_checkpoin
     state = torch.load(tmp_path / "full.pt", weights_only=True)
     tensors = [v for group in state.values() for v in group.values() if isinstance(v, torch.Tensor)]
     assert len(tensors) > 20 and all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_the_checkpoint_a_resume_names_is_resolved_into_the_plan_and_the_resolved_config(saved, tmp_path):
+    cfg = compose(*ONE, "train.steps=3", f"checkpoint.resume={saved}")  # a run directory: its newest checkpoint
+    plan = validate(cfg, tmp_path)
+    assert plan.resume == (saved / "checkpoints" / "step-2").resolve() and cfg.checkpoint.resume == str(saved)
+    assert len(train(plan, cfg, ENV).losses) == 1
+    written = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
+    assert written["checkpoint"]["resume"] == str(plan.resume) and written["device"] == "cpu"
+    assert written["launch"]["threads_per_rank"] == plan.threads_per_rank and cfg.launch.threads_per_rank is None
 
 
 def test_resume_with_an_empty_parameter_group(tmp_path):

@@ -184,7 +184,7 @@ def test_cuda_run_matches_cpu(tmp_path):
 
 
 def test_ranks_are_forked_only_where_forking_is_safe(monkeypatch):
-    import runner.launch as launch_module
+    import runner.processes as launch_module
 
     monkeypatch.setattr(launch_module.threading, "active_count", lambda: 1)
     monkeypatch.setattr(launch_module.sys, "platform", "linux")

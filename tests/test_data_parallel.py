@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from runner.checkpoint import find_checkpoint
+from runner.checkpoint_files import find_checkpoint
 from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError
 from runner.train import train
@@ -135,7 +134,7 @@ def test_bad_resume_targets_are_clear_errors(tmp_path):
     cfg = compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4", "train.steps=2",
                   "checkpoint.every=2")
     env = DistEnv(0, 1, torch.device("cpu"))
-    train(cfg, validate(cfg), env, run_dir, launch_time=time.time())
+    train(validate(cfg, run_dir), cfg, env)
     step = run_dir / "checkpoints" / "step-2"
     assert find_checkpoint(str(run_dir), run_dir) == step
     assert find_checkpoint("latest", tmp_path / "outputs" / "day" / "later", tmp_path / "outputs") == step
@@ -143,7 +142,7 @@ def test_bad_resume_targets_are_clear_errors(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.resume = 3, 0, str(step)
     with pytest.raises(RunnerError, match=f"checkpoint {step} is damaged: {shard} has 100 bytes"):
-        train(cfg, validate(cfg), env, tmp_path / "resume", launch_time=time.time())
+        train(validate(cfg, tmp_path / "resume"), cfg, env)
     (step / "train_state.json").write_text("{not json")
     with pytest.raises(ConfigError, match="train_state.json is unreadable or corrupt"):
         find_checkpoint(str(step), run_dir)

@@ -6,7 +6,6 @@ the unsplit pp=1 reference is computed once, in this process, by the same traini
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from runner.timeline import write_schedule_csv
 from runner.train import train
 from runner.validate import validate
 
-from _ranks import spawn, train_cases
+from _ranks import FirstGrads, spawn, train_cases
 from conftest import EXAMPLES, TINY, compose
 from test_synthesize import _costs
 
@@ -63,9 +62,9 @@ def _reference(tmp_path: Path, *overrides: str) -> dict:
     cfg = compose(*TINY, *CLIP, "parallel.pp=1", *overrides)
     run_dir = tmp_path / "reference"
     run_dir.mkdir()
-    result = train(cfg, validate(cfg), DistEnv(0, 1, torch.device("cpu")), run_dir,
-                   launch_time=time.time(), keep_first_grads=True)
-    return {"losses": result.losses, "grads": result.first_grads, "clipped": result.first_clipped_grads,
+    grads = FirstGrads()
+    result = train(validate(cfg, run_dir), cfg, DistEnv(0, 1, torch.device("cpu")), hooks=[grads])
+    return {"losses": result.losses, "grads": grads.grads, "clipped": grads.clipped,
             "summary": result.summary}
 
 

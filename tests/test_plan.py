@@ -165,7 +165,7 @@ def test_plan_takes_the_runs_csv_schedule_and_reports_a_deadlocking_one_as_inval
 
 def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
     cfg = compose(*TINY, "parallel.pp=2", "train.batch_size=8", "schedule=1f1b", "parallel.microbatches=4")
-    layout = validate(cfg)
+    layout = validate(cfg).layout
     # A "previous run" of the 1F1B layout whose stages took 1 s per forward and 2 s per backward.
     summary = {"stages": {str(i): list(s) for i, s in enumerate(layout.stages)},
                "bubble": {"mean_costs_s": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}}

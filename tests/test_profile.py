@@ -15,7 +15,8 @@ from runner import _torch_pp
 from runner.profile import Window, plan_window
 from runner.record import Action, StepSpan
 from runner.schedule import SCHEDULES, schedule_order
-from runner.simulate import UNIT_COSTS, Op, bubble_fractions, expected_makespan, simulate, theoretical_bubble
+from runner.schedules import theoretical_bubble
+from runner.simulate import UNIT_COSTS, Op, bubble_fractions, expected_makespan, simulate
 from runner.timeline import (
     HostClock,
     clock_offsets,
@@ -46,7 +47,7 @@ def test_theoretical_bubble_formulas(p, m, v, expected):
 
 def _declared_order(name: str, pp: int, m: int, spr: int) -> dict[int, list[Op]]:
     stages = _torch_pp.stand_in_stages(pp, pp * spr, spr)
-    schedule = get_schedule_class(SCHEDULES[name])(stages[0] if spr == 1 else stages, m)
+    schedule = get_schedule_class(SCHEDULES[name].torch_class)(stages[0] if spr == 1 else stages, m)
     return {r: [Op(a.stage_index, a.computation_type.value, a.microbatch_index)
                 for a in schedule.pipeline_order[r] if a is not None and a.is_compute_op]
             for r in range(pp)}

@@ -26,7 +26,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from runner.errors import CheckpointError
-from runner.launch import _connect, _rank_failure, _rendezvous
+from runner.processes import connect, rendezvous
+from runner.supervise import rank_failure
 from runner.watchdog import Heartbeats
 
 from conftest import ROOT, TINY, compose
@@ -177,7 +178,7 @@ def test_ranks_die_with_a_killed_launcher_even_with_sigint_ignored(tmp_path):
             proc.kill()
         for rank in _rank_processes(run_dir, proc):
             rank.kill()
-    from runner.checkpoint import run_in_progress
+    from runner.checkpoint_files import run_in_progress
 
     assert not run_in_progress(run_dir)  # the run's lock went with its processes
 
@@ -208,8 +209,9 @@ def test_launch_port_listens_on_loopback_only(tmp_path):
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    kind, address, server = _rendezvous(compose(*RUN, f"launch.port={port}"), tmp_path)
-    client = _connect(kind, address, 2, 10)  # a rank reaches the store on loopback
+    cfg = compose(*RUN, f"launch.port={port}")
+    where, server = rendezvous(tmp_path, cfg.launch.port, cfg.launch.timeout_s)
+    client = connect(where, 2, 10)  # a rank reaches the store on loopback
     client.set("probe", "ok")
     assert server.get("probe") == b"ok"
     for ip in others:  # and nobody reaches it on the host's other addresses
@@ -246,11 +248,11 @@ def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_pat
         error = CheckpointError("checkpoint /ck/step-2 could not be loaded (rank 0): RuntimeError: size mismatch")
         error.__cause__ = dcp_error
     files = [_error_file(tmp_path, 0, RuntimeError("Connection closed by peer")), _error_file(tmp_path, 1, error)]
-    message = str(_rank_failure([0, 1], exited, files, heartbeats))
+    message = str(rank_failure([0, 1], exited, files, heartbeats))
     assert message == "rank 1: checkpoint /ck/step-2 could not be loaded (rank 0): RuntimeError: size mismatch"
     # A full disk: torch's error file could not be written; the error left in memory is shown.
     heartbeats.set_error(1, "Traceback (most recent call last):\nOSError: [Errno 28] No space left on device")
-    message = str(_rank_failure([1], exited, [str(tmp_path / "none-0"), str(tmp_path / "none-1")], heartbeats))
+    message = str(rank_failure([1], exited, [str(tmp_path / "none-0"), str(tmp_path / "none-1")], heartbeats))
     assert message.startswith("rank 1 failed:") and "No space left on device" in message
     # A peer's collective timeout names the rank it waited for.
     stalled = _heartbeats(2)
@@ -258,7 +260,7 @@ def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_pat
     time.sleep(0.05)
     stalled.set(0, "finished stage 0 action 0F1 of step 7")
     timeout = [_error_file(tmp_path, 0, RuntimeError("Timed out waiting 10000ms for recv operation")), "none"]
-    message = str(_rank_failure([0], exited, timeout, stalled))
+    message = str(rank_failure([0], exited, timeout, stalled))
     assert message.startswith("rank 1 stalled: no progress for") and "its last action: began step 7" in message
     assert "Rank 0 timed out waiting for it" in message
 

@@ -3,8 +3,12 @@ names the key, the value and the fix. Everything here runs in-process in millise
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from runner.errors import ConfigError
 from runner.validate import validate
@@ -18,7 +22,7 @@ PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
                                       "interleaved_zb", "zbv", "dualpipev"])
 @pytest.mark.parametrize("model", ["transformer", "mlp"])
 def test_every_schedule_and_model_composes_and_validates(schedule, model):
-    layout = validate(compose(*PP2, f"schedule={schedule}", f"model={model}"))
+    layout = validate(compose(*PP2, f"schedule={schedule}", f"model={model}")).layout
     assert layout.pp == 2 and layout.microbatches == 4
     single = schedule in ("gpipe", "1f1b")
     assert layout.num_stages == (2 if single else 4)
@@ -27,13 +31,13 @@ def test_every_schedule_and_model_composes_and_validates(schedule, model):
 
 
 def test_v_schedules_fold_stages_back_onto_rank_0():
-    layout = validate(compose(*PP2, "schedule=zbv"))
+    layout = validate(compose(*PP2, "schedule=zbv")).layout
     assert layout.stage_to_rank == {0: 0, 1: 1, 2: 1, 3: 0}
-    assert validate(compose(*PP2, "schedule=interleaved_1f1b")).stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert validate(compose(*PP2, "schedule=interleaved_1f1b")).layout.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
 
 
 def test_smoke_experiment_and_text_data_compose(tmp_path):
-    assert validate(compose("experiment=smoke")).num_stages == 2
+    assert validate(compose("experiment=smoke")).layout.num_stages == 2
     text = tmp_path / "corpus.txt"
     text.write_text("pipeline parallelism " * 100)
     cfg = compose("data=text", f"data.path={text}")
@@ -106,6 +110,19 @@ def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
         assert text in str(info.value), str(info.value)
 
 
+def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(tmp_path):
+    cfg = compose(*TINY, "device=auto", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
+                  "parallel.microbatches=4", "train.batch_size=16")
+    composed = OmegaConf.to_yaml(cfg)
+    plan = validate(cfg, tmp_path)
+    assert plan.device == ("cuda" if torch.cuda.device_count() >= 4 else "cpu")  # auto, resolved for this host
+    assert plan.world_size == 4 and plan.layout.microbatches == 4 and plan.microbatch_size == 2
+    assert plan.threads_per_rank >= 1 and plan.run_dir == tmp_path and plan.resume is None
+    assert OmegaConf.to_yaml(cfg) == composed  # device: auto, launch.threads_per_rank: null
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.device = "cuda"
+
+
 def test_extra_keys_are_accepted_where_a_factory_takes_them():
     # A user's (or the built-in) loss/model/data factory is called with its group's keys.
     cfg = compose(*PP2, "+loss.label_smoothing=0.1")
@@ -142,8 +159,8 @@ def test_compile_on_cpu_without_a_cxx_compiler_is_refused_before_launch(monkeypa
 
 
 def test_tied_weights_may_share_a_stage_or_span_stages():
-    assert validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true")).num_stages == 1
-    layout = validate(compose(*PP2, "model.tie_embeddings=true"))  # embedding and head on two ranks
+    assert validate(compose(*TINY, "parallel.pp=1", "model.tie_embeddings=true")).layout.num_stages == 1
+    layout = validate(compose(*PP2, "model.tie_embeddings=true")).layout  # embedding and head on two ranks
     assert layout.stages[0][0] == "embed" and layout.stages[-1][-1] == "head"
 
 
@@ -181,7 +198,7 @@ def test_bad_csv_schedules_are_linted_before_spawning(tmp_path, text, expected):
 
 def test_csv_schedule_gives_stage_count_and_placement():
     csv = EXAMPLES / "interleaved_1f1b_pp2_m4.csv"
-    layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}"))
+    layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}")).layout
     assert layout.num_stages == 4 and layout.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
     with pytest.raises(ConfigError, match="parallel.stages_per_rank=3"):
         validate(compose(*PP2, "schedule=csv", f"schedule.csv={csv}", "parallel.stages_per_rank=3"))
@@ -207,7 +224,7 @@ def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line
     assert read_schedule_file(path).notes == ()
     path.write_text("0F0,0F1,0F2,0F3,0BW0,0BW1,0BW2,0BW3\n1F0,1F1,1F2,1F3,1BW0,1BW1,1BW2,1BW3\n")
     with caplog.at_level("WARNING", logger="runner.schedule"):
-        layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}"))
+        layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}")).layout
     assert layout.num_stages == 2 and "BW -> B" in caplog.text
 
 

@@ -1,0 +1,75 @@
+"""Data-parallel modes (``parallel.dp_mode``): how each stage module is replicated over its dp
+group, the last thing ``runner.parallelize`` applies to it. Every use of a mode reads this
+registry: the config's choices, the checks before launch, the wrapping, and whether a rank's
+stages may share a tied parameter.
+
+Adding a mode: one entry here, with its wrapping function (``parallel.dp_mode=<name>`` then
+selects it; ``docs/data-parallelism.md`` says what it costs). The gradient code needs nothing
+new as long as the mode's parameters are plain tensors or ``DTensor``s: the global norm, ``verify``
+and checkpoints gather ``DTensor``s whole.
+
+Imports nothing heavy at the top (the checks before launch read the names before torch is
+imported); the wrapping functions import what they use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from runner.mesh import Mesh
+    from runner.split import StageModule
+
+__all__ = ["DPMode", "DP_MODES"]
+
+
+@dataclass(frozen=True)
+class DPMode:
+    name: str  # parallel.dp_mode=<name>
+    # (stage module, mesh, compute dtype or None) -> the module to run, replicated over mesh.dp_mesh.
+    wrap: Callable[[StageModule, Mesh, torch.dtype | None], nn.Module]
+    # Keeps replicas in step, so parallel.dp > 1 may use it (none cannot: replicas would train apart).
+    replicates: bool
+    # Wraps each stage module on its own: two stages of one rank cannot share a tied parameter
+    # (each keeps a copy, kept equal like copies on different ranks).
+    per_stage: bool
+
+
+def _unwrapped(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> nn.Module:
+    module.autocast_dtype = dtype  # the stage autocasts its own forward
+    return module
+
+
+def _replicate(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> nn.Module:
+    """torch's FSDP-based replicate: DDP semantics, and it also reduces the gradients that
+    zero-bubble schedules' weight backward sets directly."""
+    from runner import _torch_pp
+
+    module.autocast_dtype = dtype
+    return _torch_pp.replicate(module, mesh=mesh.dp_mesh)
+
+
+def _fully_shard(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: an FSDP unit per module of the stage's units that owns parameters, then the stage
+    root. Parameters stay gathered between microbatches (reshard_after_forward=False): pipelining
+    runs many forwards per step, and re-gathering for each would multiply the all-gathers by the
+    microbatch count. Computation runs in ``dtype`` (FSDP casts parameters and inputs itself);
+    gradients are reduced in fp32 either way."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for child in module.unit_modules():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+
+
+DP_MODES: dict[str, DPMode] = {mode.name: mode for mode in (
+    DPMode("none", _unwrapped, replicates=False, per_stage=False),
+    DPMode("ddp", _replicate, replicates=True, per_stage=True),
+    DPMode("fsdp", _fully_shard, replicates=True, per_stage=True),
+)}

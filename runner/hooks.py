@@ -1,0 +1,53 @@
+"""Hooks: what runs inside a training step but is not training. The ``Trainer`` (``runner.train``)
+calls every hook it holds at four points of each step, in order, on every rank, and merges what
+they report into the summary. ``verify`` (``runner.verify``), fault injection (``runner.faults``)
+and the tests' gradient probes are hooks; the loop itself has no test seams.
+
+A hook that runs a collective (gathering gradients) must run it on every rank at the same point:
+the Trainer calls the hooks in the same order everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.train import Trainer
+
+__all__ = ["StepState", "Hook"]
+
+
+@dataclass
+class StepState:
+    """One optimizer step as the hooks see it."""
+
+    step: int  # numbered from 1, as in the logs and metrics.jsonl
+    first: bool  # the first step this run trains (after a resume: the one after the checkpoint)
+    batch: tuple  # the global batch: inputs, targets, keyword inputs (every replica's rows)
+    local_loss: torch.Tensor | None = None  # this rank's loss (the last stage's ranks), before the reduction
+    loss: float | None = None  # the step's loss, the same on every rank
+    grad_norm: float | None = None  # the global gradient norm, before clipping
+
+
+class Hook:
+    """Override what you need; each point gets the trainer (its ``env``, ``modules``, ``params``,
+    ``tied``, ``plan``, ``cfg``) and the step."""
+
+    def begin_step(self, trainer: Trainer, state: StepState) -> None:
+        """Before the step's forward and backward."""
+
+    def after_backward(self, trainer: Trainer, state: StepState) -> None:
+        """After the pipelined forward and backward, before the loss and the gradient norm are
+        reduced over the ranks (``state.local_loss`` may be replaced)."""
+
+    def after_reduce(self, trainer: Trainer, state: StepState) -> None:
+        """The step's loss and norm known and finite; gradients not yet clipped or applied."""
+
+    def after_clip(self, trainer: Trainer, state: StepState) -> None:
+        """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped."""
+
+    def summary(self) -> dict[str, Any]:
+        """Entries for rank 0's ``summary.json`` (e.g. ``verify``'s report)."""
+        return {}

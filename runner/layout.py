@@ -1,0 +1,92 @@
+"""The run's core types, resolved once before any rank starts (``runner.validate``) and then only
+read: the ``Layout`` (where every part of the model runs) and the ``RunPlan`` (the layout and every
+other value the launcher resolved or derived). Ranks receive the plan, and the composed config
+for what the factories take; nothing changes the config after composition.
+
+Imports nothing heavy: the planner, the profiles and the command line use these types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Layout", "RunPlan", "microbatch_size"]
+
+
+def microbatch_size(batch_size: int, *, dp: int, microbatches: int) -> int:
+    """Samples in one microbatch of one replica: the global batch split over dp replicas, then
+    into microbatches (the checks before launch make it divide)."""
+    return batch_size // (dp * microbatches)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every part of the model runs: derived once from the config, never configured twice."""
+
+    schedule: str  # a runner.schedules name, or "csv"
+    csv: str | None  # the schedule file, when the run follows one: its own key, whatever the name
+    pp: int
+    microbatches: int
+    stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.units)
+    stage_to_rank: dict[int, int]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return max(1, self.num_stages // self.pp)
+
+    def stages_on(self, rank: int) -> list[int]:
+        return sorted(s for s, r in self.stage_to_rank.items() if r == rank)
+
+    def describe(self) -> str:
+        lines = [f"schedule={self.schedule} pp={self.pp} stages={self.num_stages} "
+                 f"microbatches={self.microbatches}"]
+        from runner.units import describe_names
+
+        for s, names in enumerate(self.stages):
+            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a run resolved before its ranks start. The config keeps what the user composed
+    (``auto``, ``null``, ``latest``); the plan holds what those became here."""
+
+    layout: Layout
+    dp: int  # replicas of the whole pipeline
+    dp_mode: str  # a runner.dp name
+    batch_size: int  # global samples per optimizer step
+    seq_len: int
+    steps: int  # the last step (numbered from 1) of the run
+    device: str  # cpu or cuda: device=auto resolved for this host
+    threads_per_rank: int  # intra-op threads: launch.threads_per_rank, or this host's cores shared out
+    run_dir: Path | None  # None where nothing runs (the planner's candidates)
+    resume: Path | None  # the checkpoint directory checkpoint.resume named (a run directory, latest: found)
+    verify: bool
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job: pp x dp."""
+        return self.layout.pp * self.dp
+
+    @property
+    def microbatch_size(self) -> int:
+        return microbatch_size(self.batch_size, dp=self.dp, microbatches=self.layout.microbatches)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def resolved_values(self) -> dict[str, object]:
+        """The config keys the launcher resolved, by dotted key, as written into
+        ``resolved_config.yaml`` and logged as the run's hyperparameters."""
+        return {"device": self.device, "launch.threads_per_rank": self.threads_per_rank,
+                "checkpoint.resume": None if self.resume is None else str(self.resume)}

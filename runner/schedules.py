@@ -1,0 +1,71 @@
+"""Every schedule the runner knows: ``schedule=<name>`` → the ``torch.distributed.pipelining`` class
+that runs it, how its stages are placed on the ranks, its closed-form bubble, and what it rejects.
+Every list of schedule names reads this registry: the config's choices, the error messages, the
+planner's candidates, ``scripts/schedule_csv.py``.
+
+Adding a schedule that torch provides: one entry here and ``conf/schedule/<name>.yaml``
+(``defaults: [base_schedule]`` and ``name: <name>``). ``schedule=csv`` is no entry: a run whose
+``schedule.csv`` names a file runs that file's action order (``runner.schedule_file``); internally
+that is the layout's ``csv`` being set, not a schedule name.
+
+Imports nothing heavy (the checks before launch read it before torch is imported); the torch class
+is looked up by name where a schedule is checked or built (``runner.schedule``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["ScheduleKind", "SCHEDULES", "CSV", "schedule_names", "theoretical_bubble"]
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    name: str  # schedule=<name>
+    torch_class: str  # the class torch.distributed.pipelining's get_schedule_class knows by this name
+    # Stage placement: V (stages fold back, rank 0 holds the first and the last stage) or looped.
+    v_shape: bool = False
+    # Backward split into input (I) and weight (W) actions: torch refuses compiled stage modules
+    # for these (train.compile=true is rejected before launch).
+    splits_backward: bool = False
+    # The closed-form idle fraction of a step, (pp, microbatches, stages per rank) -> fraction,
+    # assuming equal stages; None where the ideal depends on the F/B/W cost ratio (simulated then).
+    bubble: Callable[[int, int, int], float] | None = None
+
+
+def _fill_drain(pp: int, m: int, v: int) -> float:
+    """GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021): p-1 idle slots
+    of m+p-1."""
+    return (pp - 1) / (m + pp - 1)
+
+
+def _interleaved(pp: int, m: int, v: int) -> float:
+    """Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+    GPU Clusters") and looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"): stages
+    v times smaller shrink the ramp, (p-1)/(v*m+p-1)."""
+    return (pp - 1) / (v * m + pp - 1)
+
+
+SCHEDULES: dict[str, ScheduleKind] = {kind.name: kind for kind in (
+    ScheduleKind("gpipe", "GPipe", bubble=_fill_drain),
+    ScheduleKind("1f1b", "1F1B", bubble=_fill_drain),
+    ScheduleKind("interleaved_1f1b", "Interleaved1F1B", bubble=_interleaved),
+    ScheduleKind("looped_bfs", "LoopedBFS", bubble=_interleaved),
+    ScheduleKind("interleaved_zb", "InterleavedZeroBubble", splits_backward=True),
+    ScheduleKind("zbv", "ZBVZeroBubble", v_shape=True, splits_backward=True),
+    ScheduleKind("dualpipev", "DualPipeV", v_shape=True, splits_backward=True),
+)}
+
+CSV = "csv"  # schedule=csv: the action order of the file schedule.csv names
+
+
+def schedule_names() -> tuple[str, ...]:
+    """What ``schedule.name`` accepts: every registered schedule, and ``csv``."""
+    return (*SCHEDULES, CSV)
+
+
+def theoretical_bubble(schedule: str, *, pp: int, microbatches: int, stages_per_rank: int) -> float | None:
+    """The closed-form idle fraction of ``schedule``'s step (``ScheduleKind.bubble``); None where
+    there is none (zero-bubble, DualPipeV, a CSV file: simulate those)."""
+    kind = SCHEDULES.get(schedule)
+    return kind.bubble(pp, microbatches, stages_per_rank) if kind and kind.bubble else None

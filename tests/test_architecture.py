@@ -1,0 +1,89 @@
+"""The shape of `runner/` stays readable: short import chains, modules of a screen or two, and
+registries that every list of names reads (adding a schedule is one entry plus its config file).
+In-process, no torch work: a fraction of a second."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from runner.dp import DP_MODES
+from runner.schedule import default_stages_per_rank, placement, schedule_order
+from runner.schedules import SCHEDULES, schedule_names
+
+from conftest import ROOT
+
+RUNNER = ROOT / "runner"
+MAX_CHAIN = 8  # modules in the longest chain of runner-internal imports
+MAX_LINES = 400
+# Being split elsewhere (issue 18: the planner becomes the runner/plan/ package).
+LONG_FOR_NOW = {"plan.py"}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _runner_imports(path: Path, names: set[str]) -> set[str]:
+    """The runner modules ``path`` imports, at the top or inside functions; not those imported
+    under ``if TYPE_CHECKING:`` (annotations only, never at run time)."""
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update({node.module, *(f"{node.module}.{a.name}" for a in node.names)})
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    visit([child])
+                elif isinstance(child, ast.ExceptHandler):
+                    visit(child.body)
+
+    visit(ast.parse(path.read_text()).body)
+    # Importing runner.a.b runs runner/a/__init__.py first.
+    found |= {".".join(m.split(".")[:i]) for m in found for i in range(2, m.count(".") + 1)}
+    return found & names
+
+
+def _longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    memo: dict[str, list[str]] = {}
+
+    def longest(module: str, seen: frozenset[str]) -> list[str]:
+        if module not in memo:
+            assert module not in seen, f"an import cycle through {module}"
+            chains = [longest(dep, seen | {module}) for dep in sorted(graph[module])]
+            memo[module] = [module, *max(chains, key=len, default=[])]
+        return memo[module]
+
+    return max((longest(m, frozenset()) for m in graph), key=len)
+
+
+def test_no_import_chain_is_longer_than_8_modules():
+    paths = {_module_name(p): p for p in RUNNER.rglob("*.py")}
+    graph = {name: _runner_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    chain = _longest_chain(graph)
+    assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
+
+
+def test_no_module_is_longer_than_a_screen_or_two():
+    long = {p.name: len(p.read_text().splitlines()) for p in RUNNER.rglob("*.py")
+            if len(p.read_text().splitlines()) > MAX_LINES}
+    assert set(long) <= LONG_FOR_NOW, long
+
+
+def test_the_schedule_registry_agrees_with_torch_and_every_schedule_has_its_config():
+    for name, kind in SCHEDULES.items():
+        spr = default_stages_per_rank(name)
+        order = schedule_order(name, 2, 4, spr)  # what torch declares it runs
+        assert any(op.kind in ("I", "W") for ops in order.values() for op in ops) == kind.splits_backward, name
+        ran_on = {op.stage: rank for rank, ops in order.items() for op in ops}
+        assert ran_on == placement(name, 2, 2 * spr), name
+        assert (spr > 1 and ran_on[2 * spr - 1] == 0) == kind.v_shape, name  # V: rank 0 holds the last stage
+    configs = {p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml")}
+    assert configs == set(schedule_names())  # one file per schedule, and csv
+    assert set(DP_MODES) == {"none", "ddp", "fsdp"}
