@@ -246,6 +246,7 @@ def test_loggers_compose_as_a_group_of_targets_and_the_older_keys_pick_the_same_
     [run] = client.search_runs([client.get_experiment_by_name("grouped").experiment_id])
     assert run.data.metrics["val/loss"] == 2.75
     legacy = compose(*TINY, "logging.tensorboard=true")
+    (tmp_path / "old").mkdir()
     assert [type(logger).__name__ for logger in MetricsWriter(tmp_path / "old", legacy.logging).loggers] == \
         ["TensorBoardLogger"]
     # The group spelling's checks name its own keys.
