@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity
 
 from runner.dist import DistEnv, gather_to_main
+from runner.plan.simulate import UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
 from runner.record import Recorder
-from runner.simulate import UNIT_COSTS, bubble_fractions, simulate, theoretical_bubble
 from runner.timeline import (
     clock_offsets,
     executed_order,

@@ -27,8 +27,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from runner.dist import init_distributed, pick_device, synchronize
 from runner.launch import start_method
+from runner.plan.simulate import simulate
 from runner.schedule import schedule_order
-from runner.simulate import simulate
 
 __all__ = ["Calibration", "calibrate", "solve_action_overhead"]
 
