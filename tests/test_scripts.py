@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import runpy
+import shutil
 import sys
 
 import pytest
@@ -99,6 +100,9 @@ def test_bench_renders_whatever_results_exist(tmp_path):
     assert "**1 of 3 kept results ran under load** (marked *), after re-running 1 that had" in text
     assert "![measured vs theoretical bubble](benchmarks/bubble.png)" in text and (results / "bubble.png").is_file()
     assert "| activation checkpointing full / none, 1f1b | 1.300 | 1.300 |" in text
+    # Observations are sentences built from the same numbers.
+    assert "gpipe 0.150 vs 0.110 (+0.040); 1f1b 0.150 vs 0.110 (+0.040): 2 of 2 within 0.05." in text
+    assert "- activation checkpointing full / none, 1f1b: steady step x1.30, peak memory 256 -> 256 MiB." in text
     assert "**ran under load**" in text and "No per-phase split" in text and "No config-error timings" in text
     assert "No results yet for: overhead, profiling" in text
 
@@ -112,6 +116,16 @@ def test_bench_renders_whatever_results_exist(tmp_path):
     assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
     assert "| unknown value | `train.precision=fp16` | 2 | 0.70, 0.70 | 0.70 |" in text
     assert "Written by hand" not in text and "The largest phase is `spawn`, 30% of the startup." in text
+
+
+def test_benchmarks_md_is_what_the_renderers_make_of_the_committed_json(tmp_path):
+    # Nothing in BENCHMARKS.md is written by hand: rendering benchmarks/*.json reproduces it (after
+    # a run, or a change to a renderer, `python scripts/bench.py --render`).
+    results = tmp_path / "benchmarks"
+    results.mkdir()
+    for path in (ROOT / "benchmarks").glob("*.json"):
+        shutil.copy(path, results / path.name)
+    assert render(results, tmp_path / "BENCHMARKS.md") == (ROOT / "BENCHMARKS.md").read_text()
 
 
 def test_bench_load_monitor_flags_runs_that_overlap_other_load(monkeypatch):
