@@ -2,6 +2,7 @@ import dataclasses
 import json
 import runpy
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -126,6 +127,16 @@ def test_benchmarks_md_is_what_the_renderers_make_of_the_committed_json(tmp_path
     for path in (ROOT / "benchmarks").glob("*.json"):
         shutil.copy(path, results / path.name)
     assert render(results, tmp_path / "BENCHMARKS.md") == (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_bench_script_runs_the_package_from_any_directory(tmp_path):
+    # scripts/bench.py is a shim: it must find the bench package, not itself, wherever it is started.
+    out = tmp_path / "B.md"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--render", "--results",
+                           str(tmp_path / "results"), "--output", str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_text().startswith("# Benchmarks") and "No results yet for: efficiency" in out.read_text()
 
 
 def test_bench_load_monitor_flags_runs_that_overlap_other_load(monkeypatch):
