@@ -57,7 +57,7 @@ def stand_in_stages(pp: int, num_stages: int, num_local: int, *, compiled: bool 
 
 
 def to_actions(order: Mapping[int, Sequence]) -> dict[int, list[_Action]]:
-    """torch's actions for a compute-only order (``runner.simulate.Op``s per rank)."""
+    """torch's actions for a compute-only order (``runner.ops.Op``s per rank)."""
     return {rank: [_Action(op.stage, _ComputationType(op.kind), op.microbatch) for op in ops]
             for rank, ops in order.items()}
 

@@ -18,9 +18,9 @@ from torch.profiler import ProfilerActivity
 
 from runner.dist import DistEnv, gather_to_main
 from runner.layout import Layout
+from runner.plan.simulate import UNIT_COSTS, bubble_fractions, simulate
 from runner.record import Recorder
 from runner.schedules import theoretical_bubble
-from runner.simulate import UNIT_COSTS, bubble_fractions, simulate
 from runner.timeline import (
     clock_offsets,
     executed_order,

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from torch.profiler import record_function
 
-from runner.simulate import Op
+from runner.ops import Op
 from runner.watchdog import beat
 
 __all__ = ["Action", "StepSpan", "Recorder"]

@@ -12,9 +12,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from runner import _torch_pp
 from runner.errors import ConfigError
+from runner.ops import Op
 from runner.schedule_file import CELL_FORMS, ScheduleFileError, read_schedule_file
 from runner.schedules import SCHEDULES, schedule_names
-from runner.simulate import Op
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
            "read_csv_schedule", "build_schedule", "schedule_order", "csv_order"]

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.simulate import Op
+from runner.ops import Op
 
 __all__ = ["ScheduleFile", "ScheduleFileError", "read_schedule_file"]
 

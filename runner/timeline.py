@@ -14,8 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
+from runner.ops import Op
+from runner.plan.simulate import SimAction
 from runner.record import Action, StepSpan
-from runner.simulate import Op, SimAction
 
 __all__ = ["HostClock", "host_clock", "clock_offsets", "shift_actions", "shift_spans", "executed_order",
            "write_schedule_csv", "mean_costs", "pipeline_spans", "measured_bubble", "write_chrome_trace",

@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from runner.simulate import Op, SimAction
+from runner.ops import Op
+from runner.plan.simulate import SimAction
 from runner.timeline import plot_schedule
 
 

@@ -13,9 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.dist import DistEnv
-from runner.plan import schedule_order
-from runner.schedule import placement
-from runner.synthesize import Problem, synthesize
+from runner.plan.synthesize import Problem, synthesize
+from runner.schedule import placement, schedule_order
 from runner.timeline import write_schedule_csv
 from runner.train import train
 from runner.validate import validate

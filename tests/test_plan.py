@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from runner.calibrate import calibrate, solve_action_overhead
-from runner.plan import ChildCost, peak_in_flight, plan, schedule_order, stage_costs
-from runner.simulate import Op, simulate
+from runner.ops import Op
+from runner.plan.calibrate import calibrate, solve_action_overhead
+from runner.plan.costs import ChildCost, stage_costs
+from runner.plan.planner import plan
+from runner.plan.simulate import peak_in_flight, simulate
+from runner.schedule import schedule_order
 from runner.validate import validate
 
 from conftest import EXAMPLES, ROOT, TINY, compose
@@ -54,7 +57,7 @@ def test_stage_costs_put_the_first_stages_whole_backward_in_its_weight_step():
 def test_child_costs_time_the_split_backward_as_torchs_stages_run_it():
     import torch
 
-    from runner.plan import measure_child_costs
+    from runner.plan.costs import measure_child_costs
 
     costs = measure_child_costs(compose(*TINY, "train.batch_size=8"), 4, 2, torch.device("cpu"))
     first, *rest = costs.values()
@@ -87,7 +90,7 @@ def test_plan_also_tries_the_split_that_balances_measured_time(monkeypatch):
                          output_bytes=1)
 
     times = {"embed": 0.001, **{f"block{i}": 1.0 for i in range(6)}, "norm": 0.001, "head": 3.5}
-    monkeypatch.setattr("runner.plan.measure_child_costs", lambda *args: {n: cost(f) for n, f in times.items()})
+    monkeypatch.setattr("runner.plan.planner.measure_child_costs", lambda *args: {n: cost(f) for n, f in times.items()})
     candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
                                     "data.vocab_size=8192", "schedule=gpipe"))
     own, by_time = sorted((c for c in candidates if c.schedule == "gpipe" and c.valid),
@@ -206,7 +209,7 @@ def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
 def test_plan_times_children_on_the_gpu_a_run_would_use():
     import torch
 
-    from runner.plan import measure_child_costs
+    from runner.plan.costs import measure_child_costs
     from runner.split import build_meta_model
 
     cfg = compose(*TINY, "train.batch_size=8")

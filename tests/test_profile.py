@@ -12,11 +12,12 @@ import pytest
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from runner import _torch_pp
+from runner.ops import Op
+from runner.plan.simulate import UNIT_COSTS, bubble_fractions, expected_makespan, simulate
 from runner.profile import Window, plan_window
 from runner.record import Action, StepSpan
 from runner.schedule import SCHEDULES, schedule_order
 from runner.schedules import theoretical_bubble
-from runner.simulate import UNIT_COSTS, Op, bubble_fractions, expected_makespan, simulate
 from runner.timeline import (
     HostClock,
     clock_offsets,

@@ -1,9 +1,19 @@
+import dataclasses
 import json
 import runpy
+import shutil
+import subprocess
 import sys
 
 import pytest
 
+from bench.cli import parse_args, ranks_needed, run_section
+from bench.common import linear_fit, steady
+from bench.document import render
+from bench.machine import LoadMonitor
+from bench.runs import Context
+from bench.sections import SECTIONS
+from bench.sections.planner import planner_rows, separated_pairs
 from runner.schedule import SCHEDULES, csv_order, default_stages_per_rank, read_csv_schedule, schedule_order
 
 from conftest import ROOT
@@ -39,21 +49,16 @@ def test_schedule_csv_script_refuses_a_layout_torch_rejects(monkeypatch, capsys)
     assert "at least as many microbatches as stages" in capsys.readouterr().err
 
 
-# scripts/bench.py: its pure parts and its rendering only; the benchmarks themselves never run here.
-BENCH = str(ROOT / "scripts" / "bench.py")
+# scripts/bench.py (the bench package): its pure parts and its rendering only; the benchmarks themselves never
+# run here.
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return runpy.run_path(BENCH, run_name="bench")
-
-
-def test_bench_fit_and_steady(bench):
-    a, b, r = bench["linear_fit"]([1.0, 2.0, 3.0], [12.0, 14.0, 16.0])
+def test_bench_fit_and_steady():
+    a, b, r = linear_fit([1.0, 2.0, 3.0], [12.0, 14.0, 16.0])
     assert (round(a, 6), round(b, 6), round(r, 6)) == (10.0, 2.0, 1.0)
-    assert bench["linear_fit"]([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
-    assert bench["steady"]([9.0, 1.0, 3.0, 2.0], skip=1) == 2.0
-    assert bench["steady"]([9.0], skip=1) is None
+    assert linear_fit([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
+    assert steady([9.0, 1.0, 3.0, 2.0], skip=1) == 2.0
+    assert steady([9.0], skip=1) is None
 
 
 def _section(results, name, payload, **meta):
@@ -71,9 +76,9 @@ def _sweep_run(pp, schedule, m, **extra):
             **extra}
 
 
-def test_bench_renders_whatever_results_exist(bench, tmp_path):
+def test_bench_renders_whatever_results_exist(tmp_path):
     results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
-    text = bench["render"](results, out)
+    text = render(results, out)
     assert "No results yet for: efficiency, scaling" in text and out.read_text() == text
 
     runs = [_sweep_run(2, "gpipe", 8), _sweep_run(2, "1f1b", 8), _sweep_run(2, "zbv", 8, under_load=True, rerun=True),
@@ -90,29 +95,52 @@ def test_bench_renders_whatever_results_exist(bench, tmp_path):
     _section(results, "options", {"model": [], "steps": 8, "repeats": 1, "runs": opts},
              load={"pytest_samples": 2, "samples": 4, "foreign_cpu_share": 0.4})
     _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": None}]})
-    text = bench["render"](results, out)
+    text = render(results, out)
     assert "| 2 | gpipe | 8 | 4,096 | 2.000 | 30-31 | 0.150 | 0.20/0.10 | 0.110 f | +0.040 | 500 |" in text
     assert "failed: ConfigError: nope" in text and "| 2 | zbv* | 8 |" in text
     assert "**1 of 3 kept results ran under load** (marked *), after re-running 1 that had" in text
     assert "![measured vs theoretical bubble](benchmarks/bubble.png)" in text and (results / "bubble.png").is_file()
     assert "| activation checkpointing full / none, 1f1b | 1.300 | 1.300 |" in text
+    # Observations are sentences built from the same numbers.
+    assert "gpipe 0.150 vs 0.110 (+0.040); 1f1b 0.150 vs 0.110 (+0.040): 2 of 2 within 0.05." in text
+    assert "- activation checkpointing full / none, 1f1b: steady step x1.30, peak memory 256 -> 256 MiB." in text
     assert "**ran under load**" in text and "No per-phase split" in text and "No config-error timings" in text
     assert "No results yet for: overhead, profiling" in text
 
-    (results / "notes.md").write_text("## Notes\n\nWritten by hand.\n")
+    (results / "notes.md").write_text("## Notes\n\nWritten by hand.\n")  # not part of the document any more
     phases = {"compose_validate": 1.0, "spawn": 3.0, "init": 1.0, "build": 2.0, "first_step": 3.0}
     errors = {name: {"s": s, "returncode": code, "error": "x"} for name, s, code in
               [("misspelt key", 0.5, 1), ("unknown value", 0.7, 2), ("rejected combination", 0.6, 2)]}
     _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases,
                                              "config_errors": errors}] * 2})
-    text = bench["render"](results, out)
+    text = render(results, out)
     assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
     assert "| unknown value | `train.precision=fp16` | 2 | 0.70, 0.70 | 0.70 |" in text
-    assert "## Notes\n\nWritten by hand.\n\n## Not measured" in text
+    assert "Written by hand" not in text and "The largest phase is `spawn`, 30% of the startup." in text
 
 
-def test_bench_load_monitor_flags_runs_that_overlap_other_load(bench, monkeypatch):
-    monitor = bench["LoadMonitor"]()
+def test_benchmarks_md_is_what_the_renderers_make_of_the_committed_json(tmp_path):
+    # Nothing in BENCHMARKS.md is written by hand: rendering benchmarks/*.json reproduces it (after
+    # a run, or a change to a renderer, `python scripts/bench.py --render`).
+    results = tmp_path / "benchmarks"
+    results.mkdir()
+    for path in (ROOT / "benchmarks").glob("*.json"):
+        shutil.copy(path, results / path.name)
+    assert render(results, tmp_path / "BENCHMARKS.md") == (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_bench_script_runs_the_package_from_any_directory(tmp_path):
+    # scripts/bench.py is a shim: it must find the bench package, not itself, wherever it is started.
+    out = tmp_path / "B.md"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--render", "--results",
+                           str(tmp_path / "results"), "--output", str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_text().startswith("# Benchmarks") and "No results yet for: efficiency" in out.read_text()
+
+
+def test_bench_load_monitor_flags_runs_that_overlap_other_load(monkeypatch):
+    monitor = LoadMonitor()
     monkeypatch.setattr(monitor, "sample", lambda: None)
     monitor.samples = [{"t0": 0, "t": 10, "foreign": 0.0, "pytest": False},
                        {"t0": 10, "t": 20, "foreign": 0.5, "pytest": False},
@@ -125,7 +153,7 @@ def test_bench_load_monitor_flags_runs_that_overlap_other_load(bench, monkeypatc
     assert monitor.loaded(None, 5) is None
 
 
-def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_run_spread(bench, tmp_path):
+def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_run_spread(tmp_path):
     cal = {"latency_s": 2e-4, "bandwidth": 1e9, "action_overhead_s": 5e-4, "corunning_slowdown": 1.0,
            "busy_delay_s": 2e-3, "action_jitter": 0.12}
 
@@ -145,17 +173,17 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     # zbv and dualpipev overlap (0.9-1.2 vs 1.1-1.3); both are clearly faster than gpipe.
     res = {"model": ["model.dim=8"], "pp": 2, "steps": 8, "microbatches": [8],
            "rounds": [round_(2.0, 1.2, 1.1), round_(2.2, 0.9, 1.3), round_(1.9, 1.0, 1.2)]}
-    rows = bench["_planner_rows"](res)
+    rows = planner_rows(res)
     gpipe = next(r for r in rows if r["schedule"] == "gpipe")
     assert (gpipe["measured_s"], gpipe["measured_min"], gpipe["measured_max"]) == (2.0, 1.9, 2.2)
     assert gpipe["replayed"] == pytest.approx(0.9)
-    assert bench["_separated_pairs"](rows) == (2, 2, [])
+    assert separated_pairs(rows) == (2, 2, [])
     # A prediction that puts gpipe first gets both separated pairs wrong.
-    assert bench["_separated_pairs"]([{**gpipe, "predicted_s": 0.5}, *rows[1:]])[:2] == (0, 2)
+    assert separated_pairs([{**gpipe, "predicted_s": 0.5}, *rows[1:]])[:2] == (0, 2)
 
     results = tmp_path / "benchmarks"
     _section(results, "planner", res)
-    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    text = render(results, tmp_path / "BENCHMARKS.md")
     assert ("message 200 us + bytes / 1.00 GB/s, +2000 us while its sender computes, runtime overhead 500 us per "
             "action, co-running compute x1.00 (action times varying by 12%)") in text
     assert "| gpipe | 8 | 2000.00 | 2000.00 | 1900.00-2200.00 | 1.000 | 0.900 | 0.200 | 0.210 |" in text
@@ -167,7 +195,7 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     # Over model sizes: a summary row per size, with where the error sits.
     small = {**res, "rounds": [round_(2.0, 1.2, 1.1, "dualpipev/8"), round_(2.2, 0.9, 1.3)]}
     _section(results, "planner", {"sizes": {"smoke": small, "benchmark": res}})
-    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    text = render(results, tmp_path / "BENCHMARKS.md")
     assert "### smoke" in text and "### benchmark" in text
     # Medians over 2 rounds: gpipe 2.1 s and zbv 1.05 s measured (4.8% low), dualpipev 1.2 s (25% high). Pipeline
     # predicted / measured: 1.9/1.8, 0.9/1.0, 1.9/2.0, 0.9/0.7: median 1.003; the rest of the step 0.1 / 0.2;
@@ -176,12 +204,12 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
             "dualpipev/8 x1, zbv/8 x1 (1 as a tie) |") in text
 
 
-def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_go_elsewhere(bench, tmp_path):
-    args = bench["parse_args"](["--device", "cuda", "--pp", "2", "4"])
+def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_go_elsewhere(tmp_path):
+    args = parse_args(["--device", "cuda", "--pp", "2", "4"])
     assert args.results == ROOT / "benchmarks" / "cuda" and args.output == ROOT / "BENCHMARKS-cuda.md"
-    assert bench["parse_args"]([]).results == ROOT / "benchmarks"
+    assert parse_args([]).results == ROOT / "benchmarks"
     # One GPU runs the device section only; pp=4 efficiency needs 4.
-    assert [bench["ranks_needed"](s, args) for s in ("device", "planner", "efficiency")] == [1, 2, 4]
+    assert [ranks_needed(s, args) for s in ("device", "planner", "efficiency")] == [1, 2, 4]
 
     stage = {"F_s": 0.01, "B_s": 0.03, "I_s": 0.012, "W_s": 0.018, "update_s": 0.002, "saved_bytes": 3 * 2**20}
     runs = [{"config": c, "repeat": 0, "status": "ok", "steady_s": t, "first_step_s": t, "second_step_s": t,
@@ -193,7 +221,7 @@ def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_g
     results = tmp_path / "cuda"
     _section(results, "device", res, machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda",
                                                 "device_name": "1 x NVIDIA H100"})
-    text = bench["render"](results, tmp_path / "BENCHMARKS-cuda.md")
+    text = render(results, tmp_path / "BENCHMARKS-cuda.md")
     assert "## One device (1 x NVIDIA H100): per-stage costs and the options at pp=1" in text
     assert "| 2 | 0 | embed, block0 | 10.0 | 30.0 | 12.0 | 18.0 | 2.0 | 3.0 |" in text
     assert "| activation checkpointing full / none | 1.250 | 1.250 |" in text
@@ -202,25 +230,26 @@ def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_g
     assert "1 x NVIDIA H100, NCCL." in text and "GPU runs:" not in text
 
 
-def test_bench_on_one_gpu_runs_only_the_sections_whose_ranks_fit(bench, tmp_path, monkeypatch, capsys):
+def test_bench_on_one_gpu_runs_only_the_sections_whose_ranks_fit(tmp_path, monkeypatch, capsys):
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
     ran = []
-    monkeypatch.setitem(bench["RUNNERS"], "device", lambda ctx: ran.append("device") or {"ok": True})
-    monkeypatch.setitem(bench["RUNNERS"], "planner", lambda ctx: ran.append("planner") or {"ok": True})
-    args = bench["parse_args"](["--device", "cuda", "--max-wait", "0", "--results", str(tmp_path / "cuda")])
-    ctx = bench["Context"](args, tmp_path)
+    for name in ("device", "planner"):
+        fake = dataclasses.replace(SECTIONS[name], run=lambda ctx, name=name: ran.append(name) or {"ok": True})
+        monkeypatch.setitem(SECTIONS, name, fake)
+    args = parse_args(["--device", "cuda", "--max-wait", "0", "--results", str(tmp_path / "cuda")])
+    ctx = Context(args, tmp_path)
     for section in ("planner", "device"):
-        bench["run_section"](section, ctx)
+        run_section(section, ctx)
     assert ran == ["device"] and "planner: skipped, it needs 2 GPUs" in capsys.readouterr().out
     saved = json.loads((tmp_path / "cuda" / "device.json").read_text())
     assert saved["meta"]["machine"]["device_name"] == "1 x Fake GPU"
     assert not (tmp_path / "cuda" / "planner.json").exists()
 
 
-def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(bench, tmp_path):
+def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(tmp_path):
     results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
     mib = 2**20
     runs = [{"config": c, "repeat": r, "status": "ok", "steady_s": s * (1 + r / 10), "peak_mem_bytes": mem,
@@ -230,13 +259,13 @@ def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(b
                                     ("pp2-1f1b", 0.6, [400 * mib, 380 * mib], [22 * mib, 18 * mib])]]
     model = {"vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 8}
     _section(results, "hf", {"model": model, "file_bytes": 40 * mib, "runs": runs})
-    text = bench["render"](results, out)
+    text = render(results, out)
     assert "40.0 MiB of fp32 weights" in text
     assert "| pp1 | 1.0500 | 1.00 | 600 | 40.0 | 1.00 |" in text
     assert "| pp2-1f1b | 0.6300 | 0.60 | 400, 380 | 22.0, 18.0 | 0.55, 0.45 |" in text
 
 
-def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_round(bench, tmp_path):
+def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_round(tmp_path):
     def config(label, predicted, steps, peak=2**20):
         return {"label": label, "schedule": label.split("/")[0].split("-")[0], "overrides": [],
                 "predicted_s": predicted, "peak_activation_bytes": peak,
@@ -249,7 +278,7 @@ def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_
                         config("1f1b/4", 0.09, [0.10, 0.11, 0.09])]}  # faster every round
     results = tmp_path / "benchmarks"
     _section(results, "synthesis", {"cases": [case, {"name": "equal", "pp": 2, "error": "the plan failed"}]})
-    text = bench["render"](results, tmp_path / "BENCHMARKS.md")
+    text = render(results, tmp_path / "BENCHMARKS.md")
     assert "| gpipe/4 | 120.00 | 130.00 | 0.923 | 1.200 (1.182-1.250) | 1.200 | 1.0 |" in text
     assert ("faster than 1 of 3 built-ins in every round, slower than 1f1b/4 in every round; against the other 1 the "
             "rounds disagree") in text

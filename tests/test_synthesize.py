@@ -8,10 +8,12 @@ import random
 
 import pytest
 
-from runner.plan import Candidate, _mark_ties, _search_report, _table, plan
+from runner.ops import Op
+from runner.plan.planner import Candidate, _mark_ties, plan
+from runner.plan.report import search_report, table
+from runner.plan.simulate import peak_in_flight, simulate
+from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, is_single_stage, placement, read_csv_schedule, schedule_order
-from runner.simulate import Op, peak_in_flight, simulate
-from runner.synthesize import Problem, lower_bound, synthesize
 from runner.timeline import write_schedule_csv
 
 from conftest import TINY, compose
@@ -146,9 +148,9 @@ def test_plan_lists_synthesized_orders_beside_the_builtins(tmp_path):
                 and (b.schedule in V_SHAPED) == (c.search["placement"] == "V")]
         assert same and c.pipeline_s <= min(b.pipeline_s for b in same) + 1e-9
         assert c.lower_bound_s <= c.pipeline_s * (1 + 1e-9)  # equal when the order is optimal (up to rounding)
-    report = "\n".join(_search_report(candidates))
+    report = "\n".join(search_report(candidates))
     assert "lower bound" in report and "best built-in there" in report
-    assert "synthesized" in _table(candidates)
+    assert "synthesized" in table(candidates)
 
 
 def _candidate(name: str, step: float, peak: int) -> Candidate:
@@ -172,8 +174,8 @@ def test_candidates_predicted_within_the_tolerance_tie_and_the_pick_does_not_fli
         assert sum(c.recommended for c in ranked) == 1
         picks.add(next(c.schedule for c in ranked if c.recommended))
     assert picks == {"1f1b"}
-    table = _table(ranked)
-    assert "* 1f1b" in table and "= gpipe" in table and "  looped_bfs" in table
+    printed = table(ranked)
+    assert "* 1f1b" in printed and "= gpipe" in printed and "  looped_bfs" in printed
     # Apart by more than the tolerance: no tie, the fastest is recommended.
     apart = [_candidate("gpipe", 1.0, 300), _candidate("1f1b", 1.2, 100)]
     _mark_ties(apart, 0.05)

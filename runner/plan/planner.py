@@ -1,19 +1,16 @@
-"""``python -m runner.plan``: predict each candidate layout's step time, bubble and activation
-memory before running it, and recommend one.
-
-    python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
-    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2GB
+"""The planner: predict each candidate layout's step time, bubble and activation memory before
+running it, and recommend one (``python -m runner.plan``, in ``__main__.py``).
 
 Candidates are schedule x microbatches x stages per rank x split (the run's own, and the one
 balancing measured time where it differs), plus the run's CSV schedule if it has one. Each is
 checked with every check a run makes before spawning; the valid ones are simulated
-(``runner.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
-microbatch in this process (or taken from a previous run's summary when its stages match), plus
-a message cost per send. With ``plan.synthesize=true`` it also searches action orders for these
-costs under ``plan.memory_limit`` (``runner.synthesize``) and lists them as CSV schedules.
-Candidates predicted within ``plan.tie_tolerance`` of the fastest tie; the recommended one is the
-tied candidate with the least activation memory. Writes ``plan.json`` (fastest first) and
-``plan_timeline.json`` (the recommended candidate's predicted timeline, with mean action times).
+(``runner.plan.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
+microbatch in this process (``runner.plan.costs``; or taken from a previous run's summary when its
+stages match), plus a message cost per send (``runner.plan.calibrate``). With
+``plan.synthesize=true`` it also searches action orders for these costs under
+``plan.memory_limit`` (``runner.plan.synthesize``) and lists them as CSV schedules. Candidates
+predicted within ``plan.tie_tolerance`` of the fastest tie; the recommended one is the tied
+candidate with the least activation memory.
 """
 
 from __future__ import annotations
@@ -22,34 +19,28 @@ import copy
 import json
 import logging
 import os
-import shlex
-import statistics
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import hydra
-import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner import _torch_pp
-from runner.calibrate import Calibration, calibrate
-from runner.config import CsvScheduleConfig, config_dir, parse_bytes  # also registers the schemas
-from runner.dist import pick_device, resolve_device, synchronize
+from runner.config import CsvScheduleConfig, parse_bytes  # also registers the schemas
+from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.layout import Layout
-from runner.losses import build_loss
+from runner.ops import Op
+from runner.plan.calibrate import Calibration, calibrate
+from runner.plan.costs import ChildCost, measure_child_costs, stage_costs
+from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
+from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
-from runner.simulate import Op, expected_makespan, peak_in_flight, simulate
-from runner.split import StageModule, build_meta_model, materialize, split_by_cost
-from runner.synthesize import Problem, lower_bound, synthesize
-from runner.timeline import simulated_slices, write_chrome_trace, write_schedule_csv
+from runner.split import split_by_cost
+from runner.timeline import write_schedule_csv
 from runner.validate import validate
 
-__all__ = ["Candidate", "schedule_order", "measure_child_costs", "stage_costs", "peak_in_flight", "plan"]
+__all__ = ["Candidate", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -76,112 +67,6 @@ class Candidate:
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
     recommended: bool = False  # the one the best line names
     search: dict | None = None  # a synthesized order: how the search went
-
-
-@dataclass(frozen=True)
-class ChildCost:
-    forward_s: float
-    backward_s: float  # full backward
-    input_backward_s: float  # a zero-bubble I: the gradient w.r.t. the input only
-    weight_backward_s: float  # the W after it: the weight gradients, from what the I kept
-    saved_bytes: int  # tensors autograd keeps from forward to backward
-    output_bytes: int  # what the child sends on
-    update_s: float = 0.0  # the optimizer step of its parameters, with the global-norm clip's share
-
-
-def _timed(fn, repeats: int, device: torch.device, setup=lambda: None) -> float:
-    """Median seconds of ``fn(setup())``; the setup (a backward's forward) is not timed."""
-    fn(setup())  # warm-up
-    samples = []
-    for _ in range(repeats):
-        arg = setup()
-        synchronize(device)
-        start = time.perf_counter()
-        fn(arg)
-        synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor, *, loss_fn, last: bool,
-                   repeats: int) -> ChildCost:
-    device = x.device
-    inp = x.detach().requires_grad_(x.is_floating_point())
-
-    def forward() -> torch.Tensor:
-        out = child(inp)
-        return loss_fn(out, targets) if last else out
-
-    saved = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    grad = None if last else torch.ones_like(out)
-    forward_s = _timed(lambda _: forward(), repeats, device)
-    backward_s = _timed(lambda output: output.backward(grad), repeats, device, setup=forward)
-    # I and W as torch's zero-bubble stages run them: together they cost more than one backward
-    # (W takes one autograd pass per parameter group). The batch (integer ids) takes no gradient.
-    input_s = weight_s = 0.0
-    if inp.requires_grad:
-        input_s = _timed(lambda output: _torch_pp.backward_input(output, grad, [inp], child), repeats, device,
-                         setup=forward)
-        weight_s = _timed(lambda groups: _torch_pp.backward_weight(child, groups), repeats, device,
-                          setup=lambda: _torch_pp.backward_input(forward(), grad, [inp], child))
-    update_s = _update_s(list(child.parameters()), repeats, device)  # the backwards above left gradients
-    child.zero_grad(set_to_none=True)
-    return ChildCost(forward_s, backward_s, input_s, weight_s, saved[0], out.numel() * out.element_size(), update_s)
-
-
-def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.device) -> float:
-    """What the runner does to these parameters after backward: their share of the global norm,
-    the clip, and AdamW (with a negligible learning rate: the planner's model stays as it is)."""
-    if not params:
-        return 0.0
-    optimizer = torch.optim.AdamW(params, lr=1e-12)
-
-    def update() -> None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
-        optimizer.step()
-
-    return _timed(lambda _: update(), repeats, device)
-
-
-def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
-                        device: torch.device) -> dict[str, ChildCost]:
-    """Time every top-level child's forward, backward and input-only backward on one microbatch."""
-    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
-    model = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=device)
-    vocab = cfg.data.get("vocab_size") or 2
-    x = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
-    targets = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
-    costs, loss_fn = {}, build_loss(cfg.loss)
-    names = meta.unit_names
-    for i, name in enumerate(names):
-        unit = StageModule(meta.spec, [name], {n: model.get_submodule(n) for n in [*meta.spec.unit(name).modules,
-                                                                                   *meta.spec.shared]})
-        costs[name] = _measure_child(unit, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
-        with torch.no_grad():
-            x = unit(x)
-    return costs
-
-
-def stage_costs(stages: Sequence[Sequence[str]], child: Mapping[str, ChildCost]) -> dict[tuple[int, str], float]:
-    """Per (stage, kind): the F, B, I and W seconds of a stage from its children's."""
-    costs = {}
-    for s, names in enumerate(stages):
-        f = sum(child[n].forward_s for n in names)
-        b = sum(child[n].backward_s for n in names)
-        # The first stage's input (the batch) takes no gradient: torch's I there does nothing and
-        # its W runs the whole backward, at the W's place in the order (the tail of ZB schedules).
-        i = sum(child[n].input_backward_s for n in names) if s > 0 else 0.0
-        w = sum(child[n].weight_backward_s for n in names) if s > 0 else b
-        costs.update({(s, "F"): f, (s, "B"): b, (s, "I"): i, (s, "W"): w})
-    return costs
 
 
 def _costs_from_summary(path: str, layout: Layout) -> dict[tuple[int, str], float] | None:
@@ -424,100 +309,3 @@ def _mark_ties(ranked: list[Candidate], tolerance: float) -> None:
     min(tied, key=lambda c: (max(c.peak_activation_bytes), c.schedule == "synthesized",
                              c.predicted_step_time_s)).recommended = True
 
-
-def _placement(c: Candidate) -> str:
-    return "V" if c.schedule in V_SHAPED or (c.search or {}).get("placement") == "V" else "loop"
-
-
-def _name(c: Candidate) -> str:
-    return f"synthesized {_placement(c)}" if c.schedule == "synthesized" else c.schedule
-
-
-def _label(c: Candidate) -> str:
-    split = f" split at {','.join(c.split_points)}" if c.split_points else ""
-    return f"{_name(c)} m={c.microbatches} v={c.stages_per_rank}{split}"
-
-
-def _table(candidates: list[Candidate]) -> str:
-    """One row per valid candidate; ``*`` marks the recommended one and ``=`` those tied with it.
-    *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout."""
-    rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  children per stage"]
-    for c in candidates:
-        if c.valid:
-            split = "/".join(map(str, c.stage_sizes))
-            mark = "*" if c.recommended else "=" if c.tie else " "
-            rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
-                        f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  "
-                        f"{max(0.0, c.pipeline_s / c.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
-                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
-                        f"{'' if c.fits_memory else '  over limit'}")
-    invalid = [c for c in candidates if not c.valid]
-    if invalid:
-        rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
-    return "\n".join(rows)
-
-
-def _search_report(candidates: list[Candidate]) -> list[str]:
-    """How long the search took, and the fastest synthesized order against its lower bound and
-    against the best built-in schedule on the same layout (microbatches, placement, split)."""
-    searched = [c for c in candidates if c.schedule == "synthesized"]
-    if not searched:
-        return []
-    seconds = sum(c.search["seconds"] for c in searched if c.search)
-    evaluated = sum(c.search["evaluated"] for c in searched if c.search)
-    lines = [f"search: {len(searched)} layouts, {evaluated} orders simulated in {seconds:.1f} s"]
-    best = next((c for c in candidates if c.valid and c.fits_memory and c.schedule == "synthesized"), None)
-    if best is not None:
-        same = [c for c in candidates if c.valid and c.schedule != "synthesized" and c.microbatches == best.microbatches
-                and c.stages_per_rank == best.stages_per_rank and c.split_points == best.split_points
-                and _placement(c) == _placement(best)]
-        line = (f"fastest synthesized ({_label(best)}): pipeline {best.pipeline_s * 1e3:.2f} ms, lower bound "
-                f"{best.lower_bound_s * 1e3:.2f} ms ({best.pipeline_s / best.lower_bound_s - 1:+.1%})")
-        if same:
-            builtin = min(same, key=lambda c: c.pipeline_s)
-            line += (f"; best built-in there, {builtin.schedule}: {builtin.pipeline_s * 1e3:.2f} ms "
-                     f"({builtin.pipeline_s / builtin.lower_bound_s - 1:+.1%})")
-        lines.append(line + f"; from {best.search['origin']}")
-    return lines
-
-
-@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
-    logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
-    out = Path(HydraConfig.get().runtime.output_dir)
-    candidates, timelines, calibration = plan(cfg, out)
-    (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
-    if calibration is not None:
-        (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
-        c = calibration
-        print(f"message: {c.latency_s * 1e6:.0f} us + bytes / {c.bandwidth / 1e9:.2f} GB/s, "
-              f"+{c.busy_delay_s * 1e6:.0f} us while its sender computes; runtime overhead per action: "
-              f"{c.action_overhead_s * 1e6:.0f} us; compute x{c.corunning_slowdown:.2f} with both ranks busy, "
-              f"varying by {c.action_jitter:.0%}")
-    print(_table(candidates))
-    for line in _search_report(candidates):
-        print(line)
-    best = next((c for c in candidates if c.recommended), None)
-    if best is None:
-        print("no valid candidate fits; see the reasons above")
-        return
-    timeline = timelines[id(best)]
-    write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
-    tied = [c for c in candidates if c.tie]
-    if tied:
-        print(f"\ntie: {len(tied)} candidates are predicted within {cfg.plan.tie_tolerance:.0%} "
-              f"(plan.tie_tolerance) of the fastest, closer than the prediction can tell apart: "
-              f"{', '.join(_label(c) for c in tied)}. Recommended of those: the least activation memory.")
-    # The user's overrides, less the planner's own and the ones each candidate sets itself.
-    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]
-    searched = next((c for c in candidates if c.schedule == "synthesized" and c.valid and c.fits_memory), None)
-    if searched is not None:
-        print(f"\nfastest synthesized: python -m runner {shlex.join(overrides + searched.overrides)}")
-    # Quoted: a split is a [list].
-    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
-
-
-if __name__ == "__main__":
-    main()

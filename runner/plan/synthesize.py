@@ -7,7 +7,7 @@ forwards while memory allows, a backward as soon as its gradient arrives, the we
 (W) of a split backward into the slots where the rank would otherwise wait. It then improves the
 best order by local moves: a W moved, two neighbouring actions swapped, an I and its W merged
 into one B (cheaper: one autograd pass) or a B split into both (its W can then wait). Every
-order is scored by the jitter-free simulation (``runner.simulate``); the search is bounded by
+order is scored by the jitter-free simulation (``runner.plan.simulate``); the search is bounded by
 the number of orders it evaluates, so its result depends on the costs and the seed only, never
 on how busy the machine is.
 
@@ -24,7 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from runner.simulate import Op, peak_in_flight, simulate
+from runner.ops import Op
+from runner.plan.simulate import peak_in_flight, simulate
 
 __all__ = ["Problem", "Policy", "Synthesis", "lower_bound", "list_schedule", "synthesize"]
 

@@ -14,22 +14,14 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
-__all__ = ["Op", "SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS"]
+from runner.ops import Op
+
+__all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
-
-class Op(NamedTuple):
-    stage: int
-    kind: str  # F, B, I or W
-    microbatch: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
 
 
 @dataclass(frozen=True)

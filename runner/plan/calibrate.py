@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from runner.dist import DistEnv, synchronize
+from runner.plan.simulate import simulate
 from runner.processes import spawn
 from runner.schedule import schedule_order
-from runner.simulate import simulate
 
 __all__ = ["Calibration", "calibrate", "solve_action_overhead"]
 

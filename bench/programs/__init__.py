@@ -1,0 +1,1 @@
+"""The baselines the runner is measured against, each run as its own process (``python <file>``)."""

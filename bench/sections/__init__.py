@@ -1,0 +1,33 @@
+"""Every benchmark section, in the order they run and appear in BENCHMARKS.md. A new section is a
+module here defining ``SECTION`` (how it runs, how it renders) and one line below."""
+
+from __future__ import annotations
+
+from bench.section import Section
+from bench.sections import (
+    device,
+    efficiency,
+    hf,
+    options,
+    overhead,
+    planner,
+    profiling,
+    scaling,
+    startup,
+    synthesis,
+)
+
+SECTIONS: dict[str, Section] = {s.name: s for s in (
+    efficiency.SECTION,
+    scaling.SECTION,
+    options.SECTION,
+    overhead.SECTION,
+    startup.SECTION,
+    profiling.SECTION,
+    planner.SECTION,
+    synthesis.SECTION,
+    device.SECTION,
+    hf.SECTION,
+)}
+
+__all__ = ["SECTIONS", "Section"]

@@ -1,0 +1,65 @@
+"""What ``python -m runner.plan`` prints: the ranked table of candidates and the search's report."""
+
+from __future__ import annotations
+
+from runner.plan.planner import Candidate
+from runner.schedule import V_SHAPED
+
+__all__ = ["label", "table", "search_report"]
+
+
+def _placement(c: Candidate) -> str:
+    return "V" if c.schedule in V_SHAPED or (c.search or {}).get("placement") == "V" else "loop"
+
+
+def _name(c: Candidate) -> str:
+    return f"synthesized {_placement(c)}" if c.schedule == "synthesized" else c.schedule
+
+
+def label(c: Candidate) -> str:
+    split = f" split at {','.join(c.split_points)}" if c.split_points else ""
+    return f"{_name(c)} m={c.microbatches} v={c.stages_per_rank}{split}"
+
+
+def table(candidates: list[Candidate]) -> str:
+    """One row per valid candidate; ``*`` marks the recommended one and ``=`` those tied with it.
+    *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout."""
+    rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  children per stage"]
+    for c in candidates:
+        if c.valid:
+            split = "/".join(map(str, c.stage_sizes))
+            mark = "*" if c.recommended else "=" if c.tie else " "
+            rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
+                        f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  "
+                        f"{max(0.0, c.pipeline_s / c.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
+                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
+                        f"{'' if c.fits_memory else '  over limit'}")
+    invalid = [c for c in candidates if not c.valid]
+    if invalid:
+        rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
+    return "\n".join(rows)
+
+
+def search_report(candidates: list[Candidate]) -> list[str]:
+    """How long the search took, and the fastest synthesized order against its lower bound and
+    against the best built-in schedule on the same layout (microbatches, placement, split)."""
+    searched = [c for c in candidates if c.schedule == "synthesized"]
+    if not searched:
+        return []
+    seconds = sum(c.search["seconds"] for c in searched if c.search)
+    evaluated = sum(c.search["evaluated"] for c in searched if c.search)
+    lines = [f"search: {len(searched)} layouts, {evaluated} orders simulated in {seconds:.1f} s"]
+    best = next((c for c in candidates if c.valid and c.fits_memory and c.schedule == "synthesized"), None)
+    if best is not None:
+        same = [c for c in candidates if c.valid and c.schedule != "synthesized" and c.microbatches == best.microbatches
+                and c.stages_per_rank == best.stages_per_rank and c.split_points == best.split_points
+                and _placement(c) == _placement(best)]
+        line = (f"fastest synthesized ({label(best)}): pipeline {best.pipeline_s * 1e3:.2f} ms, lower bound "
+                f"{best.lower_bound_s * 1e3:.2f} ms ({best.pipeline_s / best.lower_bound_s - 1:+.1%})")
+        if same:
+            builtin = min(same, key=lambda c: c.pipeline_s)
+            line += (f"; best built-in there, {builtin.schedule}: {builtin.pipeline_s * 1e3:.2f} ms "
+                     f"({builtin.pipeline_s / builtin.lower_bound_s - 1:+.1%})")
+        lines.append(line + f"; from {best.search['origin']}")
+    return lines
+
