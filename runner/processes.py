@@ -36,7 +36,7 @@ from runner.clock import StartupClock
 from runner.dist import cleanup, init_distributed, pick_device
 from runner.errors import ConfigError, interrupted_exit_code
 
-__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop"]
+__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
 
 
 def start_method(requested: str, device: str) -> str:
@@ -114,17 +114,29 @@ def _die_with_launcher(launcher_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+_stop_signals: list[int] = []  # a stop signal that arrived while an exception was being handled
+
+
 def _stop_on_signals() -> None:
     """SIGINT and SIGTERM end this rank through Python (its loggers mark the run failed),
-    whatever SIGINT disposition it inherited. A rank already ending with an error (inside an
-    ``except``: closing its loggers) is left to finish; the launcher kills it after the grace."""
+    whatever SIGINT disposition it inherited. Inside an ``except`` (a rank already ending with an
+    error, closing its loggers; or any library handling an exception of its own) raising would
+    replace the exception being handled: the signal is kept for ``raise_if_stopped``, which the
+    training loop calls between steps; a rank that is ending is killed after the grace."""
 
     def stop(signum, frame):
         if sys.exc_info()[0] is None:
             raise SystemExit(interrupted_exit_code(signum))
+        _stop_signals.append(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+
+
+def raise_if_stopped() -> None:
+    """End this rank now if a stop signal arrived at a moment it could not (see ``_stop_on_signals``)."""
+    if _stop_signals:
+        raise SystemExit(interrupted_exit_code(_stop_signals[0]))
 
 
 @dataclass(frozen=True)

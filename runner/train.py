@@ -36,6 +36,7 @@ from runner.mesh import Mesh, build_mesh
 from runner.optim import build_optimizer
 from runner.outputs import MetricsWriter, as_ran, make_summary, peak_memory_bytes, write_resolved_config, write_summary
 from runner.pipeline import Batch, build_step
+from runner.processes import raise_if_stopped
 from runner.profile import RunProfiler
 from runner.provenance import device_name
 from runner.verify import VerifyFirstStep
@@ -220,6 +221,7 @@ class Trainer:
         self.setup()
         try:
             for index in range(self.first_step, self.plan.steps):
+                raise_if_stopped()
                 record = self.step(index)
                 if self.evaluation_due(record["step"]):
                     beat(f"evaluating after step {record['step']}")
