@@ -4,8 +4,8 @@ files of a real profiled run in test_cli (which already runs one)."""
 from __future__ import annotations
 
 import json
-import statistics
 import runpy
+import statistics
 from collections import Counter
 from pathlib import Path
 
