@@ -335,7 +335,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
         log.warning(
             "train.activation_checkpointing=%s with schedule=%s: its weight backward (W) runs one autograd pass "
             "per parameter group and recomputes every checkpointed block in each, so a step is several times "
-            "slower than without checkpointing (ZBV: 2.7x in BENCHMARKS.md). Fix, if speed matters: "
+            "slower than without checkpointing (BENCHMARKS.md, \"Training options\"). Fix, if speed matters: "
             "train.activation_checkpointing=every_n or none, or a schedule with whole backward steps.",
             cfg.train.activation_checkpointing, layout.schedule)
     return layout
