@@ -36,7 +36,7 @@ def start_cli(*args: str, cwd: Path | None = None, module: str = "runner", progr
               env: dict[str, str] | None = None, checkout: bool = True,
               ignore_sigint: bool = False) -> subprocess.Popen:
     """Start ``python -m <module> *args`` (or ``*program, *args``) in ``cwd`` with ``cli_env(env)``.
-    ``ignore_sigint``: started as ``cmd &`` in a script starts it."""
+    ``ignore_sigint``: with SIGINT ignored, as ``cmd &`` in a script starts a command."""
     tier.check("runs a command line")
     argv = [*(program or (sys.executable, "-m", module)), *args]
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
