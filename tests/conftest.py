@@ -1,3 +1,6 @@
+"""Hooks every test goes through (GPU skips, one thread, the multiprocess check); what tests
+share otherwise is in ``helpers/``."""
+
 from __future__ import annotations
 
 import sys
@@ -5,32 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from omegaconf import DictConfig
 
-import runner.config  # noqa: F401  (registers the schemas)
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:  # `helpers` imports in any import mode; spawned ranks inherit sys.path
+    sys.path.insert(0, TESTS)
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+from helpers import tier  # noqa: E402
 
-# Small enough for 2 CPU cores, big enough to split into 8 stages (6 blocks + embed, norm, head).
-TINY = ["device=cpu", "model.dim=32", "model.n_layers=6", "train.seq_len=16",
-        "train.steps=5", "data.vocab_size=48", "profile.enabled=false"]
-
-
-def compose(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
-
-
-@pytest.fixture(autouse=True)
-def _single_thread_reference():
-    # The test process runs references next to spawned ranks on 2 cores: keep it to one thread.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+tier.install()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,4 +27,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import tests' helper modules
+_threads: list[int] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the test's fixtures, module-scoped ones (a shared spawn, its references) included.
+    # The test process runs references next to spawned ranks on 2 cores: keep it to one thread.
+    _threads[:] = [torch.get_num_threads()]
+    torch.set_num_threads(1)
+    tier.begin(item.nodeid, marked=item.get_closest_marker("multiprocess") is not None)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    tier.end()
+    if _threads:
+        torch.set_num_threads(_threads.pop())

@@ -1,5 +1,6 @@
 """The shape of `runner/` stays readable: short import chains, modules of a screen or two, and
 registries that every list of names reads (adding a schedule is one entry plus its config file).
+And of `tests/`: shared code in `tests/helpers/` only, one way to run a command line.
 In-process, no torch work: a fraction of a second."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from runner.dp import DP_MODES
 from runner.schedule import default_stages_per_rank, placement, schedule_order
 from runner.schedules import SCHEDULES, schedule_names
 
-from conftest import ROOT
+from helpers.config import ROOT
 
 RUNNER = ROOT / "runner"
+TESTS = ROOT / "tests"
 MAX_CHAIN = 8  # modules in the longest chain of runner-internal imports
 MAX_LINES = 400
 
@@ -85,3 +87,23 @@ def test_the_schedule_registry_agrees_with_torch_and_every_schedule_has_its_conf
     configs = {p.stem for p in (ROOT / "conf" / "schedule").glob("*.yaml")}
     assert configs == set(schedule_names())  # one file per schedule, and csv
     assert set(DP_MODES) == {"none", "ddp", "fsdp"}
+
+
+def _imported_modules(tree: ast.AST) -> set[str]:
+    return {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names} | {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_test_modules_share_code_through_helpers_only_and_run_commands_through_one_helper():
+    # Anything in tests/ but helpers/: test modules, conftest.py, stray helper modules.
+    local = ({p.stem for p in TESTS.glob("*.py")} | {p.name for p in TESTS.iterdir() if p.is_dir()}) - {"helpers"}
+    modules = [*TESTS.glob("test_*.py"), *(TESTS / "helpers").glob("*.py")]
+    assert len(modules) > 20  # found them
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        imported = {name.split(".")[0] for name in _imported_modules(tree)}
+        assert not imported & local, f"{path.relative_to(ROOT)} imports {imported & local}: move it to tests/helpers/"
+        if path.name != "cli.py":  # helpers/cli.py: start_cli, run_cli
+            calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+            started = {c for c in calls if c.startswith("subprocess.") and c != "subprocess.CompletedProcess"}
+            assert not started, f"{path.relative_to(ROOT)} calls {started}: use helpers.cli.run_cli / start_cli"

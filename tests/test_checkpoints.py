@@ -27,7 +27,7 @@ from runner.optim import build_optimizer
 from runner.train import train
 from runner.validate import validate
 
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 
 ONE = [*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4"]
 ENV = DistEnv(0, 1, torch.device("cpu"))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,33 +15,21 @@ from hydra import initialize_config_dir
 from runner.launch import launch
 from runner.provenance import git_commit
 
-from conftest import ROOT, TINY, compose
-from test_profile import check_profiled_run
-
-TESTS = Path(__file__).parent
-
-
-def _runner(*args: str, cwd: Path, module: list[str] | None = None, timeout: int = 120, env_extra: dict | None = None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), **(env_extra or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.Popen([sys.executable, *(module or ["-m", "runner"]), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+from helpers.cli import finish, run_cli, start_cli
+from helpers.config import ROOT, TINY, compose
+from helpers.profiled import check_profiled_run
 
 
-def _finish(proc: subprocess.Popen, timeout: int = 120) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     # One forks its ranks (the default on CPU), one spawns fresh interpreters: the same run.
     # The spawned one also logs to MLflow: from rank 0 only, one run.
-    procs = [_runner("experiment=smoke", "verify=true", *extra, cwd=tmp_path)
+    procs = [start_cli("experiment=smoke", "verify=true", *extra, cwd=tmp_path)
              for extra in ([], ["launch.start_method=spawn", "logging.mlflow=true"])]
-    results = [_finish(p) for p in procs]
-    for rc, out, err in results:
-        assert rc == 0, err
+    for done in [finish(p) for p in procs]:
+        out, err = done.stdout, done.stderr
+        assert done.returncode == 0, err
         assert "throughput" in out and "verify" in out
         # Not a terminal: a plain line per step (numbered from 1), printed by the launcher.
         assert [line.split(" - step ")[1].split()[0] for line in err.splitlines() if " - step " in line] == [
@@ -91,11 +77,12 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     assert [m.value for m in history] == pytest.approx(summaries[0]["losses"]) and run.info.status == "FINISHED"
     check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[2, 3, 4])
     plot = tmp_path / "timeline.png"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_timeline.py"), str(run_dirs[0]), "-o", str(plot)],
-                   check=True, timeout=60)
+    run_cli(str(run_dirs[0]), "-o", str(plot), program=[sys.executable, str(ROOT / "scripts" / "plot_timeline.py")],
+            cwd=tmp_path, timeout=60, check=True)
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_unknown_options_exit_2_with_hydras_message_and_no_traceback(tmp_path):
     # Hydra's unknown option (an OSError inside Hydra), in a single run and in a sweep: exit 2 (a
@@ -105,9 +92,10 @@ def test_unknown_options_exit_2_with_hydras_message_and_no_traceback(tmp_path):
         "sweep": (["-m", "experiment=smoke", "schedule=1f1b,nope", "hydra.sweep.dir=sweep"],
                   ["Could not find 'schedule/nope'", "1f1b"]),
     }
-    procs = {name: _runner(*args, cwd=tmp_path) for name, (args, _) in runs.items()}
+    procs = {name: start_cli(*args, cwd=tmp_path) for name, (args, _) in runs.items()}
     for name, proc in procs.items():
-        rc, _, err = _finish(proc)
+        done = finish(proc)
+        rc, err = done.returncode, done.stderr
         assert rc == 2 and all(text in err for text in runs[name][1]), (name, rc, err)
         assert "Traceback" not in err and "cannot write the run directory" not in err, (name, err)
     assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl")) and not list(tmp_path.glob("sweep/*/summary.json"))
@@ -127,31 +115,33 @@ def test_an_unknown_config_name_is_a_configuration_error():
     assert code == 2 and "Cannot find primary config 'nope'" in message
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
     """A misspelt key (Hydra), a value the runner does not know, a rejected combination: found
     before the heavy imports, so they are reported in a fraction of a second (the time is in
     BENCHMARKS.md, startup section)."""
     cases = ["trian.steps=5", "train.precision=fp16", "parallel.dp=2"]
-    procs = {case: _runner(case, cwd=tmp_path, env_extra={"PYTHONPROFILEIMPORTTIME": "1"}) for case in cases}
+    procs = {case: start_cli(case, cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"}) for case in cases}
     for case, proc in procs.items():
-        rc, _, err = _finish(proc)
+        done = finish(proc)
+        rc, err = done.returncode, done.stderr
         imported = {line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
         assert rc == 2 and case.split("=")[0] in err and "Traceback" not in err, err  # a configuration error
         assert "hydra" in imported and not {"torch", "runner.launch", "runner.train"} & imported, case
-    rc, out, err = _finish(_runner("experiment=smoke", "model=mlp", "model._target_=_models.exploding_mlp",
-                                   cwd=tmp_path), timeout=80)
+    done = run_cli("experiment=smoke", "model=mlp", "model._target_=helpers.models.exploding_mlp", cwd=tmp_path,
+                   timeout=80)
+    rc, err = done.returncode, done.stderr
     assert rc == 3  # a failed run
     assert "rank 1 failed" in err and "Traceback" in err and "boom from the user's model" in err
     assert "runner: in pipeline stage(s) [1]" in err  # where in the pipeline it happened
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_torchrun_ranks_share_one_run_directory(tmp_path):
-    proc = _runner("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke",
-                   cwd=tmp_path, module=["-m", "torch.distributed.run"])
-    rc, out, err = _finish(proc, timeout=110)
-    assert rc == 0, err
+    run_cli("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke", cwd=tmp_path,
+            module="torch.distributed.run", timeout=110, check=True)
     run_dirs = list(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 1
     summary = json.loads((run_dirs[0] / "summary.json").read_text())

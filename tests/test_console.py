@@ -9,6 +9,8 @@ import multiprocessing
 import warnings
 from pathlib import Path
 
+import pytest
+
 from runner.console import Console, console_listener, rank_logging, step_record
 
 
@@ -64,6 +66,7 @@ def _rank_one(run_dir: str, queue) -> None:
     warnings.warn("a Python warning in rank 1", UserWarning, stacklevel=1)
 
 
+@pytest.mark.multiprocess
 def test_other_ranks_reach_the_console_through_the_launcher_and_runner_log_holds_all_their_lines(tmp_path):
     context = multiprocessing.get_context("fork")  # as the launcher starts CPU ranks
     queue = context.Queue()

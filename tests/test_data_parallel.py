@@ -1,14 +1,12 @@
 """Data parallelism around the pipeline, and checkpoints that resume exactly, across layouts.
 
-One 4-process spawn runs pp=2 x dp=2 for every schedule with ddp and fsdp, then saves and resumes
-checkpoints under other layouts; the unsplit pp=1 dp=1 reference runs once in this process."""
+One 4-process spawn (a module-scoped fixture) runs pp=2 x dp=2 for every schedule with ddp and
+fsdp, then saves and resumes checkpoints under other layouts; each case is asserted in its own
+test. The unsplit pp=1 dp=1 reference runs once in this process."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,28 +18,35 @@ from runner.errors import ConfigError, RunnerError
 from runner.train import train
 from runner.validate import validate
 
-from _ranks import spawn, train_cases
-from conftest import ROOT, TINY, compose
-from test_features import _assert_close_at_bf16
-from test_parity import CLIP, SCHEDULES, _assert_matches, _reference
+from helpers.cli import run_cli
+from helpers.config import TINY, compose, resolved
+from helpers.parity import CLIP, SCHEDULES, assert_close_at_bf16, assert_matches, reference
+from helpers.ranks import run_cases
 
-TESTS = Path(__file__).parent
 BATCH = ["parallel.microbatches=4", "train.batch_size=16"]
+MODES = ["ddp", "fsdp"]
+BF16 = ["fsdp-bf16-1f1b", "ddp-bf16-zbv"]
+# Resumed from the `save` case's step-3 under its own and other layouts: the same layout to 1e-6,
+# the others to 1e-4.
+RESUMES = {
+    "resume-same": ["schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp"],
+    "resume-pp4-interleaved": ["schedule=interleaved_1f1b", "parallel.pp=4"],
+    "resume-fsdp-zbv": ["schedule=zbv", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
+}
 
 
 def _resolved(*overrides: str) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(compose(*TINY, *CLIP, *BATCH, *overrides), resolve=True)
+    return resolved(*TINY, *CLIP, *BATCH, *overrides)
 
 
-@pytest.mark.timeout(420)
-def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts(tmp_path):
-    out = tmp_path / "spawn"
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The 4-rank spawn. Returns the directory of the cases' run directories and their records."""
+    out = tmp_path_factory.mktemp("data-parallel") / "spawn"
     cases = {f"{mode}-{name}": _resolved(f"schedule={name}", "parallel.pp=2", "parallel.dp=2",
                                          f"parallel.dp_mode={mode}")
-             for mode in ("ddp", "fsdp") for name in SCHEDULES}
-    for mode in ("ddp", "fsdp"):  # pp=1: plain data parallelism over 4 replicas
+             for mode in MODES for name in SCHEDULES}
+    for mode in MODES:  # pp=1: plain data parallelism over 4 replicas
         cases[f"dp-only-{mode}"] = _resolved("parallel.pp=1", "parallel.dp=4", f"parallel.dp_mode={mode}")
     # bf16: FSDP's mixed-precision policy (bf16 parameters in compute, fp32 reduction), and
     # replicate with autocast.
@@ -54,55 +59,79 @@ def test_pp2_dp2_matches_the_unsplit_model_and_checkpoints_resume_across_layouts
     # train.no_decay=[]: an empty parameter group on every rank, which DCP's loading trips over.
     cases["save"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
                               "train.steps=6", "checkpoint.every=3", "train.no_decay=[]")
-    resumes = {
-        "resume-same": ["schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp"],
-        "resume-pp4-interleaved": ["schedule=interleaved_1f1b", "parallel.pp=4"],
-        "resume-fsdp-zbv": ["schedule=zbv", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
-    }
-    for name, overrides in resumes.items():
+    for name, overrides in RESUMES.items():
         cases[name] = _resolved(*overrides, "train.steps=6", "train.no_decay=[]", f"checkpoint.resume={saved}")
     cases["keep"] = _resolved("schedule=gpipe", "parallel.pp=4", "train.steps=3", "checkpoint.every=1",
                               "checkpoint.keep=2")
-    spawn(4, train_cases, str(out), cases)
-    results = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in cases}
+    return out, run_cases(out, 4, cases)
 
-    ref = _reference(tmp_path, *BATCH)
-    for mode in ("ddp", "fsdp"):
-        for name in SCHEDULES:
-            _assert_matches(results[f"{mode}-{name}"], ref, f"{mode}-{name}")
-            assert results[f"{mode}-{name}"]["summary"]["dp"] == 2
-        _assert_matches(results[f"dp-only-{mode}"], ref, f"dp-only-{mode}")
-    (tmp_path / "bf16").mkdir()
-    ref_bf16 = _reference(tmp_path / "bf16", *BATCH, "train.precision=bf16", "eval.every=3")
-    for case in ("fsdp-bf16-1f1b", "ddp-bf16-zbv"):
-        _assert_close_at_bf16(results[case], ref_bf16, case)
-        assert results[case]["summary"]["val_losses"] == [
-            {"step": v["step"], "val_loss": pytest.approx(v["val_loss"], rel=1e-2)}
-            for v in ref_bf16["summary"]["val_losses"]], case
 
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> dict:
+    return reference(tmp_path_factory.mktemp("data-parallel-reference"), *BATCH)
+
+
+@pytest.fixture(scope="module")
+def ref_bf16(tmp_path_factory) -> dict:
+    return reference(tmp_path_factory.mktemp("data-parallel-reference-bf16"), *BATCH, "train.precision=bf16",
+                     "eval.every=3")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("mode", MODES)  # ids: <mode>-<schedule>, the case's name
+def test_pp2_dp2_matches_the_unsplit_model(dp, ref, mode, name):
+    got = dp[1][f"{mode}-{name}"]
+    assert_matches(got, ref, f"{mode}-{name}")
+    assert got["summary"]["dp"] == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_data_parallelism_over_4_replicas_matches_the_unsplit_model(dp, ref, mode):
+    assert_matches(dp[1][f"dp-only-{mode}"], ref, f"dp-only-{mode}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", BF16)
+def test_bf16_with_fsdp_and_with_replicate_matches_the_unsplit_bf16_run(dp, ref_bf16, case):
+    got = dp[1][case]
+    assert_close_at_bf16(got, ref_bf16, case)
+    assert got["summary"]["val_losses"] == [
+        {"step": v["step"], "val_loss": pytest.approx(v["val_loss"], rel=1e-2)}
+        for v in ref_bf16["summary"]["val_losses"]], case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_checkpoint_resumes_exactly_under_its_own_and_other_layouts(dp, case):
+    results = dp[1]
     full = results["save"]["losses"]
     assert "error" not in results["save"] and len(full) == 6
-    same = results["resume-same"]
-    assert same["summary"]["first_step"] == 4  # resumed from step-3
-    assert same["losses"] == pytest.approx(full[3:], rel=1e-6, abs=0)
-    for name in ("resume-pp4-interleaved", "resume-fsdp-zbv"):
-        assert "error" not in results[name], results[name].get("traceback")
-        assert results[name]["losses"] == pytest.approx(full[3:], rel=1e-4, abs=0), name
-    kept = sorted(p.name for p in (out / "keep" / "checkpoints").iterdir())
+    got = results[case]
+    assert "error" not in got, got.get("traceback")
+    if case == "resume-same":
+        assert got["summary"]["first_step"] == 4  # resumed from step-3
+    assert got["losses"] == pytest.approx(full[3:], rel=1e-6 if case == "resume-same" else 1e-4, abs=0), case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_checkpoint_keep_holds_the_newest_two(dp):
+    kept = sorted(p.name for p in (dp[0] / "keep" / "checkpoints").iterdir())
     assert kept == ["step-2", "step-3"]
 
 
-def _cli(*args: str, cwd: Path, env_extra: dict | None = None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]), **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_kill_between_shard_writes_and_commit_leaves_the_previous_checkpoint_to_resume(tmp_path):
     common = [*TINY, *CLIP, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8", "train.steps=6"]
-    killed = _cli(*common, "checkpoint.every=2", "hydra.run.dir=killed", cwd=tmp_path,
-                  env_extra={"RUNNER_FAULT": "checkpoint-commit-step-4"})
+    killed = run_cli(*common, "checkpoint.every=2", "hydra.run.dir=killed", cwd=tmp_path,
+                     env={"RUNNER_FAULT": "checkpoint-commit-step-4"})
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     ckpts = tmp_path / "killed" / "checkpoints"
     assert [p.name for p in ckpts.glob("step-*")] == ["step-2"]
@@ -111,11 +140,10 @@ def test_a_kill_between_shard_writes_and_commit_leaves_the_previous_checkpoint_t
     lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
-    resumed = _cli(*common, "checkpoint.resume=killed", "hydra.run.dir=resumed", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    run_cli(*common, "checkpoint.resume=killed", "hydra.run.dir=resumed", cwd=tmp_path, check=True)
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["first_step"] == 3  # resumed from step-2
-    ref = _reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8", "train.steps=6")
+    ref = reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8", "train.steps=6")
     assert summary["losses"] == pytest.approx(ref["losses"][2:], rel=1e-4, abs=0)
     assert [json.loads(line)["loss"] for line in lines] == pytest.approx(ref["losses"][:4], rel=1e-4, abs=0)
 

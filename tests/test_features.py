@@ -3,7 +3,8 @@ schedule, each against the unsplit model: activation checkpointing, keyword inpu
 evaluation, bf16, weight decay groups and the LR schedule, and torch.compile (with 1F1B and
 Interleaved1F1B).
 
-One 2-rank spawn runs every case; each pp=1 reference runs once, in this process."""
+One 2-rank spawn (a module-scoped fixture) runs every case, each asserted in its own test; each
+pp=1 reference runs once, in this process."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import torch
 from runner.models import transformer
 from runner.verify import TOLERANCES
 
-from test_parity import _assert_matches, _reference, _run_cases
+from helpers.config import TINY, resolved
+from helpers.parity import CLIP, assert_close_at_bf16, assert_matches, reference
+from helpers.ranks import run_cases
 
 SCHEDULES = ["1f1b", "zbv"]
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
@@ -25,7 +28,7 @@ OPTIONS = {
     "ac-full": ["train.activation_checkpointing=full"],
     "ac-every2": ["train.activation_checkpointing=every_n", "train.ac_every=2"],
     "padding": ["data.padding=true"],
-    "user-loss": ["loss._target_=_models.z_loss_cross_entropy"],
+    "user-loss": ["loss._target_=helpers.models.z_loss_cross_entropy"],
     "eval": ["eval.every=2", "eval.steps=2"],
     "bf16": ["train.precision=bf16", "verify=true"],  # verify at bf16 tolerances
     # Decay on every parameter, strong, and a constant LR after warmup (the defaults: cosine, no decay
@@ -36,16 +39,7 @@ OPTIONS = {
 REFERENCE_OF = {"ac-full": "base", "ac-every2": "base", "padding": "padding", "user-loss": "user-loss",
                 "eval": "eval", "bf16": "bf16", "optim": "optim"}
 COMPILED = ["model=mlp", "train.compile=true", "verify=true", "eval.every=2"]
-
-
-def _assert_close_at_bf16(got: dict, ref: dict, case: str) -> None:
-    rtol, atol = TOLERANCES["bf16"]
-    assert "error" not in got, f"{case}: {got.get('traceback')}"
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
-    for name, ref_grad in ref["grads"].items():
-        grad = got["grads"][name]
-        assert grad.dtype == torch.float32, f"{case} {name}: gradients (and so parameters) must stay fp32"
-        torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{case} {n}: {m}")
+COMPILED_SCHEDULES = ["1f1b", "interleaved_1f1b"]
 
 
 def _val_losses(run_dir: Path) -> dict[int, float]:
@@ -53,58 +47,83 @@ def _val_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in lines if "val_loss" in r}
 
 
-@pytest.mark.timeout(300)
-def test_training_options_match_the_unsplit_model_on_single_and_multi_stage_schedules(tmp_path):
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The 2-rank spawn: every option with each schedule, and the compiled stages. Returns the
+    directory of the cases' run directories and each case's record."""
     cases = {f"{option}-{name}": [f"schedule={name}", *PP2, *overrides]
              for option, overrides in OPTIONS.items() for name in SCHEDULES}
-    for name in ("1f1b", "interleaved_1f1b"):
+    for name in COMPILED_SCHEDULES:
         cases[f"compile-{name}"] = [f"schedule={name}", *PP2, *COMPILED]
-    results = _run_cases(tmp_path / "pp2", 2, cases)
+    out = tmp_path_factory.mktemp("features") / "pp2"
+    return out, run_cases(out, 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
 
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The pp=1 references, each in ``<directory>/<option>/reference``."""
+    tmp = tmp_path_factory.mktemp("features-references")
     batch = ["parallel.microbatches=4", "train.batch_size=8"]
-    refs = {}
+    found = {}
     for option in ("base", "padding", "user-loss", "eval", "bf16", "optim"):
-        (tmp_path / option).mkdir()
-        refs[option] = _reference(tmp_path / option, *batch, *OPTIONS.get(option, []))
-    for option in OPTIONS:
-        ref = refs[REFERENCE_OF[option]]
-        for name in SCHEDULES:
-            case = f"{option}-{name}"
-            if option == "bf16":
-                _assert_close_at_bf16(results[case], ref, case)
-                report = results[case]["summary"]["verify"]
-                assert report["passed"] and report["rtol"] == TOLERANCES["bf16"][0], case
-            else:
-                _assert_matches(results[case], ref, case)
+        (tmp / option).mkdir()
+        found[option] = reference(tmp / option, *batch, *OPTIONS.get(option, []))
+    return tmp, found
 
-    # The options change what is computed (so matching the reference means something).
+
+def test_the_options_change_what_is_computed_and_evaluation_changes_no_training(refs):
+    # So matching the reference means something.
+    tmp, refs = refs
     base = refs["base"]["losses"]
     for option in ("padding", "user-loss", "bf16", "optim"):
         assert refs[option]["losses"] != base, option
     assert refs["user-loss"]["losses"][0] > base[0] + 0.1  # the z-loss term is added
-    # Evaluation: after steps 2 and 4 and after the last (5), on held-out data, in metrics and summary
-    # (steps are numbered from 1 everywhere).
-    for name in SCHEDULES:
-        got = _val_losses(tmp_path / "pp2" / f"eval-{name}")
-        want = _val_losses(tmp_path / "eval" / "reference")
-        assert list(got) == list(want) == [2, 4, 5]
-        assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-4)
-        summary = results[f"eval-{name}"]["summary"]
-        assert summary["val_loss"] == pytest.approx(want[5], rel=1e-4)
-        assert [v["step"] for v in summary["val_losses"]] == [2, 4, 5]
-    val = list(want.values())
+    val = list(_val_losses(tmp / "eval" / "reference").values())
     assert val[-1] < val[0] and all(v != loss for v, loss in zip(val, refs["eval"]["losses"]))
-    # Evaluation does not change training, and leaves no actions in the recorded schedule.
     assert refs["eval"]["losses"] == base
-    for name in ("1f1b", "zbv"):
-        assert (tmp_path / "pp2" / f"eval-{name}" / "schedule.csv").read_text() == \
-            (tmp_path / "pp2" / f"padding-{name}" / "schedule.csv").read_text()
-    # Compiled stages: verify compared the first step with the eager unsplit model.
-    for name in ("1f1b", "interleaved_1f1b"):
-        got = results[f"compile-{name}"]
-        assert "error" not in got, got.get("traceback")
-        assert got["summary"]["verify"]["passed"] and got["summary"]["verify"]["max_abs_diff"] < 4e-5
-        assert got["losses"][-1] < got["losses"][0] and math.isfinite(got["summary"]["val_loss"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("option", OPTIONS)  # ids: <option>-<schedule>, the case's name
+def test_every_option_matches_the_unsplit_model(pp2, refs, option, name):
+    case = f"{option}-{name}"
+    got, ref = pp2[1][case], refs[1][REFERENCE_OF[option]]
+    if option == "bf16":
+        assert_close_at_bf16(got, ref, case)
+        report = got["summary"]["verify"]
+        assert report["passed"] and report["rtol"] == TOLERANCES["bf16"][0], case
+    else:
+        assert_matches(got, ref, case)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_evaluation_runs_on_held_out_data_and_leaves_no_actions_in_the_recorded_schedule(pp2, refs, name):
+    # After steps 2 and 4 and after the last (5), in metrics and summary (steps are numbered from 1
+    # everywhere).
+    out, results = pp2
+    got = _val_losses(out / f"eval-{name}")
+    want = _val_losses(refs[0] / "eval" / "reference")
+    assert list(got) == list(want) == [2, 4, 5]
+    assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-4)
+    summary = results[f"eval-{name}"]["summary"]
+    assert summary["val_loss"] == pytest.approx(want[5], rel=1e-4)
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4, 5]
+    assert (out / f"eval-{name}" / "schedule.csv").read_text() == (out / f"padding-{name}" / "schedule.csv").read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", COMPILED_SCHEDULES)
+def test_compiled_stages_match_the_eager_unsplit_model(pp2, name):
+    # verify compared the first step with the eager unsplit model.
+    got = pp2[1][f"compile-{name}"]
+    assert "error" not in got, got.get("traceback")
+    assert got["summary"]["verify"]["passed"] and got["summary"]["verify"]["max_abs_diff"] < 4e-5
+    assert got["losses"][-1] < got["losses"][0] and math.isfinite(got["summary"]["val_loss"])
 
 
 def test_the_attention_mask_reaches_every_block_and_changes_only_what_it_should():

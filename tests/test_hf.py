@@ -19,8 +19,8 @@ from runner.split import MetaModel, build_meta_model, materialize, plan_split
 from runner.units import SequentialSpec, tied_groups
 from runner.verify import compare, reference_model
 
-from _hf import family_configs, write_model
-from conftest import compose
+from helpers.config import compose
+from helpers.hf import family_configs, write_model
 
 CPU = torch.device("cpu")
 
@@ -124,7 +124,7 @@ def test_an_unlisted_family_is_refused_or_run_with_opt_in_where_verify_decides(t
 
 
 def test_a_nested_model_splits_by_stage_modules_and_is_checked_against_its_own_forward():
-    cfg = OmegaConf.create({"_target_": "_models.nested", "vocab_size": 48, "residual": True})
+    cfg = OmegaConf.create({"_target_": "helpers.models.nested", "vocab_size": 48, "residual": True})
     with pytest.raises(ConfigError, match="not an nn.Sequential.*parallel.stage_modules="):
         build_meta_model(cfg)
     listed = [["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "head"]]

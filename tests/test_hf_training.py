@@ -4,34 +4,43 @@ schedule and layout; checkpoints resume across layouts and export back to Huggin
 A tiny Llama (pretrained weights in its directory, untied) and a tiny GPT-2 (config only: the
 runner's initialisation; embedding and head tied, so pipelined they are copies on two stages),
 and a nested user model split by ``parallel.stage_modules``. One 2-rank spawn and one 4-rank spawn
-run every case; the references (transformers' model trained the same way) run in this process."""
+(module-scoped fixtures) run every case, each asserted in its own test; the references
+(transformers' model trained the same way) run once each, in this process."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from _hf import hf_training, write_model
-from _ranks import spawn, train_cases
-from conftest import compose
-from test_parity import CLIP, SCHEDULES, _assert_matches
+from helpers.cli import run_cli
+from helpers.config import compose, resolved
+from helpers.hf import hf_training, write_model, write_tokenizer
+from helpers.parity import CLIP, SCHEDULES, assert_matches
+from helpers.ranks import run_cases
 
+pytestmark = pytest.mark.multiprocess
+
+MODELS = ["llama", "gpt2"]
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 PP4 = ["parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
-NESTED = ["model=mlp", "model._target_=_models.nested", "model.dim=16", "model.n_layers=4", "data.vocab_size=48",
-          "parallel.stage_modules=[[embed,layers.0,layers.1],[layers.2,layers.3,norm,head]]"]
+FSDP = ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.microbatches=4", "train.batch_size=8"]
+NESTED = ["model=mlp", "model._target_=helpers.models.nested", "model.dim=16", "model.n_layers=4",
+          "data.vocab_size=48", "parallel.stage_modules=[[embed,layers.0,layers.1],[layers.2,layers.3,norm,head]]"]
+# The 4-rank layouts of each model: pp=4 with these schedules, and pp=2 x dp=2 FSDP with 1F1B and
+# ZBV (zbv: both ends of GPT-2 on one rank, as copies under FSDP).
+PP4_SCHEDULES = {"llama": ["gpipe", "interleaved_1f1b", "zbv"], "gpt2": ["1f1b", "dualpipev"]}
+LAYOUT_CASES = [f"{model}-{layout}-{s}" for model in MODELS
+                for layout, schedules in (("pp4", PP4_SCHEDULES[model]), ("fsdp", ["1f1b", "zbv"]))
+                for s in schedules]
+RESUMES = ["resume-pp4-interleaved", "resume-fsdp-zbv"]
 
 
 def _base(path: Path) -> list[str]:
     return ["device=cpu", "model=hf", f"model.path={path}", "data.vocab_size=64", "train.seq_len=16", "train.steps=5",
             "profile.enabled=false", *CLIP]
-
-
-def _resolved(*overrides: str) -> dict:
-    return OmegaConf.to_container(compose(*overrides), resolve=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,49 +51,84 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def references(models):
+    """``references(model, batch)``: transformers' own training of ``model`` with the ``PP2`` or
+    ``PP4`` batch, computed once."""
+    found: dict[tuple[str, str], dict] = {}
+
+    def get(model: str, batch: list[str]) -> dict:
+        key = (model, batch[0])
+        if key not in found:
+            found[key] = hf_training(compose(*_base(models[model]), *batch), steps=5)
+        return found[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def pp2(models, tmp_path_factory) -> tuple[Path, dict]:
     """The 2-rank spawn: every schedule for both models, verify against transformers' forward, a
     GPT-2 with its dropout on, nested models, and a GPT-2 run that saves a checkpoint."""
     out = tmp_path_factory.mktemp("pp2")
-    cases = {f"{m}-{s}": _resolved(*_base(models[m]), *PP2, f"schedule={s}", "verify=true")
+    cases = {f"{m}-{s}": resolved(*_base(models[m]), *PP2, f"schedule={s}", "verify=true")
              for m in models for s in SCHEDULES}
-    cases["llama-ac"] = _resolved(*_base(models["llama"]), *PP2, "schedule=1f1b", "train.activation_checkpointing=full")
-    cases["gpt2-dropout"] = _resolved(*_base(models["gpt2"]), *PP2, "verify=true",
-                                      "+model.config_overrides.resid_pdrop=0.1")
-    cases["nested"] = _resolved("device=cpu", "train.seq_len=16", "train.steps=5", "profile.enabled=false", *CLIP,
-                                *PP2, *NESTED, "verify=true")
-    cases["nested-residual"] = _resolved("device=cpu", "train.seq_len=16", "train.steps=5", "profile.enabled=false",
-                                         *PP2, *NESTED, "+model.residual=true", "verify=true")
-    cases["gpt2-save"] = _resolved(*_base(models["gpt2"]), *PP2, "train.steps=6", "checkpoint.every=3")
-    spawn(2, train_cases, str(out), cases)
-    return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in cases}
+    cases["llama-ac"] = resolved(*_base(models["llama"]), *PP2, "schedule=1f1b", "train.activation_checkpointing=full")
+    cases["gpt2-dropout"] = resolved(*_base(models["gpt2"]), *PP2, "verify=true",
+                                     "+model.config_overrides.resid_pdrop=0.1")
+    cases["nested"] = resolved("device=cpu", "train.seq_len=16", "train.steps=5", "profile.enabled=false", *CLIP,
+                               *PP2, *NESTED, "verify=true")
+    cases["nested-residual"] = resolved("device=cpu", "train.seq_len=16", "train.steps=5", "profile.enabled=false",
+                                        *PP2, *NESTED, "+model.residual=true", "verify=true")
+    cases["gpt2-save"] = resolved(*_base(models["gpt2"]), *PP2, "train.steps=6", "checkpoint.every=3")
+    return out, run_cases(out, 2, cases)
 
 
 @pytest.mark.timeout(400)
-def test_every_schedule_at_pp2_matches_transformers_own_training(models, pp2, tmp_path):
-    out, results = pp2
-    for model in models:
-        ref = hf_training(compose(*_base(models[model]), *PP2), steps=5)
-        for schedule in SCHEDULES:
-            case = f"{model}-{schedule}"
-            _assert_matches(results[case], ref, case)
-            report = results[case]["summary"]["verify"]
-            assert report["passed"] and report["max_abs_diff"] < 4e-5, case
-        if model == "llama":  # activation checkpointing recomputes the decoder layers, the same numbers
-            _assert_matches(results["llama-ac"], ref, "llama-ac")
-        # Pretrained weights: the first step's loss is transformers' own loss on that batch.
-        if model == "llama":
-            assert results["llama-1f1b"]["losses"][0] == pytest.approx(ref["hf_loss"], rel=1e-6)
-    # GPT-2's embedding and head are one tensor unsplit; pipelined, the copies got equal gradients.
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("model", MODELS)  # ids: <model>-<schedule>, the case's name
+def test_every_schedule_at_pp2_matches_transformers_own_training(pp2, references, model, schedule):
+    case = f"{model}-{schedule}"
+    got = pp2[1][case]
+    assert_matches(got, references(model, PP2), case)
+    report = got["summary"]["verify"]
+    assert report["passed"] and report["max_abs_diff"] < 4e-5, case
+
+
+@pytest.mark.timeout(400)
+def test_activation_checkpointing_recomputes_the_decoder_layers_to_the_same_numbers(pp2, references):
+    assert_matches(pp2[1]["llama-ac"], references("llama", PP2), "llama-ac")
+
+
+@pytest.mark.timeout(400)
+def test_pretrained_weights_give_transformers_own_loss_at_the_first_step(pp2, references):
+    assert pp2[1]["llama-1f1b"]["losses"][0] == pytest.approx(references("llama", PP2)["hf_loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(400)
+def test_gpt2s_tied_embedding_and_head_are_copies_on_two_stages(pp2):
+    # One tensor unsplit; pipelined, the copies got equal gradients (compared with the reference above).
+    results = pp2[1]
     assert "lm_head.weight" not in results["gpt2-1f1b"]["grads"]
     assert results["gpt2-1f1b"]["summary"]["stages"]["1"][-1] == "lm_head"
-    error = results["gpt2-dropout"]["error"]
+
+
+@pytest.mark.timeout(400)
+def test_verify_names_the_dropout_left_on_in_training(pp2):
+    error = pp2[1]["gpt2-dropout"]["error"]
     assert error.startswith("VerifyError") and "dropout in training" in error and "resid_dropout (p=0.1)" in error
-    assert "error" not in results["nested"], results["nested"].get("traceback")
-    assert results["nested"]["summary"]["verify"]["passed"]
-    assert results["nested"]["summary"]["stages"]["1"] == ["layers.2", "layers.3", "norm", "head"]
-    # The model's own forward adds residuals its listed units do not: verify says they differ.
-    assert results["nested-residual"]["error"].startswith("VerifyError")
+
+
+@pytest.mark.timeout(400)
+def test_a_nested_model_splits_by_stage_modules_and_passes_verify(pp2):
+    nested = pp2[1]["nested"]
+    assert "error" not in nested, nested.get("traceback")
+    assert nested["summary"]["verify"]["passed"]
+    assert nested["summary"]["stages"]["1"] == ["layers.2", "layers.3", "norm", "head"]
+
+
+@pytest.mark.timeout(400)
+def test_verify_fails_a_forward_that_adds_residuals_its_listed_units_do_not(pp2):
+    assert pp2[1]["nested-residual"]["error"].startswith("VerifyError")
 
 
 @pytest.mark.timeout(120)
@@ -113,66 +157,56 @@ def test_a_trained_model_exports_to_hugging_face_format_and_loads_with_from_pret
     assert results["gpt2-save"]["losses"][-1] < results["gpt2-save"]["losses"][0]
 
 
-@pytest.mark.timeout(480)
-def test_pp4_and_fsdp_layouts_match_and_resume_across_layouts(models, pp2, tmp_path):
-    out, saved_results = pp2
-    saved = out / "gpt2-save" / "checkpoints" / "step-3"
-    fsdp = ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.microbatches=4",
-            "train.batch_size=8"]
+@pytest.fixture(scope="module")
+def layouts(models, pp2, tmp_path_factory) -> dict[str, dict]:
+    """The 4-rank spawn: ``LAYOUT_CASES``, and resumes of the pp=2 run's step-3 under two layouts."""
+    saved = pp2[0] / "gpt2-save" / "checkpoints" / "step-3"
     cases = {}
-    for model, schedules in {"llama": ["gpipe", "interleaved_1f1b", "zbv"], "gpt2": ["1f1b", "dualpipev"]}.items():
-        for s in schedules:
-            cases[f"{model}-pp4-{s}"] = _resolved(*_base(models[model]), *PP4, f"schedule={s}")
-        for s in ("1f1b", "zbv"):  # zbv: both ends of GPT-2 on one rank, as copies under FSDP
-            cases[f"{model}-fsdp-{s}"] = _resolved(*_base(models[model]), *fsdp, f"schedule={s}")
+    for model in MODELS:
+        for s in PP4_SCHEDULES[model]:
+            cases[f"{model}-pp4-{s}"] = resolved(*_base(models[model]), *PP4, f"schedule={s}")
+        for s in ("1f1b", "zbv"):
+            cases[f"{model}-fsdp-{s}"] = resolved(*_base(models[model]), *FSDP, f"schedule={s}")
+    assert list(cases) == LAYOUT_CASES
     resume = [*_base(models["gpt2"]), "train.steps=6", f"checkpoint.resume={saved}"]
-    cases["resume-pp4-interleaved"] = _resolved(*resume, *PP4[:1], *PP2[1:], "schedule=interleaved_1f1b")
-    cases["resume-fsdp-zbv"] = _resolved(*resume, *fsdp, "schedule=zbv")
-    spawn(4, train_cases, str(tmp_path), cases)
-    results = {name: torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in cases}
+    cases["resume-pp4-interleaved"] = resolved(*resume, *PP4[:1], *PP2[1:], "schedule=interleaved_1f1b")
+    cases["resume-fsdp-zbv"] = resolved(*resume, *FSDP, "schedule=zbv")
+    return run_cases(tmp_path_factory.mktemp("layouts"), 4, cases)
 
-    refs = {(m, layout): hf_training(compose(*_base(models[m]), *batch), steps=5)
-            for m in models for layout, batch in (("pp4", PP4), ("pp2", PP2))}
-    for case, got in results.items():
-        if case.startswith("resume"):
-            continue
-        model, layout = case.split("-")[:2]
-        _assert_matches(got, refs[(model, "pp4" if layout == "pp4" else "pp2")], case)
-    full = saved_results["gpt2-save"]["losses"]
-    for case in ("resume-pp4-interleaved", "resume-fsdp-zbv"):
-        got = results[case]
-        assert "error" not in got, got.get("traceback")
-        assert got["summary"]["first_step"] == 4  # step 4 first: after checkpoint step-3
-        assert got["losses"] == pytest.approx(full[3:], rel=1e-4, abs=0), case
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_pp4_and_fsdp_layouts_match_transformers_own_training(layouts, references, case):
+    model, layout = case.split("-")[:2]
+    assert_matches(layouts[case], references(model, PP4 if layout == "pp4" else PP2), case)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_checkpoint_resumes_across_layouts(layouts, pp2, case):
+    full = pp2[1]["gpt2-save"]["losses"]
+    got = layouts[case]
+    assert "error" not in got, got.get("traceback")
+    assert got["summary"]["first_step"] == 4  # step 4 first: after checkpoint step-3
+    assert got["losses"] == pytest.approx(full[3:], rel=1e-4, abs=0), case
 
 
 @pytest.mark.timeout(200)
 def test_the_command_line_trains_a_pretrained_model_on_a_local_dataset_and_exports_it(tmp_path):
     """What the README's "Hugging Face models" section tells a user to type, without code."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from _hf import write_tokenizer
-    from conftest import ROOT
 
     model_dir = write_model(tmp_path / "model", "llama", weights=True)
     write_tokenizer(model_dir)  # a model directory with its tokenizer, as on the Hub
     words = "the pipeline stage runs every microbatch forward and backward while another rank waits".split()
     (tmp_path / "corpus.jsonl").write_text("\n".join(json.dumps({"text": " ".join(words[i % 5:] + words[:i % 5])})
                                                      for i in range(200)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(ROOT)]),
-           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "runner", "model=hf", f"model.path={model_dir}", "data=hf",
-         f"data.path={tmp_path / 'corpus.jsonl'}", f"data.tokenizer={model_dir}", "train.seq_len=16",
-         "train.batch_size=8", "train.steps=4", "eval.every=2", "checkpoint.every=4", "verify=true",
-         "profile.enabled=false", f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr
+    run_cli("model=hf", f"model.path={model_dir}", "data=hf", f"data.path={tmp_path / 'corpus.jsonl'}",
+            f"data.tokenizer={model_dir}", "train.seq_len=16", "train.batch_size=8", "train.steps=4", "eval.every=2",
+            "checkpoint.every=4", "verify=true", "profile.enabled=false", f"hydra.run.dir={run}", cwd=tmp_path,
+            env=env, timeout=150, check=True)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["verify"]["passed"] and summary["val_loss"] > 0
     assert summary["stages"]["0"][0] == "model.embed_tokens" and summary["stages"]["1"][-1] == "lm_head"
@@ -182,9 +216,7 @@ def test_the_command_line_trains_a_pretrained_model_on_a_local_dataset_and_expor
     read = summary["weights_read_bytes"]
     assert len(read) == 2 and sum(read) == size and min(read) > 0.2 * size
     assert list((tmp_path / "cache" / "runner" / "tokens").glob("*.uint16"))  # tokenized once, cached
-    exported = subprocess.run([sys.executable, "-m", "runner.export", str(run), str(tmp_path / "out")], env=env,
-                              capture_output=True, text=True, timeout=60)
-    assert exported.returncode == 0, exported.stderr
+    run_cli(str(run), str(tmp_path / "out"), module="runner.export", cwd=tmp_path, env=env, timeout=60, check=True)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == 19
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -17,7 +17,7 @@ from runner.outputs import MetricsWriter
 from runner.provenance import git_commit
 from runner.validate import validate
 
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 
 pytestmark = pytest.mark.timeout(120)
 

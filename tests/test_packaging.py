@@ -7,22 +7,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers.cli import run_cli
+from helpers.config import ROOT
 
-
-def _run(*args: str, cwd: Path, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, dict]:
-    """(the environment's bin directory, an environment for its commands)."""
+    """(the environment's bin directory, the variables its commands run with: its bin first on PATH)."""
     tmp = tmp_path_factory.mktemp("packaging")
     source = tmp / "source"  # a copy: building writes build/ and *.egg-info next to the sources
     source.mkdir()
@@ -30,26 +28,22 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
         shutil.copy(ROOT / name, source / name)
     for name in ("runner", "conf"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
-    built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-                 str(source), cwd=tmp, env=env)
-    assert built.returncode == 0, built.stderr
+    # checkout=False: nothing of this checkout on PYTHONPATH; the installed package is what runs.
+    run_cli("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(source), module="pip",
+            cwd=tmp, checkout=False, check=True)
     [wheel] = (tmp / "dist").glob("runner-*.whl")
     venv = tmp / "venv"
-    created = _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv), cwd=tmp, env=env)
-    assert created.returncode == 0, created.stderr
+    run_cli("--system-site-packages", "--without-pip", str(venv), module="venv", cwd=tmp, checkout=False, check=True)
     bin_dir = venv / "bin"
-    done = _run(str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel), cwd=tmp,
-                env=env)
-    assert done.returncode == 0, done.stderr
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    return bin_dir, env
+    run_cli("install", "--no-deps", "--no-index", str(wheel), program=[str(bin_dir / "python"), "-m", "pip"], cwd=tmp,
+            checkout=False, check=True)
+    return bin_dir, {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 @pytest.mark.timeout(180)
 def test_the_installed_console_script_runs_from_any_directory_with_the_shipped_configs(installed, tmp_path):
     bin_dir, env = installed
-    version = _run("runner", "--version", cwd=tmp_path, env=env)
+    version = run_cli("--version", program=["runner"], cwd=tmp_path, env=env, checkout=False)
     assert version.returncode == 0, version.stderr
     site = bin_dir.parent / "lib"
     import hydra
@@ -59,7 +53,8 @@ def test_the_installed_console_script_runs_from_any_directory_with_the_shipped_c
     assert line.startswith("runner 0.1.0 (torch ") and torch.__version__ in line and hydra.__version__ in line
     assert f"Python {sys.version.split()[0]}" in line and f"configs: {site}" in line  # inside the installed package
 
-    done = _run("runner", "experiment=smoke", "train.steps=2", "profile.enabled=false", cwd=tmp_path, env=env)
+    done = run_cli("experiment=smoke", "train.steps=2", "profile.enabled=false", program=["runner"], cwd=tmp_path,
+                   env=env, checkout=False)
     assert done.returncode == 0, done.stderr
     [run_dir] = tmp_path.glob("outputs/*/*")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -81,7 +76,7 @@ for line in "runner sched" "runner schedule=z" "runner train.st" "runner experim
     echo "${COMPREPLY[*]}"
 done
 """
-    done = _run("bash", "-c", script, cwd=tmp_path, env=env)
+    done = run_cli("-c", script, program=["bash"], cwd=tmp_path, env=env, checkout=False)
     assert done.returncode == 0, done.stderr
     groups, options, keys, experiments = done.stdout.splitlines()
     assert (groups, options, keys) == ("schedule. schedule=", "schedule=zbv", "train.steps=")

@@ -1,7 +1,8 @@
 """The bar above all: pipelined training computes what the unsplit model computes.
 
-One spawn per pipeline width runs every schedule (and CSV schedules) on the same process group;
-the unsplit pp=1 reference is computed once, in this process, by the same training loop."""
+One spawn per pipeline width runs every schedule (and CSV schedules) on the same process group (a
+module-scoped fixture); each case is its own test, so one failing case does not hide the others.
+The unsplit pp=1 reference is computed once, in this process, by the same training loop."""
 
 from __future__ import annotations
 
@@ -9,26 +10,18 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from omegaconf import OmegaConf
 
-from runner.dist import DistEnv
 from runner.plan.synthesize import Problem, synthesize
 from runner.schedule import placement, schedule_order
 from runner.timeline import write_schedule_csv
-from runner.train import train
-from runner.validate import validate
 
-from _ranks import FirstGrads, spawn, train_cases
-from conftest import EXAMPLES, TINY, compose
-from test_synthesize import _costs
+from helpers.config import EXAMPLES, TINY, resolved
+from helpers.parity import CLIP, GRAD_ATOL, SCHEDULES, assert_matches, reference
+from helpers.plan import synthetic_costs
+from helpers.ranks import run_cases
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
-# Clipping must bind, or a per-rank clip would pass: gradient norms here are ~1.
-CLIP = ["train.grad_clip=0.05"]
-LOSS_RTOL = 1e-4
-GRAD_RTOL, GRAD_ATOL = 1e-5, 4e-5
-
+PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+PP4 = ["parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
 
 # Schedule files in the three shapes torch writes or ships (pp=2, m=4), held to the unsplit model
 # like every other schedule.
@@ -55,142 +48,176 @@ TORCH_FILES = {
                       ",1F0,1F1,3F0,3B0,3F1,3B1,3W0,1F2,1B0,3W1,1F3,1B1,1W0,3F2,3B2,1W1,3F3,3B3,3W2,1B2,3W3,1B3,1W2,"
                       "1W3\n"),
 }
+# CSV files with loop, V and one-stage-per-rank placements, with F/B and with F/I/W actions.
+CSV_FILES = ["interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv", "zbv_pp2_m4.csv", "gpipe_pp2_m4.csv"]
+# Orders the planner's search writes (plan.synthesize=true): B, I and put-off W mixed on one stage,
+# in a loop and in a V. (name, stages per rank, V-shaped, how much heavier the last stage is)
+SYNTHESIZED = [("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3.0)]
+# The pp=2 cases held to the unsplit model; each run's recorded order replayed from its
+# schedule.csv (replay-*) must reproduce the run.
+PP2_CASES = [*SCHEDULES, *(f"csv-{csv}" for csv in CSV_FILES), *(f"torch-{name}" for name in TORCH_FILES),
+             "explicit-split", *(name for name, *_ in SYNTHESIZED), *(f"replay-{name}" for name in SCHEDULES)]
 
 
-def _reference(tmp_path: Path, *overrides: str) -> dict:
-    cfg = compose(*TINY, *CLIP, "parallel.pp=1", *overrides)
-    run_dir = tmp_path / "reference"
-    run_dir.mkdir()
-    grads = FirstGrads()
-    result = train(validate(cfg, run_dir), cfg, DistEnv(0, 1, torch.device("cpu")), hooks=[grads])
-    return {"losses": result.losses, "grads": grads.grads, "clipped": grads.clipped,
-            "summary": result.summary}
-
-
-def _run_cases(tmp_path: Path, world: int, cases: dict[str, list[str]]) -> dict[str, dict]:
-    resolved = {name: OmegaConf.to_container(compose(*TINY, *CLIP, *ov), resolve=True)
-                for name, ov in cases.items()}
-    spawn(world, train_cases, str(tmp_path), resolved)
-    return {name: torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in cases}
-
-
-def _assert_matches(got: dict, ref: dict, case: str) -> None:
-    assert "error" not in got, f"{case}: {got.get('traceback')}"
-    assert len(got["losses"]) == len(ref["losses"]) == 5
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
-                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{case} losses: {m}")
-    for kind in ("grads", "clipped"):  # after the first backward, and after the global clip
-        assert got[kind].keys() == ref[kind].keys(), case
-        for name, ref_grad in ref[kind].items():
-            assert ref_grad is not None and got[kind][name] is not None, f"{case}: {name} has no grad"
-            torch.testing.assert_close(got[kind][name], ref_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL,
-                                       msg=lambda m, kind=kind, name=name: f"{case} {kind} {name}: {m}")
-
-
-def _ran(tmp_path: Path, case: str) -> list[str]:
-    """The per-rank order a pp=2 case recorded (its schedule.csv rows)."""
-    return (tmp_path / "pp2" / case / "schedule.csv").read_text().split()
-
-
-def _add_long_runs(cases: dict, *overrides: str) -> None:
+def _long_runs(*overrides: str) -> dict[str, list[str]]:
     """Every schedule for 20 steps on the same ranks (the test's timeout is the watchdog)."""
-    for name in SCHEDULES:
-        cases[f"20-steps-{name}"] = [f"schedule={name}", *overrides, "train.steps=20"]
+    return {f"20-steps-{name}": [f"schedule={name}", *overrides, "train.steps=20"] for name in SCHEDULES}
 
 
-def _assert_long_runs_completed(results: dict) -> None:
-    for name in SCHEDULES:
-        got = results.pop(f"20-steps-{name}")
-        assert "error" not in got, got.get("traceback")
-        assert len(got["losses"]) == 20 and all(math.isfinite(x) for x in got["losses"]), name
+def _assert_long_run_completed(got: dict, name: str) -> None:
+    assert "error" not in got, got.get("traceback")
+    assert len(got["losses"]) == 20 and all(math.isfinite(x) for x in got["losses"]), name
 
 
-def _assert_reference_is_meaningful(ref: dict) -> None:
-    metrics = [float(line.split('"grad_norm": ')[1].split(",")[0])
-               for line in (Path(ref["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert min(metrics) > 0.05 * 4, "clipping must bind in every step for the test to mean anything"
-    assert ref["losses"][-1] < ref["losses"][0] - 0.01, "the reference must learn"
+def _ran(out: Path, case: str) -> list[str]:
+    """The per-rank order a pp=2 case recorded (its schedule.csv rows)."""
+    return (out / "pp2" / case / "schedule.csv").read_text().split()
 
 
-@pytest.mark.timeout(240)
-def test_every_schedule_at_pp2_matches_the_unsplit_model(tmp_path):
-    cases = {name: [f"schedule={name}", "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
-             for name in SCHEDULES}
-    # CSV files with loop, V and one-stage-per-rank placements, with F/B and with F/I/W actions.
-    for csv in ("interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv", "zbv_pp2_m4.csv", "gpipe_pp2_m4.csv"):
-        cases[f"csv-{csv}"] = ["schedule=csv", f"schedule.csv={EXAMPLES / csv}", "parallel.pp=2",
-                               "parallel.microbatches=4", "train.batch_size=8"]
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The 2-rank spawn: every pp=2 case, a model verify must fail, and the 20-step runs. Returns
+    the directory (each case's run directory is ``pp2/<case>``) and each case's record."""
+    out = tmp_path_factory.mktemp("parity")
+    cases = {name: [f"schedule={name}", *PP2] for name in SCHEDULES}
+    for csv in CSV_FILES:
+        cases[f"csv-{csv}"] = ["schedule=csv", f"schedule.csv={EXAMPLES / csv}", *PP2]
     for name, text in TORCH_FILES.items():
-        path = tmp_path / f"{name}.csv"
+        path = out / f"{name}.csv"
         path.write_text(text)
-        cases[f"torch-{name}"] = ["schedule=csv", f"schedule.csv={path}", "parallel.pp=2", "parallel.microbatches=4",
-                                  "train.batch_size=8"]
-    cases["explicit-split"] = ["schedule=1f1b", "parallel.pp=2", "parallel.microbatches=4",
-                               "train.batch_size=8", "parallel.split_points=[block1]"]
-    # Orders the planner's search writes (plan.synthesize=true): B, I and put-off W mixed on one
-    # stage, in a loop and in a V.
-    for name, spr, v_shape, skew in (("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3.0)):
-        found = synthesize(Problem(4, placement("zbv" if v_shape else "1f1b", 2, 2 * spr), _costs(2 * spr, skew),
-                                   comm_s=0.1), seeds={}, budget=100, seed=0)
+        cases[f"torch-{name}"] = ["schedule=csv", f"schedule.csv={path}", *PP2]
+    cases["explicit-split"] = ["schedule=1f1b", *PP2, "parallel.split_points=[block1]"]
+    for name, spr, v_shape, skew in SYNTHESIZED:
+        found = synthesize(Problem(4, placement("zbv" if v_shape else "1f1b", 2, 2 * spr),
+                                   synthetic_costs(2 * spr, skew), comm_s=0.1), seeds={}, budget=100, seed=0)
         assert {op.kind for ops in found.order.values() for op in ops} == set("FBIW"), name
-        write_schedule_csv(tmp_path / f"{name}.csv", found.order)
-        cases[name] = ["schedule=csv", f"schedule.csv={tmp_path / f'{name}.csv'}", "parallel.pp=2",
-                       "parallel.microbatches=4", "train.batch_size=8"]
+        write_schedule_csv(out / f"{name}.csv", found.order)
+        cases[name] = ["schedule=csv", f"schedule.csv={out / f'{name}.csv'}", *PP2]
     cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
-    cases["verify-catches-dropout"] = ["model=mlp", "model._target_=_models.dropout_mlp", "verify=true",
+    cases["verify-catches-dropout"] = ["model=mlp", "model._target_=helpers.models.dropout_mlp", "verify=true",
                                        "parallel.microbatches=4", "train.batch_size=8"]
     # Every run writes the order that ran as schedule.csv; feeding it back must reproduce the run.
     for name in SCHEDULES:
-        cases[f"replay-{name}"] = ["schedule=csv", f"schedule.csv={tmp_path / 'pp2' / name / 'schedule.csv'}",
-                                   "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
-    _add_long_runs(cases, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8")
-    results = _run_cases(tmp_path / "pp2", 2, cases)
-    _assert_long_runs_completed(results)
-    assert results.pop("verify-catches-dropout")["error"].startswith("VerifyError: verify=true")
-    for name in SCHEDULES:
-        replay = results[f"replay-{name}"]
-        assert "error" not in replay, replay.get("traceback")
-        assert replay["losses"] == pytest.approx(results[name]["losses"], rel=1e-6, abs=0), name
-        assert replay["summary"]["num_stages"] == results[name]["summary"]["num_stages"]
-    ref = _reference(tmp_path, "parallel.microbatches=4", "train.batch_size=8")
-    ref["run_dir"] = tmp_path / "reference"
-    _assert_reference_is_meaningful(ref)
-    for case, got in results.items():
-        _assert_matches(got, ref, case)
-        if not case.startswith("replay-"):
-            report = got["summary"]["verify"]
-            assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
-        bubble = got["summary"]["bubble"]
-        assert all(0 <= b < 1 for b in bubble["per_rank"]) and 0 <= bubble["theoretical"] < 1, case
-    # Uneven layouts were exercised: 9 children over 2 and 4 stages, and a 2/7 explicit split.
+        cases[f"replay-{name}"] = ["schedule=csv", f"schedule.csv={out / 'pp2' / name / 'schedule.csv'}", *PP2]
+    cases.update(_long_runs(*PP2))
+    return out, run_cases(out / "pp2", 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def pp2_reference(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("parity-reference-pp2")
+    return {**reference(tmp, *PP2[1:]), "run_dir": tmp / "reference"}
+
+
+def test_the_pp2_reference_learns_and_clipping_binds_in_every_step(pp2_reference):
+    metrics = [float(line.split('"grad_norm": ')[1].split(",")[0])
+               for line in (pp2_reference["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert min(metrics) > 0.05 * 4, "clipping must bind in every step for the test to mean anything"
+    assert pp2_reference["losses"][-1] < pp2_reference["losses"][0] - 0.01, "the reference must learn"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", PP2_CASES)
+def test_every_pp2_case_matches_the_unsplit_model(pp2, pp2_reference, case):
+    got = pp2[1][case]
+    assert_matches(got, pp2_reference, case)
+    if not case.startswith("replay-"):
+        report = got["summary"]["verify"]
+        assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
+    bubble = got["summary"]["bubble"]
+    assert all(0 <= b < 1 for b in bubble["per_rank"]) and 0 <= bubble["theoretical"] < 1, case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_runs_recorded_order_fed_back_as_a_csv_reproduces_it(pp2, name):
+    results = pp2[1]
+    replay = results[f"replay-{name}"]
+    assert "error" not in replay, replay.get("traceback")
+    assert replay["losses"] == pytest.approx(results[name]["losses"], rel=1e-6, abs=0), name
+    assert replay["summary"]["num_stages"] == results[name]["summary"]["num_stages"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_runs_20_steps_at_pp2(pp2, name):
+    _assert_long_run_completed(pp2[1][f"20-steps-{name}"], name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_verify_fails_a_model_that_is_random_in_training_mode(pp2):
+    assert pp2[1]["verify-catches-dropout"]["error"].startswith("VerifyError: verify=true")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_uneven_layouts_split_as_planned(pp2):
+    # 9 children over 2 and 4 stages, and a 2/7 explicit split.
+    results = pp2[1]
     assert results["1f1b"]["summary"]["stages"] == {"0": ["embed", "block0", "block1", "block2"],
                                                     "1": ["block3", "block4", "block5", "norm", "head"]}
     assert results["explicit-split"]["summary"]["stages"]["0"] == ["embed", "block0"]
     assert results["zbv"]["summary"]["num_stages"] == 4
     assert results["csv-gpipe_pp2_m4.csv"]["summary"]["num_stages"] == 2
     assert results["synthesized-v"]["summary"]["num_stages"] == 4
-    # torch's file shapes ran the orders they hold: the DualPipeV file is DualPipeV's order, the
-    # others the zero-bubble order with stage 2's backward in one piece.
-    assert _ran(tmp_path, "torch-overlap") == _ran(tmp_path, "dualpipev")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_torchs_schedule_file_shapes_run_the_orders_they_hold(pp2):
+    # The DualPipeV file is DualPipeV's order, the others the zero-bubble order with stage 2's
+    # backward in one piece.
+    out = pp2[0]
+    assert _ran(out, "torch-overlap") == _ran(out, "dualpipev")
     zero_bubble = (EXAMPLES / "zero_bubble_pp2_m4.csv").read_text().split()
-    assert _ran(tmp_path, "torch-compute-pre26") == zero_bubble
-    assert _ran(tmp_path, "torch-comms-pre26")[1] == zero_bubble[1]
-    # The planner's reading of torch's declared orders is what actually ran, for every schedule.
-    for name in SCHEDULES:
-        spr = results[name]["summary"]["num_stages"] // 2
-        assert [",".join(op.name for op in ops) for ops in schedule_order(name, 2, 4, spr).values()] == _ran(
-            tmp_path, name), name
+    assert _ran(out, "torch-compute-pre26") == zero_bubble
+    assert _ran(out, "torch-comms-pre26")[1] == zero_bubble[1]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_planners_reading_of_torchs_declared_order_is_what_ran(pp2, name):
+    out, results = pp2
+    spr = results[name]["summary"]["num_stages"] // 2
+    assert [",".join(op.name for op in ops) for ops in schedule_order(name, 2, 4, spr).values()] == _ran(
+        out, name), name
+
+
+@pytest.fixture(scope="module")
+def pp4(tmp_path_factory) -> dict[str, dict]:
+    """The 4-rank spawn: every schedule, and each for 20 steps."""
+    cases = {name: [f"schedule={name}", *PP4] for name in SCHEDULES}
+    cases.update(_long_runs(*PP4))
+    out = tmp_path_factory.mktemp("parity") / "pp4"
+    return run_cases(out, 4, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def pp4_reference(tmp_path_factory) -> dict:
+    return reference(tmp_path_factory.mktemp("parity-reference-pp4"), *PP4[1:])
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_every_schedule_at_pp4_matches_the_unsplit_model(tmp_path):
-    cases = {name: [f"schedule={name}", "parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
-             for name in SCHEDULES}
-    _add_long_runs(cases, "parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16")
-    results = _run_cases(tmp_path / "pp4", 4, cases)
-    _assert_long_runs_completed(results)
-    ref = _reference(tmp_path, "parallel.microbatches=8", "train.batch_size=16")
-    for case, got in results.items():
-        _assert_matches(got, ref, case)
-    assert results["interleaved_zb"]["summary"]["num_stages"] == 8
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_at_pp4_matches_the_unsplit_model(pp4, pp4_reference, name):
+    assert_matches(pp4[name], pp4_reference, name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_runs_20_steps_at_pp4(pp4, name):
+    _assert_long_run_completed(pp4[f"20-steps-{name}"], name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_interleaved_zero_bubble_at_pp4_runs_two_stages_per_rank(pp4):
+    assert pp4["interleaved_zb"]["summary"]["num_stages"] == 8

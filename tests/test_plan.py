@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +17,9 @@ from runner.plan.simulate import peak_in_flight, simulate
 from runner.schedule import schedule_order
 from runner.validate import validate
 
-from conftest import EXAMPLES, ROOT, TINY, compose
-
-# Fixed message and runtime costs: in-process tests need no calibration ranks.
-FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0",
-         "plan.corunning_slowdown=1", "plan.comm_busy_delay_s=0", "plan.action_jitter=0"]
+from helpers.cli import run_cli
+from helpers.config import EXAMPLES, TINY, compose
+from helpers.plan import FIXED
 
 
 def _ops(text: str) -> list[Op]:
@@ -112,14 +107,12 @@ def test_plan_warns_when_ranks_outnumber_the_cores_or_the_host_is_busy(monkeypat
     assert "the 1-minute load average is 4.0 on 1 CPU cores" in caplog.text
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_plan_cli_writes_its_files_and_its_synthesized_schedule_runs_near_the_prediction(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     common = [*TINY, "parallel.pp=2", "train.batch_size=8", "train.steps=8"]
-    planned = subprocess.run([sys.executable, "-m", "runner.plan", *common, "plan.microbatches=[4]",
-                              "plan.synthesize=true", "plan.search_budget=40", "hydra.run.dir=plan"], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=120)
-    assert planned.returncode == 0, planned.stderr
+    planned = run_cli(*common, "plan.microbatches=[4]", "plan.synthesize=true", "plan.search_budget=40",
+                      "hydra.run.dir=plan", module="runner.plan", cwd=tmp_path, check=True)
     records = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert {"schedule", "microbatches", "stages_per_rank", "overrides", "valid", "predicted_step_time_s",
             "bubble", "peak_activations", "lower_bound_s", "tie", "recommended", "search"} <= set(records[0])
@@ -133,9 +126,7 @@ def test_plan_cli_writes_its_files_and_its_synthesized_schedule_runs_near_the_pr
     line = shlex.split(re.search(r"fastest synthesized: python -m runner (.*)", planned.stdout).group(1))
     assert line[-len(searched["overrides"]):] == searched["overrides"]
     assert (tmp_path / "plan" / Path(searched["search"]["csv"]).name).is_file()
-    run = subprocess.run([sys.executable, "-m", "runner", *line, "hydra.run.dir=run"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    run_cli(*line, "hydra.run.dir=run", cwd=tmp_path, check=True)
     measured = json.loads((tmp_path / "run" / "summary.json").read_text())["step_time_s"]
     ratio = searched["predicted_step_time_s"] / measured
     # Loose on purpose: CI's 2 shared cores and a millisecond-scale model; BENCHMARKS.md is where
@@ -192,6 +183,7 @@ def test_the_action_overhead_is_solved_from_a_pipeline_step():
     assert solve_action_overhead(0.0, comm_s=0.001) == 0.0  # faster than messages alone: no overhead
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
     measured = calibrate(2**20, repeats=5)

@@ -19,7 +19,7 @@ from omegaconf import open_dict
 
 from runner.validate import validate
 
-from conftest import EXAMPLES, ROOT
+from helpers.config import EXAMPLES, ROOT
 
 # Placeholders the README uses for what a user supplies, and what stands in for them here.
 PLACEHOLDERS = {
@@ -35,7 +35,7 @@ def _hugging_face_stand_ins() -> dict[str, str]:
     import tempfile
     from pathlib import Path
 
-    from _hf import write_model, write_tokenizer
+    from helpers.hf import write_model, write_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="readme-"))
     model = write_tokenizer(write_model(root / "llama-1b", "llama", weights=True))

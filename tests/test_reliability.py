@@ -8,13 +8,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import multiprocessing
-import os
 import pickle
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -30,22 +28,17 @@ from runner.processes import connect, rendezvous
 from runner.supervise import rank_failure
 from runner.watchdog import Heartbeats
 
-from conftest import ROOT, TINY, compose
+from helpers.cli import start_cli
+from helpers.config import ROOT, TINY, compose
 
-TESTS = Path(__file__).parent
 RUN = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8", "launch.timeout_s=10",
        "launch.grace_s=5"]
 
 
 def _start(*args: str, run_dir: Path, fault: str | None = None, ignore_sigint: bool = False) -> subprocess.Popen:
     """The launcher, as a user starts it; ``ignore_sigint``: as ``cmd &`` in a script starts it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
-    env.pop("RUNNER_FAULT", None)
-    if fault:
-        env["RUNNER_FAULT"] = fault
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
-    return subprocess.Popen([sys.executable, "-m", "runner", *RUN, *args, f"hydra.run.dir={run_dir}"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
+    return start_cli(*RUN, *args, f"hydra.run.dir={run_dir}", env={"RUNNER_FAULT": fault} if fault else None,
+                     ignore_sigint=ignore_sigint)
 
 
 def _rank_processes(run_dir: Path, launcher: subprocess.Popen) -> list[psutil.Process]:
@@ -82,6 +75,7 @@ def _no_rank_left(run_dir: Path, proc: subprocess.Popen, within: float = 10) -> 
     return not _rank_processes(run_dir, proc)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,failing_rank,symptom", [
     ("raise:1:3", 1, "injected fault on rank 1 at step 3"),  # steps are numbered from 1
@@ -105,6 +99,7 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_ra
     assert _no_rank_left(run_dir, proc), "no rank may outlive the job"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_non_finite_gradient_never_reaches_the_optimizer_or_a_checkpoint(tmp_path):
     # Step 3's loss is finite but a gradient on rank 1 is NaN: every rank stops before the update.
@@ -131,6 +126,7 @@ def test_a_non_finite_gradient_never_reaches_the_optimizer_or_a_checkpoint(tmp_p
     assert run.info.status == "FAILED" and len(client.get_metric_history(run.info.run_id, "train/loss")) == 2
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sig,ignore_sigint", [(signal.SIGTERM, False), (signal.SIGINT, True)])
 def test_a_signal_to_the_launcher_stops_every_rank_and_leaves_whole_files(tmp_path, sig, ignore_sigint):
@@ -163,6 +159,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_leaves_whole_files(tmp_pa
     assert not list((run_dir / "traces").glob("*.partial"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_ranks_die_with_a_killed_launcher_even_with_sigint_ignored(tmp_path):
     run_dir = tmp_path / "run"
@@ -183,6 +180,7 @@ def test_ranks_die_with_a_killed_launcher_even_with_sigint_ignored(tmp_path):
     assert not run_in_progress(run_dir)  # the run's lock went with its processes
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_bad_output_dirs_and_a_taken_port_are_refused_before_any_rank_starts(tmp_path):
     with socket.socket() as taken:

@@ -2,7 +2,6 @@ import dataclasses
 import json
 import runpy
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,8 @@ from bench.sections import SECTIONS
 from bench.sections.planner import planner_rows, separated_pairs
 from runner.schedule import SCHEDULES, csv_order, default_stages_per_rank, read_csv_schedule, schedule_order
 
-from conftest import ROOT
+from helpers.cli import run_cli
+from helpers.config import ROOT
 
 SCRIPT = str(ROOT / "scripts" / "schedule_csv.py")
 
@@ -129,13 +129,13 @@ def test_benchmarks_md_is_what_the_renderers_make_of_the_committed_json(tmp_path
     assert render(results, tmp_path / "BENCHMARKS.md") == (ROOT / "BENCHMARKS.md").read_text()
 
 
+@pytest.mark.multiprocess
 def test_bench_script_runs_the_package_from_any_directory(tmp_path):
-    # scripts/bench.py is a shim: it must find the bench package, not itself, wherever it is started.
+    # scripts/bench.py is a shim: it must find the bench package, not itself, wherever it is started
+    # (checkout=False: not through PYTHONPATH).
     out = tmp_path / "B.md"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--render", "--results",
-                           str(tmp_path / "results"), "--output", str(out)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_cli("--render", "--results", str(tmp_path / "results"), "--output", str(out),
+            program=[sys.executable, str(ROOT / "scripts" / "bench.py")], cwd=tmp_path, checkout=False, check=True)
     assert out.read_text().startswith("# Benchmarks") and "No results yet for: efficiency" in out.read_text()
 
 

@@ -11,7 +11,7 @@ from runner.errors import ConfigError
 from runner.split import MetaModel, build_meta_model, check_init, materialize, plan_split, split_by_cost
 from runner.units import SequentialSpec
 
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,17 +18,15 @@ from runner import report
 from runner.errors import ConfigError
 from runner.rank_env import adopt_slurm_ranks, slurm_rank_env
 
-from conftest import ROOT
+from helpers.cli import run_cli
+from helpers.config import ROOT
 
 QUIET = ["profile.enabled=false"]
 
 
 def _sweep(*args: str, cwd: Path, timeout: int = 240, sweep_dir: str = "sweep",
-           env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "runner", "-m", *args, *QUIET, f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cli("-m", *args, *QUIET, f"hydra.sweep.dir={sweep_dir}", cwd=cwd, env=env, timeout=timeout)
 
 
 def _rows(sweep: Path) -> list[dict]:
@@ -37,6 +34,7 @@ def _rows(sweep: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_sweep_runs_every_job_reports_each_and_fails_listing_the_failures(tmp_path):
     # m=3 does not divide the batch of 8: two of the four jobs are rejected before spawning.
@@ -59,6 +57,7 @@ def test_a_sweep_runs_every_job_reports_each_and_fails_listing_the_failures(tmp_
     assert (sweep / "sweep.md").is_file()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_joblib_runs_two_jobs_at_once_without_collisions(tmp_path):
     done = _sweep("experiment=smoke", "schedule=gpipe,1f1b", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
@@ -71,6 +70,7 @@ def test_joblib_runs_two_jobs_at_once_without_collisions(tmp_path):
     assert summaries[0]["losses"] == summaries[1]["losses"]  # both computed the same training run
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_every_experiment_config_runs(tmp_path):
     experiments = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -81,6 +81,7 @@ def test_every_experiment_config_runs(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_optuna_study_persists_resumes_up_to_n_trials_and_its_exit_status_says_trials_failed(tmp_path):
     done = _sweep("hparams_search=optuna", "experiment=smoke", "hydra.sweeper.n_trials=3", cwd=tmp_path)
@@ -94,7 +95,7 @@ def test_optuna_study_persists_resumes_up_to_n_trials_and_its_exit_status_says_t
     # Again, from the same directory: the same study, one trial to go of n_trials=4. It crashes
     # (an injected fault): the study goes on and ends, and the exit status says a trial failed.
     again = _sweep("hparams_search=optuna", "experiment=smoke", "hydra.sweeper.n_trials=4", cwd=tmp_path,
-                   sweep_dir="sweep-again", env_extra={"RUNNER_FAULT": "raise:1:2"})
+                   sweep_dir="sweep-again", env={"RUNNER_FAULT": "raise:1:2"})
     assert again.returncode == 3 and "1 of 1 jobs failed" in again.stderr and "injected fault" in again.stderr
     assert [r["status"] for r in _rows(tmp_path / "sweep-again")] == ["failed"]
     import optuna

@@ -16,8 +16,8 @@ from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, is_single_stage, placement, read_csv_schedule, schedule_order
 from runner.timeline import write_schedule_csv
 
-from conftest import TINY, compose
-from test_plan import FIXED
+from helpers.config import TINY, compose
+from helpers.plan import FIXED, synthetic_costs
 
 # The margin the searched pipeline stays within over the lower bound (the busiest rank's compute
 # after the first forward can reach it, plus what must follow its last action; or one
@@ -25,17 +25,6 @@ from test_plan import FIXED
 # a rank cannot compute two things at once on the way in and out, so no order reaches it at
 # m = pp; measured over these cases: at most 11% (pp=4, m=4, V), mostly under 6%.
 MARGIN = 0.15
-
-
-def _costs(num_stages: int, skew: float) -> dict[tuple[int, str], float]:
-    """Relative costs as measured on CPU (I + W a little over B), plus a runtime overhead per
-    action; ``skew`` makes the last stage (a large-vocabulary head) that many times heavier."""
-    costs = {}
-    for s in range(num_stages):
-        scale = skew if s == num_stages - 1 else 1.0
-        f, b, i, w = scale, 2 * scale, (1.2 * scale if s else 0.0), (1.0 * scale if s else 2 * scale)
-        costs.update({(s, "F"): f + 0.1, (s, "B"): b + 0.1, (s, "I"): i + 0.1, (s, "W"): w + 0.1})
-    return costs
 
 
 def _builtins(pp: int, m: int, spr: int, v_shape: bool) -> dict[str, dict[int, list[Op]]]:
@@ -67,7 +56,7 @@ LAYOUTS = [(pp, m, spr, v) for pp in (2, 4) for m in (4, 8) for spr, v in ((1, F
 def test_synthesized_order_runs_and_comes_near_the_lower_bound(tmp_path, pp, m, spr, v_shape, skew):
     n = pp * spr
     stage_to_rank = placement("zbv" if v_shape else "1f1b", pp, n)
-    costs = _costs(n, skew)
+    costs = synthetic_costs(n, skew)
     problem = Problem(m, stage_to_rank, costs, comm_s=0.1)
     seeds = _builtins(pp, m, spr, v_shape)
     path = tmp_path / "synthesized.csv"
@@ -97,7 +86,7 @@ def test_the_lower_bound_is_what_a_one_stage_pipeline_cannot_beat():
 
 
 def test_synthesis_respects_the_memory_budget_and_counts_deferred_weight_gradients():
-    costs = _costs(4, 1.0)
+    costs = synthetic_costs(4, 1.0)
     v_shape = placement("zbv", 2, 4)
     unlimited = synthesize(Problem(8, v_shape, costs, comm_s=0.1), seeds={}, budget=100, seed=0)
     budget = 4  # stage-microbatches per rank: what ZBV holds
@@ -111,7 +100,7 @@ def test_synthesis_respects_the_memory_budget_and_counts_deferred_weight_gradien
     deferred = {0: [Op(0, "F", 0), Op(0, "B", 0), Op(0, "F", 1), Op(0, "B", 1)],
                 1: [Op(1, "F", 0), Op(1, "I", 0), Op(1, "F", 1), Op(1, "I", 1), Op(1, "W", 0), Op(1, "W", 1)]}
     assert peak_in_flight(deferred) == {0: 1, 1: 2}
-    tight = synthesize(Problem(2, {0: 0, 1: 1}, _costs(2, 1.0), memory_limit=1), seeds={"deferred": deferred},
+    tight = synthesize(Problem(2, {0: 0, 1: 1}, synthetic_costs(2, 1.0), memory_limit=1), seeds={"deferred": deferred},
                        budget=40, seed=0)
     assert tight.order != deferred and max(peak_in_flight(tight.order).values()) == 1
     # Below one microbatch's need (both stages of rank 0 at once) no order exists.
@@ -124,7 +113,7 @@ def test_synthesis_respects_the_memory_budget_and_counts_deferred_weight_gradien
 
 
 def test_synthesis_is_deterministic_for_a_seed_and_bounded_by_its_budget():
-    problem = Problem(8, placement("1f1b", 4, 4), _costs(4, 3.0), comm_s=0.1)
+    problem = Problem(8, placement("1f1b", 4, 4), synthetic_costs(4, 3.0), comm_s=0.1)
     runs = [synthesize(problem, seeds={}, budget=80, seed=7) for _ in range(2)]
     assert runs[0].order == runs[1].order and runs[0].evaluated == runs[1].evaluated == 80
     assert runs[0].seconds > 0

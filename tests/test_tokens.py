@@ -15,8 +15,8 @@ from runner.data import HFData, TextData, TokensData
 from runner.errors import ConfigError
 from runner.tokens import text_documents, window_index
 
-from _hf import write_tokenizer
-from conftest import compose
+from helpers.config import compose
+from helpers.hf import write_tokenizer
 
 SENTENCES = ["the pipeline stage runs every microbatch forward", "another rank waits while a stage runs backward",
              "every microbatch runs forward and backward"]

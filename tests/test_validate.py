@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from runner.errors import ConfigError
 from runner.validate import validate
 
-from conftest import EXAMPLES, TINY, compose
+from helpers.config import EXAMPLES, TINY, compose
 
 PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 
@@ -73,13 +73,13 @@ BAD = [
     (["parallel.dp_mode=zero3"], ["parallel.dp_mode='zero3'"]),
     (["parallel.microbatches=0"], ["parallel.microbatches=0"]),
     (["device=tpu"], ["device='tpu'"]),
-    (["model._target_=_models.not_sequential"], ["Linear, not an nn.Sequential", "parallel.stage_modules="]),
+    (["model._target_=helpers.models.not_sequential"], ["Linear, not an nn.Sequential", "parallel.stage_modules="]),
     (["parallel.stage_modules=[[embed,block0],[block1]]"], ["parallel.stage_modules", "every unit exactly once",
                                                              "embed, block0 … block5, norm, head"]),
     (["parallel.stage_modules=[[embed,block0,block1,block2,block3,block4,block5,norm,head]]"],
      ["lists 1 stages but the layout has 2"]),
     (["model._target_=nowhere.factory"], ["model._target_='nowhere.factory'"]),
-    (["model=mlp", "model._target_=_models.mismatched_mlp"], ["'block0' (stage 0)", "(2, 16, 64)"]),
+    (["model=mlp", "model._target_=helpers.models.mismatched_mlp"], ["'block0' (stage 0)", "(2, 16, 64)"]),
     (["data=text", "data.vocab_size=256", "data.path=/no/such/file.txt"], ["data.path='/no/such/file.txt'"]),
     (["train.precision=fp16"], ["train.precision='fp16'", "fp32, bf16"]),
     (["train.activation_checkpointing=some"], ["train.activation_checkpointing='some'", "every_n"]),
@@ -88,10 +88,11 @@ BAD = [
     (["train.no_decay=[bias,gain]"], ["train.no_decay", "'gain'", "embedding"]),
     (["eval.steps=0"], ["eval.steps=0"]),
     (["launch.start_method=forkserver"], ["launch.start_method='forkserver'", "auto, fork, spawn"]),
-    (["loss._target_=_models.per_token_loss"], ["loss._target_='_models.per_token_loss'", "not a scalar"]),
+    (["loss._target_=helpers.models.per_token_loss"],
+     ["loss._target_='helpers.models.per_token_loss'", "not a scalar"]),
     (["loss._target_=nowhere.loss"], ["loss._target_='nowhere.loss'", "loss(logits, targets)"]),
-    (["data._target_=_models.ShortBatches"],
-     ["data._target_='_models.ShortBatches'", "(8, 15)", "(8, 16)"]),
+    (["data._target_=helpers.models.ShortBatches"],
+     ["data._target_='helpers.models.ShortBatches'", "(8, 15)", "(8, 16)"]),
     # '+' forces a key into a schema-backed group: refused like a plain typo (Hydra suggests the '+').
     (["+parallel.microbtches=8"], ["parallel.microbtches", "Did you mean parallel.microbatches?"]),
     (["+checkpoint.evry=2"], ["checkpoint.evry", "Did you mean checkpoint.every?"]),

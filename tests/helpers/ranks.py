@@ -1,5 +1,5 @@
 """Run a function on N gloo ranks, spawned once (``runner.processes.spawn``, as runs start
-theirs); the tests put many cases into one spawn."""
+theirs); the tests put many cases into one spawn (``run_cases``) and assert each case apart."""
 
 from __future__ import annotations
 
@@ -55,3 +55,10 @@ def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:
             record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if env.is_main:
             torch.save(record, Path(out_dir) / f"{name}.pt")
+
+
+def run_cases(out_dir: Path, world: int, cases: dict[str, dict]) -> dict[str, dict]:
+    """One spawn of ``world`` ranks trains every case (name -> resolved config, see
+    ``helpers.config.resolved``); returns each case's record (``train_cases``)."""
+    spawn(world, train_cases, str(out_dir), cases)
+    return {name: torch.load(Path(out_dir) / f"{name}.pt", weights_only=False) for name in cases}

@@ -1,0 +1,73 @@
+"""The one way tests run a command line in a subprocess, as users do: ``python -m runner ...`` by
+default, or another module (``runner.plan``, ``torch.distributed.run``, ``pip``) or program (an
+installed console script, a script). ``start_cli`` returns the running process (to run several at
+once, or signal one); ``finish`` waits for it; ``run_cli`` does both."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from helpers import tier
+from helpers.config import ROOT, TESTS
+
+# Left out of every command's environment: a developer's shell must not change what a test sees
+# (a full Hydra traceback, an injected fault, another checkout first on the path).
+CLEARED = ("PYTHONPATH", "HYDRA_FULL_ERROR", "RUNNER_FAULT")
+SHOWN = 4000  # characters of each stream an assertion shows
+
+
+def cli_env(extra: dict[str, str] | None = None, *, checkout: bool = True) -> dict[str, str]:
+    """This process's environment without ``CLEARED``, plus ``extra``. ``checkout``: this
+    checkout's ``runner`` and tests/ (``helpers.models`` targets, ranks importing ``helpers``)
+    first on ``PYTHONPATH``; False for an installed package."""
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    if checkout:
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT)])
+    env.update(extra or {})
+    return env
+
+
+def start_cli(*args: str, cwd: Path | None = None, module: str = "runner", program: Sequence[str] | None = None,
+              env: dict[str, str] | None = None, checkout: bool = True,
+              ignore_sigint: bool = False) -> subprocess.Popen:
+    """Start ``python -m <module> *args`` (or ``*program, *args``) in ``cwd`` with ``cli_env(env)``.
+    ``ignore_sigint``: with SIGINT ignored, as ``cmd &`` in a script starts a command."""
+    tier.check("runs a command line")
+    argv = [*(program or (sys.executable, "-m", module)), *args]
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    return subprocess.Popen(argv, cwd=cwd, env=cli_env(env, checkout=checkout), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
+
+
+def _shown(stdout: str | None, stderr: str | None) -> str:
+    return (f"\n--- stdout (last {SHOWN} characters) ---\n{(stdout or '')[-SHOWN:]}"
+            f"\n--- stderr (last {SHOWN} characters) ---\n{(stderr or '')[-SHOWN:]}")
+
+
+def finish(proc: subprocess.Popen, *, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+    """Wait for ``proc`` and return its exit code and output. Past ``timeout`` it is killed and the
+    test fails showing what it printed; ``check``: so does a non-zero exit code."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, proc.args))} still ran after {timeout} s" + _shown(out, err)) \
+            from None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, proc.args))} exited {done.returncode}" + _shown(out, err))
+    return done
+
+
+def run_cli(*args: str, cwd: Path | None = None, module: str = "runner", program: Sequence[str] | None = None,
+            env: dict[str, str] | None = None, checkout: bool = True, timeout: float = 120,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """``start_cli`` then ``finish``: the finished command's exit code, stdout and stderr."""
+    proc = start_cli(*args, cwd=cwd, module=module, program=program, env=env, checkout=checkout)
+    return finish(proc, timeout=timeout, check=check)
