@@ -46,10 +46,12 @@ def check_profiled_run(run_dir: Path, *, pp: int, microbatches: int, active_step
     mean_busy = max(microbatches * (bubble["mean_costs_s"][f"{r}F"] + bubble["mean_costs_s"][f"{r}B"])
                     for r in range(pp))
     assert mean_busy <= bubble["simulated_step_s"] <= summary["step_time_s"] * 1.5
-    # The pipeline call holds every compute action of the step and is part of the step: against the
-    # same (profiled, so slower) steps' times, not the run's median step.
+    # The pipeline call holds every compute action of the step. It runs from the first rank in to the
+    # last rank out, and ranks enter a step when their own optimizer is done, so it can outlast rank
+    # 0's step time (the metrics) by that skew, though never the time between two steps' loss
+    # all-reduces: against the same (profiled, so slower) steps' times, with room for the skew.
     times = {r["step"]: r["step_time_s"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    assert mean_busy <= bubble["pipeline_step_s"] <= statistics.median(times[s] for s in active_steps)
+    assert mean_busy <= bubble["pipeline_step_s"] <= 2 * statistics.median(times[s] for s in active_steps)
     assert max(e["ts"] + e["dur"] for e in sim if e["ph"] == "X") == pytest.approx(bubble["simulated_step_s"] * 1e6)
     assert (run_dir / "schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = (run_dir / "schedule.csv").read_text().splitlines()
