@@ -55,8 +55,8 @@ class Calibration:
         return self.latency_s + nbytes / self.bandwidth + min(self.busy_delay_s, sender_action_s)
 
 
-def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
-    """Median half round trip of ``tensor`` between ranks 0 and 1."""
+def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> tuple[float, float]:
+    """Median and least half round trip of ``tensor`` between ranks 0 and 1."""
     samples = []
     for _ in range(repeats + 2):
         synchronize(tensor.device)
@@ -69,7 +69,8 @@ def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
             dist.send(tensor, 0)
         synchronize(tensor.device)
         samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples[2:])  # the first exchanges set up the connection
+    samples = samples[2:]  # the first exchanges set up the connection
+    return statistics.median(samples), min(samples)
 
 
 def _compute_for(seconds: float, device: torch.device) -> None:
@@ -150,14 +151,16 @@ def _corunning(rank: int, repeats: int, device: torch.device) -> tuple[float, fl
 
 def _rank(env: DistEnv, message_bytes: int, bandwidth_bytes: int, repeats: int, out: str) -> None:
     rank, device = env.rank, env.device
-    small = _one_way_s(torch.zeros(1, device=device), rank, repeats)
-    large = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)
+    small, small_min = _one_way_s(torch.zeros(1, device=device), rank, repeats)
+    _, large_min = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)
     message = torch.zeros(message_bytes // 4, device=device)
-    idle, busy = _one_way_s(message, rank, repeats), _busy_one_way_s(message, rank, repeats)
+    (idle, _), busy = _one_way_s(message, rank, repeats), _busy_one_way_s(message, rank, repeats)
     step = _pipeline_step_s(rank, repeats, device)
     slowdown, jitter = _corunning(rank, repeats, device)
     if rank == 0:
-        torch.save({"small": small, "large": large, "step": step, "slowdown": slowdown, "jitter": jitter,
+        # The transfer time is the difference of the least disturbed exchanges: medians on a
+        # loaded host can put the large message's below the small one's (an infinite bandwidth).
+        torch.save({"small": small, "transfer": large_min - small_min, "step": step, "slowdown": slowdown, "jitter": jitter,
                     "busy_delay": busy - idle}, out)
 
 
@@ -186,7 +189,7 @@ def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20) -> 
                    threads=1) as ranks:
             ranks.join()
         result = torch.load(out, weights_only=True)
-    bandwidth = (bandwidth_bytes - 4) / max(result["large"] - result["small"], 1e-9)
+    bandwidth = (bandwidth_bytes - 4) / max(result["transfer"], 1e-9)
     latency = result["small"]
     comm_s = latency + 8 * 4 / bandwidth  # one microbatch of Linear(8, 8) outputs: 8 floats
     return Calibration(latency, bandwidth, solve_action_overhead(result["step"], comm_s),
