@@ -89,6 +89,7 @@ def _busy_one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
         dist.barrier()
         if rank == 1:
             request = dist.isend(tensor, 0)
+            assert request is not None  # None only on a rank outside the group
             _compute_for(0.025, tensor.device)
             request.wait()
         else:
