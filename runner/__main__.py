@@ -122,8 +122,8 @@ def _outcome(e: BaseException) -> tuple[int, str] | None:
     if isinstance(e, KeyboardInterrupt):  # SIGINT before the launcher's own handler was set
         return exit_code(e), "interrupted"
     if _run_dir_unwritable(e):
-        cause = e if isinstance(e, OSError) else (e.__cause__ or e.__context__)
-        return EXIT_CONFIG, (f"error: cannot write the run directory: {cause}\n"
+        error = e if isinstance(e, OSError) else (e.__cause__ or e.__context__)
+        return EXIT_CONFIG, (f"error: cannot write the run directory: {error}\n"
                              "Fix: hydra.run.dir=<a writable directory>.")
     return None
 

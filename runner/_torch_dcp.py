@@ -66,9 +66,10 @@ class SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(metadata_file).load()
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -7,7 +7,7 @@ torch 2.13.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, cast
 from unittest import mock
 
 import torch
@@ -52,7 +52,8 @@ def stand_in_stages(pp: int, num_stages: int, num_local: int, *, compiled: bool 
     stage.group_rank = 0
     stage.group_size = pp
     stage.num_stages = num_stages
-    stage.submod = torch.nn.Sequential(torch.compile(torch.nn.Identity())) if compiled else None
+    # torch.compile(module) returns an OptimizedModule (a module), though typed as a callable.
+    stage.submod = torch.nn.Sequential(cast(torch.nn.Module, torch.compile(torch.nn.Identity()))) if compiled else None
     return [stage] * num_local
 
 
@@ -67,7 +68,8 @@ def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatch
     dry run with the communication it implies, which fails on a schedule that would deadlock.
     Returns the stage-to-rank placement the file implies."""
     pp = len(actions)
-    stage_to_rank = _validate_schedule(actions, pp, num_stages, microbatches)
+    # Typed as taking idle (None) slots too; a list of actions is one, but list is invariant.
+    stage_to_rank = _validate_schedule(actions, pp, num_stages, microbatches)  # type: ignore[arg-type]
     with_comms = _add_send_recv(actions, stage_to_rank=lambda s: stage_to_rank[s], num_stages=num_stages)
     _simulate_comms_compute(with_comms, lambda s: stage_to_rank[s], num_stages)
     return stage_to_rank
@@ -79,7 +81,7 @@ def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, order: Mapp
     torch lowers it with the sends, receives, FSDP unshard/reshard and the gradient reduce."""
     schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     for rank, actions in to_actions(order).items():
-        schedule.pipeline_order[rank] = actions
+        schedule.pipeline_order[rank] = list(actions)  # as torch's type: a list that may hold idle (None) slots
     schedule._prepare_schedule_with_comms(schedule.pipeline_order)
     return schedule
 
@@ -90,8 +92,11 @@ def allow_eval(stage: PipelineStage) -> None:
     the absent input gradient to the same-rank previous stage, which asserts. Without backward,
     that hand-off becomes a no-op too; with backward nothing changes."""
     get, put = stage.get_local_bwd_output, stage.set_local_bwd_input
-    stage.get_local_bwd_output = lambda mb_index: get(mb_index) if stage.has_backward else ()
-    stage.set_local_bwd_input = lambda grads, mb_index: put(grads, mb_index) if stage.has_backward else None
+    # Replaced on this one stage object (not its class): mypy refuses assigning to a method.
+    stage.get_local_bwd_output = (  # type: ignore[method-assign]
+        lambda mb_index: get(mb_index) if stage.has_backward else ())
+    stage.set_local_bwd_input = (  # type: ignore[method-assign]
+        lambda next_stage_bwd_outputs, mb_index: put(next_stage_bwd_outputs, mb_index) if stage.has_backward else None)
 
 
 def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, inputs: list[torch.Tensor],

@@ -17,7 +17,10 @@ import logging.handlers
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TYPE_CHECKING, Iterator, TextIO
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["Console", "step_record", "rank_logging", "console_listener", "console_for_run", "torchrun_rank_log",
            "RANK_FORMAT"]
@@ -59,7 +62,7 @@ class Console(logging.Handler):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.every = every
-        self.bar = None
+        self.bar: tqdm | None = None  # created on the first step record (tqdm imported then)
         self.setFormatter(_Format("[%(asctime)s]%(where)s[%(name)s][%(levelname)s] - %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
     from runner.mesh import Mesh
     from runner.split import StageModule
@@ -29,8 +28,9 @@ __all__ = ["DPMode", "DP_MODES"]
 @dataclass(frozen=True)
 class DPMode:
     name: str  # parallel.dp_mode=<name>
-    # (stage module, mesh, compute dtype or None) -> the module to run, replicated over mesh.dp_mesh.
-    wrap: Callable[[StageModule, Mesh, torch.dtype | None], nn.Module]
+    # (stage module, mesh, compute dtype or None) -> the module to run, replicated over mesh.dp_mesh
+    # (torch's composable wrappers change the module in place and return it).
+    wrap: Callable[[StageModule, Mesh, torch.dtype | None], StageModule]
     # Keeps replicas in step, so parallel.dp > 1 may use it (none cannot: replicas would train apart).
     replicates: bool
     # Wraps each stage module on its own: two stages of one rank cannot share a tied parameter
@@ -38,21 +38,22 @@ class DPMode:
     per_stage: bool
 
 
-def _unwrapped(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> nn.Module:
+def _unwrapped(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> StageModule:
     module.autocast_dtype = dtype  # the stage autocasts its own forward
     return module
 
 
-def _replicate(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> nn.Module:
+def _replicate(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> StageModule:
     """torch's FSDP-based replicate: DDP semantics, and it also reduces the gradients that
     zero-bubble schedules' weight backward sets directly."""
     from runner import _torch_pp
 
     module.autocast_dtype = dtype
-    return _torch_pp.replicate(module, mesh=mesh.dp_mesh)
+    _torch_pp.replicate(module, mesh=mesh.dp_mesh)  # in place: the module's class becomes a replicated one
+    return module
 
 
-def _fully_shard(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> nn.Module:
+def _fully_shard(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> StageModule:
     """FSDP2: an FSDP unit per module of the stage's units that owns parameters, then the stage
     root. Parameters stay gathered between microbatches (reshard_after_forward=False): pipelining
     runs many forwards per step, and re-gathering for each would multiply the all-gathers by the
@@ -65,7 +66,8 @@ def _fully_shard(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> 
     for child in module.unit_modules():
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
-    return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)  # in place (an FSDPModule)
+    return module
 
 
 DP_MODES: dict[str, DPMode] = {mode.name: mode for mode in (

@@ -12,7 +12,7 @@ __all__ = ["RunnerError", "ConfigError", "RankFailedError", "StalledRankError", 
 EXIT_CONFIG = 2  # the configuration cannot run: nothing was started (argparse's usage-error code)
 EXIT_FAILED = 3  # the run started and failed: a rank raised, died or stalled, a non-finite step, ...
 # Stopped by a signal: the shell's 128 + the signal number, whichever way the signal arrived.
-EXIT_INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_INTERRUPTED: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class RunnerError(Exception):

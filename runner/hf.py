@@ -26,13 +26,16 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from runner.errors import ConfigError
 from runner.units import ModelSpec, Unit, tied_groups
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files"]
 
@@ -116,10 +119,10 @@ def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = Fals
     return model
 
 
-def _unlisted_family(model: nn.Module) -> Family:
+def _unlisted_family(model: PreTrainedModel) -> Family:
     """A Llama-like reading of a family that declares a pipeline plan (embed_tokens, layers, norm):
     masks by each layer's ``attention_type``."""
-    base = model.base_model
+    base: Any = model.base_model  # the family's own class: its config and layers are read by name
     plan = getattr(base.config, "base_model_pp_plan", None) or {}
     if list(plan)[:3] != ["embed_tokens", "layers", "norm"] or not hasattr(model, "lm_head"):
         raise ConfigError(f"model.allow_unlisted=true: a {model.config.model_type!r} model declares no "
@@ -142,7 +145,7 @@ class _Context:
 class HFSpec(ModelSpec):
     """A Hugging Face causal LM's units: the embedding, each decoder layer, the final norm, the head."""
 
-    def __init__(self, model: nn.Module, family: Family, path: Path, *, pretrained: bool):
+    def __init__(self, model: PreTrainedModel, family: Family, path: Path, *, pretrained: bool):
         from transformers import PreTrainedModel
 
         self.family = model.config.model_type
@@ -153,6 +156,7 @@ class HFSpec(ModelSpec):
         base = model.base_model_prefix
         self._base = base
         layers = model.get_submodule(f"{base}.{family.layers}")
+        assert isinstance(layers, nn.ModuleList), type(layers)  # transformers keeps decoder layers in a ModuleList
         self._layer_names = [f"{base}.{family.layers}.{i}" for i in range(len(layers))]
         embed = Unit(f"{base}.{family.embed[0]}", tuple(f"{base}.{n}" for n in family.embed))
         self.units = (embed, *(Unit(n, (n,)) for n in self._layer_names),
@@ -235,8 +239,8 @@ class HFSpec(ModelSpec):
     def cannot_init(self, model: nn.Module) -> list[str]:
         return []  # transformers' _init_weights covers its own modules
 
-    def init_order(self, names: Sequence[str]) -> list[str]:
-        return list(reversed(names))  # children before parents, as transformers' smart_apply
+    def init_order(self, names: Iterable[str]) -> list[str]:
+        return list(reversed(list(names)))  # children before parents, as transformers' smart_apply
 
     def needs_init(self, module: nn.Module) -> bool:
         return True  # a parent's _init_weights may set its children's weights (GPT-2's c_proj)
@@ -252,8 +256,9 @@ class HFSpec(ModelSpec):
         from safetensors import safe_open
 
         wanted = _persistent_state(stage)
-        sources = {name: self._weights.source(name, self._model, self._tied) for name in wanted}
-        missing = [name for name, src in sources.items() if src is None]
+        found = {name: self._weights.source(name, self._model, self._tied) for name in wanted}
+        missing = [name for name, src in found.items() if src is None]
+        sources = {name: src for name, src in found.items() if src is not None}
         if missing:
             raise ConfigError(f"model.path={str(self.path)!r}: the weights hold no tensor for {missing[:5]}"
                               f"{' …' if len(missing) > 5 else ''}. Fix: complete weights, or model.pretrained=false "
@@ -291,7 +296,7 @@ def copy_model_files(source: Path, target: Path) -> None:
 
 def _persistent_state(stage: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by full name (what a checkpoint file holds)."""
-    out = dict(stage.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = dict(stage.named_parameters(remove_duplicate=False))
     for module_name, module in stage.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf_name not in module._non_persistent_buffers_set:
@@ -306,7 +311,7 @@ class _WeightFiles:
         self.keys = keys  # file key -> file name
         self._by_name: dict[str, tuple[str, str]] | None = None
 
-    def source(self, name: str, model: nn.Module, tied: list[list[str]]) -> tuple[str, str] | None:
+    def source(self, name: str, model: PreTrainedModel, tied: list[list[str]]) -> tuple[str, str] | None:
         """(file, key) holding the model's parameter ``name``; a tied parameter absent from the
         files reads the one it is tied to."""
         if self._by_name is None:
@@ -340,7 +345,7 @@ def _weight_files(path: Path) -> _WeightFiles | None:
     return _WeightFiles(keys)
 
 
-def _rename(keys: Mapping[str, str], model: nn.Module) -> dict[str, tuple[str, str]]:
+def _rename(keys: Mapping[str, str], model: PreTrainedModel) -> dict[str, tuple[str, str]]:
     """Model parameter name -> (file, file key), through transformers' own renames (legacy names,
     a base-model checkpoint loaded into a model with a head, ...)."""
     from transformers.conversion_mapping import get_model_conversion_mapping

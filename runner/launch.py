@@ -58,6 +58,7 @@ def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict:
     heartbeats = watchdog.Heartbeats(ctx, plan.world_size)
     console_queue = ctx.Queue()  # the ranks' console lines, printed here
     results, sender = ctx.Pipe(duplex=False)
+    assert plan.run_dir is not None  # launch() validated with its run directory
     with spawn(plan.world_size, _train_rank, plan, OmegaConf.to_container(cfg, resolve=True), sender,
                device=plan.device, timeout_s=timeout_s, directory=plan.run_dir, port=cfg.launch.port, method=method,
                threads=plan.threads_per_rank, clock=clock,
@@ -83,14 +84,15 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
         box = [str(plan.run_dir)]
         dist.broadcast_object_list(box, src=0)
-        plan = dataclasses.replace(plan, run_dir=Path(box[0]))
-        with torchrun_rank_log(rank, plan.run_dir), console_for_run():
+        run_dir = Path(box[0])
+        plan = dataclasses.replace(plan, run_dir=run_dir)
+        with torchrun_rank_log(rank, run_dir), console_for_run():
             return train(plan, cfg, env, clock=clock).summary
     finally:
         cleanup()
 
 
-def _train_here(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict:
+def _train_here(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | None:
     """One rank: in this process."""
     torch.set_num_threads(plan.threads_per_rank)
     env = init_distributed(rank=0, world_size=1, device=pick_device(plan.device, 0), timeout_s=cfg.launch.timeout_s)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -95,12 +96,12 @@ class MLPBlock(nn.Module):
 
 
 def _sequential(
-    embed: Embedding, blocks: list[nn.Module], dim: int, vocab_size: int, tie_embeddings: bool
+    embed: Embedding, blocks: Sequence[nn.Module], dim: int, vocab_size: int, tie_embeddings: bool
 ) -> nn.Sequential:
     head = nn.Linear(dim, vocab_size, bias=False)
     if tie_embeddings:
         head.weight = embed.tok.weight
-    children = [("embed", embed)]
+    children: list[tuple[str, nn.Module]] = [("embed", embed)]
     children += [(f"block{i}", block) for i, block in enumerate(blocks)]
     children += [("norm", nn.LayerNorm(dim)), ("head", head)]
     return nn.Sequential(OrderedDict(children))

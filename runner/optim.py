@@ -4,6 +4,7 @@ schedule."""
 from __future__ import annotations
 
 import math
+from typing import AbstractSet, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -35,8 +36,8 @@ def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_ratio: float, 
     return min_lr_ratio + (1 - min_lr_ratio) * decay
 
 
-def param_groups(modules: list[nn.Module], weight_decay: float, no_decay: list[str],
-                 embeddings: set[int] = frozenset()) -> list[dict]:
+def param_groups(modules: Sequence[nn.Module], weight_decay: float, no_decay: list[str],
+                 embeddings: AbstractSet[int] = frozenset()) -> list[dict]:
     """Two AdamW groups: decayed, and the parameter kinds in ``no_decay``. A parameter shared by
     two modules (tied embedding and head) is listed once, and skips decay if either owner says so;
     ``embeddings`` are the ids of parameters tied to an embedding held by another stage."""
@@ -55,7 +56,7 @@ def param_groups(modules: list[nn.Module], weight_decay: float, no_decay: list[s
             {"params": list(exempt.values()), "weight_decay": 0.0}]
 
 
-def build_optimizer(modules: list[nn.Module], train: DictConfig, *, embeddings: set[int] = frozenset()):
+def build_optimizer(modules: Sequence[nn.Module], train: DictConfig, *, embeddings: AbstractSet[int] = frozenset()):
     """AdamW over this rank's stage modules and its LambdaLR schedule."""
     optimizer = torch.optim.AdamW(param_groups(modules, train.weight_decay, list(train.no_decay), embeddings),
                                   lr=train.lr, betas=tuple(train.betas))

@@ -10,7 +10,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -58,9 +58,7 @@ class MetricsWriter:
     ``run_identity``."""
 
     def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, resumed_after: int = 0):
-        if isinstance(run_config, DictConfig):
-            run_config = OmegaConf.to_container(run_config, resolve=True)
-        hparams = dict(run_config or {})
+        hparams = _plain(run_config) if isinstance(run_config, DictConfig) else dict(run_config or {})
         path = run_dir / "metrics.jsonl"
         # Resumed from a checkpoint of step N into a run directory: its records of steps 1..N stay
         # (``history``); the steps after N are trained again and replace the old ones.
@@ -83,7 +81,7 @@ class MetricsWriter:
         for logger in self.loggers:
             logger.log(numbers, step)
 
-    def close(self, bubble: dict | None = None, *, failed: bool = False, artifacts: list[Path] = ()) -> None:
+    def close(self, bubble: dict | None = None, *, failed: bool = False, artifacts: Sequence[Path] = ()) -> None:
         """Finish every logger; ``failed`` marks the W&B and MLflow runs as failed (a crashed or
         stopped run must not stay "running" in their UIs); ``artifacts`` (the summary, the
         pictures) are copied into the loggers that keep files (MLflow)."""
@@ -119,11 +117,18 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _plain(cfg: DictConfig) -> dict:
+    """``cfg`` as plain dicts and lists, interpolations resolved."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)  # the container of a DictConfig
+    return config
+
+
 def as_ran(cfg: DictConfig, plan: RunPlan) -> dict:
     """The config as the ranks ran it: interpolations resolved, and what the launcher decided
     (``RunPlan.resolved_values``: the device, threads per rank, the checkpoint a resume found)
     filled in. A copy: the composed config itself stays as composed."""
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = _plain(cfg)
     for key, value in plan.resolved_values().items():
         *parents, leaf = key.split(".")
         node = config

@@ -49,9 +49,9 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = recomputed
 
 
-def parallelize(module: StageModule, train: DictConfig, dp_mode: str, mesh: Mesh) -> nn.Module:
+def parallelize(module: StageModule, train: DictConfig, dp_mode: str, mesh: Mesh) -> StageModule:
     """Activation checkpointing, compile, precision and dp (``runner.dp``) for one stage module
-    (in place)."""
+    (in place: returns the same module)."""
     for name in checkpointed_blocks(module.spec.blocks(), train.activation_checkpointing, train.ac_every):
         if name in module.units:
             _checkpoint_forward(module.get_submodule(name))

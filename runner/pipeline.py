@@ -134,8 +134,8 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
 
     if layout.pp == 1:
         module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
-        step = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh), layout.microbatches, loss_fn)
-        return step, TiedWeights([], {}, step.modules, mesh)
+        unsplit = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh), layout.microbatches, loss_fn)
+        return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
     modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
     if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter

@@ -233,8 +233,11 @@ def spawn(world: int, fn: Callable[..., None], *args: Any, device: str = "cpu", 
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside a joblib (loky) worker: spawned children would re-apply "loky" and fail.
         mp.set_start_method("spawn", force=True)
-    own_dir = tempfile.TemporaryDirectory(prefix="runner-rendezvous-") if directory is None else None
-    where, server = rendezvous(Path(own_dir.name) if own_dir else directory, port, timeout_s)
+    own_dir = None
+    if directory is None:
+        own_dir = tempfile.TemporaryDirectory(prefix="runner-rendezvous-")
+        directory = Path(own_dir.name)
+    where, server = rendezvous(directory, port, timeout_s)
     setup = _RankSetup(world, where, device, timeout_s, threads, os.getpid(), prelude, clock)
     try:
         context = mp.start_processes(_rank_main, args=(setup, fn, args), nprocs=world, join=False,

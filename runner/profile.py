@@ -117,7 +117,7 @@ class RunProfiler:
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock), self.env)
-        if not self.env.is_main:
+        if gathered is None:  # not rank 0
             return None
         offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock) in enumerate(gathered[:layout.pp])})
         actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _) in enumerate(gathered[:layout.pp])}

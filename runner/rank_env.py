@@ -29,9 +29,14 @@ def _one_task_per_rank(environ: Mapping[str, str]) -> bool:
 
 def _tasks_on_this_node(environ: Mapping[str, str]) -> str:
     """``SLURM_TASKS_PER_NODE`` (``2(x3),1``: 2 tasks on each of 3 nodes, then 1) at this node."""
-    counts = []
-    for group in environ.get("SLURM_TASKS_PER_NODE", environ["SLURM_NTASKS"]).split(","):
+    counts: list[int] = []
+    tasks = environ.get("SLURM_TASKS_PER_NODE", environ["SLURM_NTASKS"])
+    for group in tasks.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", group.strip())
+        if match is None:
+            raise ConfigError(f"SLURM_TASKS_PER_NODE={tasks!r}: cannot read {group!r} (SLURM writes counts such as "
+                              "'2(x3),1'). Fix: set torch's rank variables (RANK, WORLD_SIZE, LOCAL_RANK, "
+                              "LOCAL_WORLD_SIZE) yourself, or start the ranks with torchrun.")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return str(counts[min(int(environ.get("SLURM_NODEID", "0")), len(counts) - 1)])
 

@@ -103,8 +103,8 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
     for note in schedule_file.notes:
         log.warning("schedule.csv=%r: %s", path, note)
     actions = _torch_pp.to_actions(schedule_file.order)
-    computes = [a for row in actions.values() for a in row]
-    if compiled and any(a.computation_type.value in ("I", "W") for a in computes):
+    computes = [op for row in schedule_file.order.values() for op in row]
+    if compiled and any(op.kind in ("I", "W") for op in computes):
         raise ConfigError(
             f"train.compile=true with schedule.csv={path!r}: its I/W actions split backward into input "
             "and weight parts, which torch does not support for compiled stage modules (its zero-bubble "
@@ -115,13 +115,13 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
             f"schedule.csv={path!r} has {len(actions)} rows (ranks) but parallel.pp={pp}. "
             f"Fix: parallel.pp={len(actions)}."
         )
-    file_mbs = 1 + max(a.microbatch_index for a in computes)
+    file_mbs = 1 + max(op.microbatch for op in computes)
     if file_mbs != microbatches:
         raise ConfigError(
             f"schedule.csv={path!r} schedules {file_mbs} microbatches but parallel.microbatches="
             f"{microbatches}. Fix: parallel.microbatches={file_mbs}."
         )
-    num_stages = 1 + max(a.stage_index for a in computes)
+    num_stages = 1 + max(op.stage for op in computes)
     try:
         stage_to_rank = _torch_pp.check_actions(actions, num_stages, microbatches)
     except (AssertionError, ValueError, RuntimeError, KeyError) as e:

@@ -53,8 +53,8 @@ def _cell(text: str, where: str) -> list[tuple[int, str, int]] | None:
     """A cell's compute actions as (stage, kind as written, microbatch); None for communication."""
     if (overlap := _OVERLAP.fullmatch(text)) is not None:
         parts = [p.strip() for p in overlap.group(1).split(";")]
-        found = [_COMPUTE.fullmatch(p) for p in parts]
-        if len(parts) < 2 or not all(found):
+        found = [m for p in parts if (m := _COMPUTE.fullmatch(p)) is not None]
+        if len(parts) < 2 or len(found) < len(parts):
             raise ScheduleFileError(f"{where}: cannot read {text!r}: an OVERLAP_F_B cell holds two or more compute "
                                     "actions separated by ';', e.g. (0F7;7B3)OVERLAP_F_B.")
         return [(int(m.group(1)), m.group(2), int(m.group(3))) for m in found]

@@ -56,7 +56,9 @@ class StageModule(nn.Module):
             for part in path:
                 if part not in parent._modules:
                     parent.add_module(part, _Container())
-                parent = parent._modules[part]
+                child = parent._modules[part]
+                assert child is not None, f"{name}: {part} is a registered None, not a module"
+                parent = child
             parent.add_module(leaf, module)
 
     def unit_modules(self) -> list[nn.Module]:
@@ -105,7 +107,7 @@ def build_meta_model(model_cfg: DictConfig, stage_modules: Sequence[Sequence[str
 def _balanced_bounds(costs: Sequence[float], num_stages: int) -> list[int]:
     """Start index of each stage for contiguous groups that minimise the costliest group."""
     n = len(costs)
-    prefix = [0]
+    prefix: list[float] = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = float("inf")

@@ -13,6 +13,7 @@ its first owner in the unsplit model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import AbstractSet, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(root.get_submodule(owner), leaf, param)
 
 
-def share_local_copies(modules: list[nn.Module], groups: list[list[str]]) -> None:
+def share_local_copies(modules: Sequence[nn.Module], groups: list[list[str]]) -> None:
     """Make the copies of a tied weight on this rank one parameter (before any wrapping)."""
     for names in groups:
         holders = [(m, n) for m in modules for n, _ in m.named_parameters(remove_duplicate=False) if n in names]
@@ -70,7 +71,7 @@ class TiedWeights:
     the names in groups that hold an ``nn.Embedding`` (weight decay treats all as embeddings)."""
 
     def __init__(self, groups: list[list[str]], rank_of: dict[str, int], modules: list[nn.Module], mesh: Mesh,
-                 *, embedding_names: set[str] = frozenset()):
+                 *, embedding_names: AbstractSet[str] = frozenset()):
         self.modules = modules
         self.embedding_names = embedding_names  # names of weights tied to an embedding
         self.groups: list[TiedGroup] = []

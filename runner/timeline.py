@@ -12,7 +12,7 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from runner.ops import Op
 from runner.plan.simulate import SimAction
@@ -119,7 +119,7 @@ def _flows(slices: Sequence[dict]) -> list[dict]:
         return a["step"], stage, "F" if a["kind"] == "F" else "BI", a["microbatch"]
 
     producers = {key(e, e["args"]["stage"]): e for e in slices if e["args"]["kind"] != "W"}
-    flows = []
+    flows: list[dict] = []
     for dst in slices:
         kind, stage = dst["args"]["kind"], dst["args"]["stage"]
         if kind == "W":
@@ -171,7 +171,7 @@ def write_chrome_trace(path: Path, slices: list[dict], *, ranks: Sequence[int], 
         meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
         meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "pipeline step"}})
     compute = [s for s in slices if s["tid"] == 0]
-    trace = {"traceEvents": meta + slices + _flows(compute), "displayTimeUnit": "ms"}
+    trace: dict[str, Any] = {"traceEvents": meta + slices + _flows(compute), "displayTimeUnit": "ms"}
     if clock:
         trace["otherData"] = {"clock": clock}
     path.write_text(json.dumps(trace))

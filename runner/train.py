@@ -39,6 +39,7 @@ from runner.pipeline import Batch, build_step
 from runner.processes import raise_if_stopped
 from runner.profile import RunProfiler
 from runner.provenance import device_name
+from runner.split import StageModule
 from runner.verify import VerifyFirstStep
 from runner.watchdog import beat, busy
 
@@ -85,6 +86,14 @@ def _non_finite_message(step: int, loss: float, grad_norm: float, last_good) -> 
             f"this step and no checkpoint holds it; {last}. Fix: a lower train.lr or a tighter train.grad_clip.")
 
 
+def _stage_modules(modules: Sequence[torch.nn.Module]) -> list[StageModule]:
+    """``build_step``'s modules, as the stage modules they are (dp wraps them in place: their class
+    becomes a subclass)."""
+    stages = [m for m in modules if isinstance(m, StageModule)]
+    assert len(stages) == len(modules), [type(m).__name__ for m in modules]
+    return stages
+
+
 def _artifacts(run_dir) -> list:
     """What the loggers that keep files (MLflow) get: the summary, the resolved config, the pictures."""
     names = ["summary.json", "resolved_config.yaml", "schedule.png", "timeline.png"]
@@ -116,7 +125,7 @@ class Trainer:
         self.mesh = build_mesh(env, pp=plan.pp, dp=plan.dp)
         self.step_fn, self.tied = build_step(plan, cfg, env, self.mesh)
         self.clock.mark("build")
-        self.modules = self.step_fn.modules
+        self.modules = _stage_modules(self.step_fn.modules)
         named = {n: p for m in self.modules for n, p in m.named_parameters(remove_duplicate=False)}
         self.params = list({id(p): p for p in named.values()}.values())  # a weight two local stages share: once
         # The global norm counts a tied weight once: not its copies on other stages.
@@ -198,7 +207,8 @@ class Trainer:
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)
                 losses.append(self.step_fn.evaluate(inputs, targets, **kwargs))
         # One all-reduce for all batches; only the last stage's rank holds losses.
-        local = None if losses[0] is None else torch.stack(losses).mean()
+        held = [loss for loss in losses if loss is not None]  # all of them or none
+        local = torch.stack(held).mean() if held else None
         loss_t = local if local is not None else torch.zeros((), device=env.device)
         return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dp
 
@@ -243,8 +253,9 @@ class Trainer:
         # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
         per_rank = gather_to_main((peak_memory_bytes(self.env.device), device_name(self.env.device),
                                    getattr(self.modules[0].spec, "bytes_read", 0)), self.env)
-        if not self.env.is_main:
+        if per_rank is None:  # not rank 0
             return None
+        assert self.metrics is not None  # rank 0 writes the metrics
         history = self.metrics.history  # resumed into its own run directory: the steps before the checkpoint
         val_losses = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r] + self.val_losses
         summary = make_summary(

@@ -135,7 +135,9 @@ class ModelSpec:
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """Initialise ``module``'s own parameters and buffers (not its children's)."""
-        module.reset_parameters()
+        # torch types a module's attributes as Tensor | Module; this one is its class's method
+        # (cannot_init listed the modules without one).
+        module.reset_parameters()  # type: ignore[operator]
 
     def load_pretrained(self, stage: nn.Module) -> set[str] | None:
         """Read the stage's tensors from the model's weights, if it has any: the names loaded."""

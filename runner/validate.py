@@ -49,23 +49,26 @@ def _check_missing(cfg: DictConfig) -> None:
 _OPEN_GROUPS = ("model", "data", "loss")
 
 
-def _schema_nodes(node: DictConfig, path: str) -> Iterator[tuple[str, DictConfig]]:
-    if dataclasses.is_dataclass(OmegaConf.get_type(node)):
-        yield path, node
+def _schema_nodes(node: DictConfig, path: str) -> Iterator[tuple[str, DictConfig, tuple[dataclasses.Field, ...]]]:
+    """Each node with a dataclass schema: its path, the node and the schema's fields."""
+    schema = OmegaConf.get_type(node)
+    if schema is not None and dataclasses.is_dataclass(schema):
+        yield path, node, dataclasses.fields(schema)
     for key, child in node.items_ex(resolve=False):
         if isinstance(child, DictConfig) and not (path == "" and key in _OPEN_GROUPS):
-            yield from _schema_nodes(child, f"{path}{key}.")
+            yield from _schema_nodes(child, f"{path}{str(key)}.")
 
 
 def _check_unknown_keys(cfg: DictConfig) -> None:
     """A key added with ``+key=value`` that no schema declares would be ignored without a word:
     ``+parallel.microbtches=8`` (Hydra's own suggestion for the typo) is refused like a plain typo."""
-    for path, node in _schema_nodes(cfg, ""):
-        known = sorted(f.name for f in dataclasses.fields(OmegaConf.get_type(node)))
-        for key in node.keys():
+    for path, node, fields in _schema_nodes(cfg, ""):
+        known = sorted(f.name for f in fields)
+        for name in node.keys():
+            key = str(name)
             if key in known:
                 continue
-            close = difflib.get_close_matches(str(key), known, n=1)
+            close = difflib.get_close_matches(key, known, n=1)
             hint = f"Did you mean {path}{close[0]}? " if close else ""
             raise ConfigError(f"{path}{key} is not a key of {path.rstrip('.') or 'the config'}: nothing would read "
                               f"it. {hint}Fix: drop +{path}{key}; the keys are {', '.join(known)}.")
@@ -74,8 +77,8 @@ def _check_unknown_keys(cfg: DictConfig) -> None:
 def _check_choices(cfg: DictConfig) -> None:
     """Every string option against its schema field's choices (``runner.options``, or a registry:
     ``runner.schedules``, ``runner.dp``)."""
-    for path, node in _schema_nodes(cfg, ""):
-        for f in dataclasses.fields(OmegaConf.get_type(node)):
+    for path, node, fields in _schema_nodes(cfg, ""):
+        for f in fields:
             if "choices" not in f.metadata or f.name not in node:
                 continue
             key, value, values = f"{path}{f.name}", node[f.name], allowed(f.metadata["choices"])

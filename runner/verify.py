@@ -55,7 +55,9 @@ def collect_grads(modules: list[nn.Module], skip: Collection[str] = ()) -> dict[
 def gather_grads(modules: list[nn.Module], env: DistEnv, skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
     """Every rank's gradients, by full name, on rank 0 (empty elsewhere). Collective."""
     gathered = gather_to_main(collect_grads(modules, skip), env)
-    return {name: g for part in gathered for name, g in part.items()} if env.is_main else {}
+    if gathered is None:  # not rank 0
+        return {}
+    return {name: g for part in gathered for name, g in part.items()}
 
 
 def reference_model(cfg: DictConfig) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
@@ -158,7 +160,7 @@ def verify_first_step(
     together when it failed (none is left waiting). ``skip``: names of tied copies (see
     ``collect_grads``)."""
     got = gather_grads(modules, env, skip)
-    report = None
+    report: dict | None = None
     if env.is_main:
         model, forward = reference_model(cfg)
         inputs, targets, kwargs = batch
@@ -180,6 +182,7 @@ def verify_first_step(
         box = [report]
         dist.broadcast_object_list(box, src=0)
         report = box[0]
+    assert report is not None  # rank 0 made it; the other ranks received it
     if not report["passed"]:
         raise VerifyError(
             "verify=true: the pipelined first step differs from the unsplit model's:\n  "
@@ -197,6 +200,7 @@ class VerifyFirstStep(Hook):
 
     def after_reduce(self, trainer, state: StepState) -> None:
         if state.first:
+            assert state.loss is not None  # reduced before after_reduce
             busy(f"verifying step {state.step} against the unsplit model")
             self.report = verify_first_step(trainer.cfg, trainer.modules, state.loss, state.batch, trainer.env,
                                             microbatches=trainer.plan.layout.microbatches,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from runner.errors import ConfigError
 
@@ -24,6 +24,10 @@ class Logger:
     """The interface (and its defaults): see the module docstring."""
 
     EXTRA = ""
+
+    def __init__(self, *, run_dir: Path, hparams: dict, name: str, group: str | None, **options: Any) -> None:
+        """Start the logger's run: in ``run_dir`` (its files), with the run's config as ``hparams``,
+        named and grouped as ``runner.outputs.run_identity`` says; ``options`` from its yaml."""
 
     @staticmethod
     def requires(options: Mapping[str, Any]) -> list[str]:
@@ -60,10 +64,11 @@ def enabled_loggers(logging_options: Any, group: Mapping[str, Any] | None) -> di
     return out
 
 
-def _split(conf: Mapping[str, Any]) -> tuple[type, dict[str, Any]]:
+def _split(conf: Mapping[str, Any]) -> tuple[type[Logger], dict[str, Any]]:
     from hydra.utils import get_class
 
-    return get_class(conf["_target_"]), {k: v for k, v in conf.items() if not k.startswith("_")}
+    # A _target_ names a class with Logger's interface (subclassing it is how it gets the defaults).
+    return cast("type[Logger]", get_class(conf["_target_"])), {k: v for k, v in conf.items() if not k.startswith("_")}
 
 
 def _key_of(name: str, legacy: bool) -> Callable[[str], str]:

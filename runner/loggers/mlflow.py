@@ -61,7 +61,10 @@ class MLflowLogger(Logger):
             try:
                 experiment_id = self.client.create_experiment(experiment, artifact_location=artifacts)
             except MlflowException:  # another run sharing this store created it first
-                experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+                found = self.client.get_experiment_by_name(experiment)
+                if found is None:  # no: the store refused it for another reason
+                    raise
+                experiment_id = found.experiment_id
         # MLflow's own tag for the code version; the sweep as a tag to filter by.
         tags = {"mlflow.source.git.commit": git_commit(), "sweep": group}
         self.run_id = self.client.create_run(experiment_id, run_name=name,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from runner.config import WANDB_MODES
 from runner.errors import ConfigError
@@ -24,7 +25,7 @@ class WandbLogger(Logger):
             raise ConfigError(f"{key_of('mode')}={mode!r} is not one of {', '.join(WANDB_MODES)}.")
 
     def __init__(self, *, run_dir: Path, hparams: dict, name: str, group: str | None, project: str = "runner",
-                 mode: str = "offline"):
+                 mode: Literal["offline", "online", "disabled"] = "offline"):  # WANDB_MODES: check() refuses others
         import wandb  # optional extra: runner[wandb]
 
         # The process-wide settings must carry the mode too: with only the run's mode offline,

@@ -90,6 +90,7 @@ def _busy_one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> float:
         dist.barrier()
         if rank == 1:
             request = dist.isend(tensor, 0)
+            assert request is not None  # None only on a rank outside the group
             _compute_for(0.025, tensor.device)
             request.wait()
         else:
@@ -160,8 +161,8 @@ def _rank(env: DistEnv, message_bytes: int, bandwidth_bytes: int, repeats: int, 
     if rank == 0:
         # The transfer time is the difference of the least disturbed exchanges: medians on a
         # loaded host can put the large message's below the small one's (an infinite bandwidth).
-        torch.save({"small": small, "transfer": large_min - small_min, "step": step, "slowdown": slowdown, "jitter": jitter,
-                    "busy_delay": busy - idle}, out)
+        torch.save({"small": small, "transfer": large_min - small_min, "step": step, "slowdown": slowdown,
+                    "jitter": jitter, "busy_delay": busy - idle}, out)
 
 
 def solve_action_overhead(step_s: float, comm_s: float) -> float:

@@ -88,7 +88,7 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.devi
     optimizer = torch.optim.AdamW(params, lr=1e-12)
 
     def update() -> None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
         optimizer.step()
 

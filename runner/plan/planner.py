@@ -22,7 +22,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from omegaconf import DictConfig
 
@@ -43,6 +43,12 @@ from runner.validate import validate
 __all__ = ["Candidate", "plan"]
 
 log = logging.getLogger(__name__)
+
+
+class Prediction(NamedTuple):
+    step_s: float  # the predicted step
+    pipeline_s: float  # of it, the simulated pipeline
+    lower_bound_s: float  # no order of the layout's actions runs its pipeline faster
 
 
 @dataclass
@@ -67,6 +73,12 @@ class Candidate:
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
     recommended: bool = False  # the one the best line names
     search: dict | None = None  # a synthesized order: how the search went
+
+    def prediction(self) -> Prediction:
+        """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
+        step, pipeline, bound = self.predicted_step_time_s, self.pipeline_s, self.lower_bound_s
+        assert self.valid and step is not None and pipeline is not None and bound is not None, self
+        return Prediction(step, pipeline, bound)
 
 
 def _costs_from_summary(path: str, layout: Layout) -> dict[tuple[int, str], float] | None:
@@ -156,19 +168,19 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     candidate.pipeline_s = max(a.end for a in timeline)
     candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s))
     counts, nbytes = peak_in_flight(order), peak_in_flight(order, _saved_bytes(layout, child))
-    candidate.peak_activations = [counts[r] for r in sorted(counts)]
+    candidate.peak_activations = [int(counts[r]) for r in sorted(counts)]  # counts: whole numbers
     candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
     limit = parse_bytes("plan.memory_limit", plan_cfg.memory_limit)
     candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
     return timeline
 
 
-def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dict[int, list], Calibration]:
+def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dict[int, list], Calibration | None]:
     """Every candidate, fastest within the memory limit first (ties and the recommended one
     marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), and the
-    message and action costs used. With ``plan.synthesize``, searched orders join the built-ins:
-    one per microbatch count, placement (1 and 2 stages per rank, looped or V) and split, written
-    as CSV files into ``out``.
+    message and action costs used (None when no candidate got as far as a layout). With
+    ``plan.synthesize``, searched orders join the built-ins: one per microbatch count, placement
+    (1 and 2 stages per rank, looped or V) and split, written as CSV files into ``out``.
 
     A step is predicted as the simulated pipeline (compute + the runtime's per-action overhead,
     + a message per cross-rank dependency; its mean length with action times varying as
@@ -207,7 +219,8 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
         except ConfigError as e:
             own.reason = str(e).splitlines()[0]
             continue
-        if name == "csv":
+        if spr is None:  # the run's CSV schedule (its file decides the stages per rank)
+            assert layout.csv is not None  # validate() read the file
             order = csv_order(layout.csv)
             own.stages_per_rank = layout.num_stages // layout.pp
         else:
@@ -236,7 +249,7 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
             timeline = _predict(candidate, split_layout, order, child, calibration, cfg.plan)
             if timeline is not None:
                 timelines[id(candidate)] = timeline
-                if name != "csv" and own.stages_per_rank <= 2:  # the search's seeds and layouts
+                if spr is not None and spr <= 2:  # built-in schedules only: the search's seeds and layouts
                     family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
                     family["seeds"][name] = order
                     family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)
@@ -302,10 +315,10 @@ def _mark_ties(ranked: list[Candidate], tolerance: float) -> None:
     fitting = [c for c in ranked if c.valid and c.fits_memory]
     if not fitting:
         return
-    fastest = fitting[0].predicted_step_time_s
-    tied = [c for c in fitting if c.predicted_step_time_s <= fastest * (1 + tolerance)]
+    fastest = fitting[0].prediction().step_s
+    tied = [c for c in fitting if c.prediction().step_s <= fastest * (1 + tolerance)]
     for c in tied:
         c.tie = len(tied) > 1
     min(tied, key=lambda c: (max(c.peak_activation_bytes), c.schedule == "synthesized",
-                             c.predicted_step_time_s)).recommended = True
+                             c.prediction().step_s)).recommended = True
 

@@ -29,9 +29,10 @@ def table(candidates: list[Candidate]) -> str:
         if c.valid:
             split = "/".join(map(str, c.stage_sizes))
             mark = "*" if c.recommended else "=" if c.tie else " "
+            p = c.prediction()
             rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
-                        f"{c.predicted_step_time_s * 1e3:9.2f}  {c.bubble:6.3f}  "
-                        f"{max(0.0, c.pipeline_s / c.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
+                        f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
+                        f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
                         f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
                         f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
@@ -54,12 +55,15 @@ def search_report(candidates: list[Candidate]) -> list[str]:
         same = [c for c in candidates if c.valid and c.schedule != "synthesized" and c.microbatches == best.microbatches
                 and c.stages_per_rank == best.stages_per_rank and c.split_points == best.split_points
                 and _placement(c) == _placement(best)]
-        line = (f"fastest synthesized ({label(best)}): pipeline {best.pipeline_s * 1e3:.2f} ms, lower bound "
-                f"{best.lower_bound_s * 1e3:.2f} ms ({best.pipeline_s / best.lower_bound_s - 1:+.1%})")
+        p = best.prediction()
+        line = (f"fastest synthesized ({label(best)}): pipeline {p.pipeline_s * 1e3:.2f} ms, lower bound "
+                f"{p.lower_bound_s * 1e3:.2f} ms ({p.pipeline_s / p.lower_bound_s - 1:+.1%})")
         if same:
-            builtin = min(same, key=lambda c: c.pipeline_s)
-            line += (f"; best built-in there, {builtin.schedule}: {builtin.pipeline_s * 1e3:.2f} ms "
-                     f"({builtin.pipeline_s / builtin.lower_bound_s - 1:+.1%})")
+            builtin = min(same, key=lambda c: c.prediction().pipeline_s)
+            b = builtin.prediction()
+            line += (f"; best built-in there, {builtin.schedule}: {b.pipeline_s * 1e3:.2f} ms "
+                     f"({b.pipeline_s / b.lower_bound_s - 1:+.1%})")
+        assert best.search is not None  # a synthesized candidate is searched before it is predicted
         lines.append(line + f"; from {best.search['origin']}")
     return lines
 

@@ -14,7 +14,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from runner.ops import Op
 
@@ -63,9 +63,10 @@ def simulate(
     that coefficient of variation; ``seed`` picks the draw)."""
     rng = random.Random(seed)
     sigma = math.sqrt(math.log1p(jitter**2))
+    lookup: Mapping[Any, float] = costs  # either form: both keys are tried
 
     def cost(op: Op) -> float:
-        mean = costs.get((op.stage, op.kind), costs.get(op.kind, 0.0))  # type: ignore[call-overload]
+        mean = lookup.get((op.stage, op.kind), lookup.get(op.kind, 0.0))
         return mean * rng.lognormvariate(-sigma**2 / 2, sigma) if jitter else mean
 
     rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}

@@ -340,8 +340,7 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
 
     def consider(order: Order | None, origin: str) -> tuple[float, float] | None:
         stats["evaluated"] += 1
-        score = _score(p, order) if order is not None else None
-        if score is None:
+        if order is None or (score := _score(p, order)) is None:
             stats["rejected"] += 1
             return None
         if not best or score < best[0]:
