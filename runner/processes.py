@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import os
 import signal
 import socket
@@ -157,6 +158,9 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
     """Entry of each spawned rank process: join the process group, run ``fn``, leave it."""
     _die_with_launcher(setup.launcher_pid)
     _stop_on_signals()
+    # A rank that dies in native code (an abort in a library, a segfault) shows every thread's
+    # Python stack on its stderr, not only the launcher's "terminated with signal".
+    faulthandler.enable(all_threads=True)
     if setup.prelude is not None:
         setup.prelude(rank)
     if setup.clock is not None:
