@@ -150,7 +150,10 @@ def test_plan_takes_the_runs_csv_schedule_and_reports_a_deadlocking_one_as_inval
     # overrides run the file.
     zbv_csv = EXAMPLES / "zbv_pp2_m4.csv"
     candidates, _, _ = plan(compose(*common, f"schedule.csv={zbv_csv}"))
-    found = {(c.schedule, c.stages_per_rank): c for c in candidates if c.valid and c.microbatches == 4}
+    # The run's own split (a split balancing the measured times joins when it differs: it depends on
+    # the timings, so it is left out here).
+    found = {(c.schedule, c.stages_per_rank): c for c in candidates
+             if c.valid and c.microbatches == 4 and c.split_points is None}
     assert found[("csv", 2)].predicted_step_time_s == pytest.approx(found[("zbv", 2)].predicted_step_time_s)
     assert found[("csv", 2)].peak_activations == found[("zbv", 2)].peak_activations
     assert found[("csv", 2)].overrides == ["schedule=csv", f"schedule.csv={zbv_csv}", "parallel.microbatches=4",
