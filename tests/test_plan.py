@@ -169,7 +169,7 @@ def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
                                     "plan.repeats=1", f"plan.costs={tmp_path / 'summary.json'}"))
-    by_name = {c.schedule: c for c in candidates if c.valid}
+    by_name = {c.schedule: c for c in candidates if c.valid and c.split_points is None}  # the run's own split
     # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus messages (ms); then the all-reduce
     # and the optimizer (timed here: milliseconds, more on a busy host).
     one_f_one_b = by_name["1f1b"]
