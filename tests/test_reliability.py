@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import multiprocessing
+import os
 import pickle
 import re
 import signal
@@ -22,9 +23,10 @@ import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.multiprocessing import ProcessExitedException
 
 from runner.errors import CheckpointError
-from runner.processes import connect, rendezvous
+from runner.processes import connect, rendezvous, spawn
 from runner.supervise import rank_failure
 from runner.watchdog import Heartbeats
 
@@ -287,3 +289,18 @@ def test_every_torch_load_is_weights_only():
     for path in (ROOT / "runner").glob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
             assert "weights_only=True" in call, f"{path.name}: {call}"
+
+
+def _abort_in_native_code(env) -> None:
+    if env.rank == 1:
+        os.abort()  # what a library's std::terminate does
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_rank_that_aborts_in_native_code_prints_its_python_stack(tmp_path, capfd):
+    with pytest.raises(ProcessExitedException, match="SIGABRT"):
+        with spawn(2, _abort_in_native_code, directory=tmp_path, method="fork", timeout_s=30) as ranks:
+            ranks.join()
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "_abort_in_native_code" in err, err[-2000:]
