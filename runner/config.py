@@ -193,7 +193,14 @@ class PlanConfig:
     """``python -m runner.plan``: candidates, costs and limits (ignored by training runs)."""
 
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
-    costs: Optional[str] = None  # a previous run's summary.json: its measured per-stage costs
+    # Before predicting, a few steps of real runs of this model (1F1B, interleaved 1F1B and ZBV
+    # at the smallest microbatch count, 1F1B at the largest: runner.plan.probe), each this many
+    # seconds of steps as predicted (8-60 steps), fit the cost model to how its actions run in a
+    # pipeline; 0 = no probes (the child timings and the calibration alone: 15-27% low in
+    # BENCHMARKS.md).
+    probe_seconds: float = 4.0
+    # A previous run's directory (or its summary.json) to fit the cost model to instead of probing.
+    costs: Optional[str] = None
     # In-flight activations per rank: bytes (2e9) or with a unit (2GB, 1.5GiB); null = no limit.
     memory_limit: Optional[str] = None
     # Message and runtime costs; null = measured on two ranks of this host before planning.

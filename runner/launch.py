@@ -11,6 +11,7 @@ import logging
 import os
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ def _train_rank(env: DistEnv, plan: RunPlan, cfg_dict: dict, results, *, clock: 
     results.close()
 
 
-def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict:
+def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
     timeout_s, grace_s = cfg.launch.timeout_s, cfg.launch.grace_s
     method = start_method(cfg.launch.start_method, plan.device)
     log.info("starting %d rank processes (%s)", plan.world_size, method)
@@ -65,7 +66,7 @@ def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict:
                prelude=functools.partial(_rank_prelude, heartbeats, plan.run_dir, console_queue)) as ranks:
         sender.close()  # the ranks hold theirs
         # The listener's thread starts after the ranks are forked: a fork copies no threads.
-        with console_listener(console_queue), forward_signals(ranks.processes, grace_s):
+        with console_listener(console_queue, console), forward_signals(ranks.processes, grace_s):
             return wait_for_ranks(ranks.processes, ranks.error_files, heartbeats, timeout_s, grace_s, results)
 
 
@@ -100,10 +101,12 @@ def _train_here(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | N
         return train(plan, cfg, env, clock=clock).summary
 
 
-def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None) -> dict | None:
+def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
+           console: TextIO | None = None) -> dict | None:
     """Validate, run every rank to the end, and return the run's summary (None on torchrun
     ranks other than 0). Raises ``RunnerError`` for anything that went wrong. ``clock``: the
-    command line's, started before its imports (else one starting now)."""
+    command line's, started before its imports (else one starting now). ``console``: where
+    spawned ranks' console lines go (stdout; the planner's probes keep them in a file)."""
     if clock is None:
         clock = StartupClock()
         clock.mark("compose")
@@ -125,4 +128,4 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None)
             return _join_torchrun(plan, cfg, clock)
         if plan.world_size == 1:
             return _train_here(plan, cfg, clock)
-        return _spawn(plan, cfg, clock)
+        return _spawn(plan, cfg, clock, console)

@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from runner.errors import ConfigError
 from runner.ops import Op
-from runner.plan.calibrate import calibrate, solve_action_overhead
+from runner.plan.calibrate import Calibration, calibrate, solve_action_overhead
 from runner.plan.costs import ChildCost, stage_costs
 from runner.plan.planner import plan
+from runner.plan.probe import PROBED, Fit, Measured, Observation, fit, predicted_pipelines, probe_layouts, probe_steps
 from runner.plan.simulate import peak_in_flight, simulate
 from runner.schedule import schedule_order
+from runner.timeline import write_schedule_csv
 from runner.validate import validate
 
 from helpers.cli import run_cli
@@ -63,7 +67,7 @@ def test_child_costs_time_the_split_backward_as_torchs_stages_run_it():
 
 def test_plan_ranks_valid_candidates_and_explains_invalid_ones():
     cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[2,4]", "plan.repeats=1")
-    candidates, timelines, _ = plan(cfg)
+    candidates, timelines, _, _ = plan(cfg)
     valid = [c for c in candidates if c.valid]
     assert {c.schedule for c in valid} >= {"gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"}
     times = [c.predicted_step_time_s for c in valid]
@@ -71,7 +75,7 @@ def test_plan_ranks_valid_candidates_and_explains_invalid_ones():
     assert all(0 <= c.bubble < 1 and len(c.peak_activations) == 2 for c in valid)
     assert all(c.reason for c in candidates if not c.valid)  # e.g. DualPipeV with m=2 < 4 stages
     assert all(id(c) in timelines for c in valid)
-    limited, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+    limited, _, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
                                  "plan.repeats=1", "plan.memory_limit=1"))
     assert not any(c.fits_memory for c in limited if c.valid)
 
@@ -86,7 +90,7 @@ def test_plan_also_tries_the_split_that_balances_measured_time(monkeypatch):
 
     times = {"embed": 0.001, **{f"block{i}": 1.0 for i in range(6)}, "norm": 0.001, "head": 3.5}
     monkeypatch.setattr("runner.plan.planner.measure_child_costs", lambda *args: {n: cost(f) for n, f in times.items()})
-    candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+    candidates, _, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
                                     "data.vocab_size=8192", "schedule=gpipe"))
     own, by_time = sorted((c for c in candidates if c.schedule == "gpipe" and c.valid),
                           key=lambda c: c.split_points is not None)
@@ -118,6 +122,14 @@ def test_plan_cli_writes_its_files_and_its_synthesized_schedule_runs_near_the_pr
             "bubble", "peak_activations", "lower_bound_s", "tie", "recommended", "search"} <= set(records[0])
     timeline = json.loads((tmp_path / "plan" / "plan_timeline.json").read_text())["traceEvents"]
     assert any(e["ph"] == "X" for e in timeline)
+    # Calibrated and probed for real: a run per placement, kept under probes/, the model fitted to them.
+    model = json.loads((tmp_path / "plan" / "fit.json").read_text())
+    assert [p["label"] for p in model["probes"]] == ["1f1b m=4", "interleaved_1f1b m=4", "zbv m=4"]
+    assert all(p["measured_pipeline_s"] > 0 and p["measured_step_s"] > 0 for p in model["probes"])
+    assert sum(p["fitted_pipeline_s"] for p in model["probes"]) == pytest.approx(
+        sum(p["measured_pipeline_s"] for p in model["probes"]), rel=0.02)
+    assert model["forward_scale"] > 0 and model["backward_scale"] > 0 and "fitted to 3 run(s)" in planned.stdout
+    assert json.loads((tmp_path / "plan" / "probes" / "zbv_m4" / "summary.json").read_text())["schedule"] == "zbv"
     [recommended] = [r for r in records if r["recommended"]]
     best = shlex.split(re.search(r"best(?: \(tied\))?: python -m runner (.*)", planned.stdout).group(1))
     assert best[-len(recommended["overrides"]):] == recommended["overrides"]
@@ -142,14 +154,14 @@ def test_plan_takes_the_runs_csv_schedule_and_reports_a_deadlocking_one_as_inval
     # forward rank 0 runs after that backward: each rank waits on the other.
     deadlock = tmp_path / "deadlock.csv"
     deadlock.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
-    candidates, _, _ = plan(compose(*common, f"schedule.csv={deadlock}"))
+    candidates, _, _, _ = plan(compose(*common, f"schedule.csv={deadlock}"))
     [csv] = [c for c in candidates if c.schedule == "csv"]
     assert not csv.valid and "not a valid schedule" in csv.reason and csv.microbatches == 2  # the file's m
     assert sum(c.valid for c in candidates) > 10  # the built-in schedules are still planned
     # A CSV holding ZBV's order is predicted exactly as ZBV (same costs, same order), and its
     # overrides run the file.
     zbv_csv = EXAMPLES / "zbv_pp2_m4.csv"
-    candidates, _, _ = plan(compose(*common, f"schedule.csv={zbv_csv}"))
+    candidates, _, _, _ = plan(compose(*common, f"schedule.csv={zbv_csv}"))
     # The run's own split (a split balancing the measured times joins when it differs: it depends on
     # the timings, so it is left out here).
     found = {(c.schedule, c.stages_per_rank): c for c in candidates
@@ -160,23 +172,88 @@ def test_plan_takes_the_runs_csv_schedule_and_reports_a_deadlocking_one_as_inval
                                            "parallel.stages_per_rank=null"]
 
 
-def test_plan_uses_a_previous_runs_costs_where_its_stages_match(tmp_path):
+def _observations(truth: Fit, calibration: Calibration) -> list[Observation]:
+    """Three runs (1F1B, interleaved 1F1B, ZBV at m=4) made of ``truth``: their recorded action
+    costs are the overhead plus the scaled compute, their pipelines also pay the gap, their steps
+    the scaled rest."""
+    out = []
+    for name, spr in PROBED:
+        stages = 2 * spr
+        compute = {}
+        for s in range(stages):  # a heavier last stage (the head), I + W a little over B
+            f = 0.002 * (3 if s == stages - 1 else 1)
+            compute.update({(s, "F"): f, (s, "B"): 2 * f, (s, "I"): 1.2 * f if s else 0.0, (s, "W"): f if s else 2 * f})
+        order = schedule_order(name, 2, 4, spr)
+        recorded = {k: v for k, v in truth.action_costs(compute, calibration.action_overhead_s).items()}
+        recorded = {k: v - truth.gap_s for k, v in recorded.items()}  # the gap lies between the recorded actions
+        run = Measured(name, [[f"u{s}"] for s in range(stages)], 4, order, recorded, 0.0, 0.0)
+        observation = Observation(run, compute, 4096, rest_s=0.003)
+        [pipeline] = predicted_pipelines([observation], truth, calibration)
+        run = replace(run, pipeline_s=pipeline, step_s=pipeline + 0.003 * truth.rest_scale)
+        out.append(replace(observation, measured=run))
+    return out
+
+
+def test_the_fit_recovers_the_scales_gap_and_rest_its_runs_were_made_of():
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=3e-4, busy_delay_s=5e-4)
+    truth = Fit(forward_scale=1.3, backward_scale=1.1, gap_s=4e-4, rest_scale=1.6)
+    fitted = fit(_observations(truth, calibration), calibration)
+    assert fitted.forward_scale == pytest.approx(1.3) and fitted.backward_scale == pytest.approx(1.1)
+    assert fitted.gap_s == pytest.approx(4e-4, rel=1e-3) and fitted.rest_scale == pytest.approx(1.6)
+    for probe in fitted.probes:  # each run's own pipeline and step, reproduced
+        assert probe["fitted_pipeline_s"] == pytest.approx(probe["measured_pipeline_s"], rel=1e-3)
+        assert probe["fitted_step_s"] == pytest.approx(probe["measured_step_s"], rel=1e-3)
+    # Unfitted, a candidate's actions cost the co-running slowdown times their timings, as before probes.
+    unfitted = Fit.unfitted(replace(calibration, corunning_slowdown=1.5))
+    assert unfitted.action_costs({(0, "F"): 0.002, (0, "W"): 0.004}, 3e-4) == {
+        (0, "F"): pytest.approx(3.3e-3), (0, "W"): pytest.approx(6.3e-3)}
+    # A probe lasts plan.probe_seconds as predicted, 8-60 recorded steps after a third as many skipped.
+    assert probe_steps(0.01, 4.0) == (80, 60) and probe_steps(2.0, 4.0) == (10, 8) and probe_steps(0.2, 4.0) == (26, 20)
+    # The three placements at the smallest microbatch count, and 1F1B at the largest.
+    assert probe_layouts([2, 4, 8]) == [("1f1b", 1, 2), ("interleaved_1f1b", 2, 2), ("zbv", 2, 2), ("1f1b", 1, 8)]
+    assert probe_layouts([4]) == [("1f1b", 1, 4), ("interleaved_1f1b", 2, 4), ("zbv", 2, 4)]
+
+
+def _previous_run(run_dir: Path, layout, order, *, forward_s: float, backward_s: float, pipeline_s: float,
+                  step_s: float) -> None:
+    """The files a finished run leaves that the planner reads: its stages and recorded bubble,
+    the order it executed and its step times."""
+    run_dir.mkdir()
+    steps = [4, 5, 6]
+    summary = {"stages": {str(i): list(s) for i, s in enumerate(layout.stages)}, "microbatches": layout.microbatches,
+               "step_time_s": step_s, "bubble": {
+                   "steps": steps, "pipeline_step_s": pipeline_s,
+                   "mean_costs_s": {f"{s}{k}": forward_s if k == "F" else backward_s for s in range(2) for k in "FB"}}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    write_schedule_csv(run_dir / "schedule.csv", order)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": step_s if i in steps else 9.0})
+                                                   + "\n" for i in range(1, 7)))
+
+
+def test_plan_fits_its_cost_model_to_a_previous_run(tmp_path):
     cfg = compose(*TINY, "parallel.pp=2", "train.batch_size=8", "schedule=1f1b", "parallel.microbatches=4")
     layout = validate(cfg).layout
-    # A "previous run" of the 1F1B layout whose stages took 1 s per forward and 2 s per backward.
-    summary = {"stages": {str(i): list(s) for i, s in enumerate(layout.stages)},
-               "bubble": {"mean_costs_s": {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}}}
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    candidates, _, _ = plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
-                                    "plan.repeats=1", f"plan.costs={tmp_path / 'summary.json'}"))
-    by_name = {c.schedule: c for c in candidates if c.valid and c.split_points is None}  # the run's own split
-    # 1F1B's stages match: (m + p - 1) slots of F + B = 5 x 3 s, plus messages (ms); then the all-reduce
-    # and the optimizer (timed here: milliseconds, more on a busy host).
-    one_f_one_b = by_name["1f1b"]
-    assert one_f_one_b.pipeline_s == pytest.approx(15.0, abs=0.01)
-    assert one_f_one_b.predicted_step_time_s == pytest.approx(one_f_one_b.pipeline_s + one_f_one_b.after_pipeline_s)
-    assert 0 < one_f_one_b.after_pipeline_s < 0.5
-    assert by_name["interleaved_1f1b"].predicted_step_time_s < 1.0
+    # A "previous run" of the 1F1B layout whose actions took 1 s per forward and 2 s per backward,
+    # its pipeline 16 s (1 s more than its actions and messages: the gap) and its step 16.5 s.
+    _previous_run(tmp_path / "run", layout, schedule_order("1f1b", 2, 4, 1), forward_s=1.0, backward_s=2.0,
+                  pipeline_s=16.0, step_s=16.5)
+    common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.repeats=1"]
+    candidates, _, _, model = plan(compose(*common, "plan.microbatches=[2,4]", f"plan.costs={tmp_path / 'run'}"))
+    by_name = {(c.schedule, c.microbatches): c for c in candidates if c.valid and c.split_points is None}
+    # Its own layout is predicted as it ran, pipeline and step; every other layout with the same model.
+    one_f_one_b = by_name[("1f1b", 4)]
+    assert one_f_one_b.pipeline_s == pytest.approx(16.0, rel=1e-3)
+    assert one_f_one_b.predicted_step_time_s == pytest.approx(16.5, rel=1e-3)
+    assert model is not None and model.rest_scale > 1  # 0.5 s after the pipeline: far more than timed here
+    # Per kind, its actions add up to the run's (the scale is pooled over stages), plus the gap.
+    costs = one_f_one_b.stage_costs_s
+    assert costs["0F"] + costs["1F"] == pytest.approx(2 * 1.0 + 2 * model.gap_s)
+    assert costs["0B"] + costs["1B"] == pytest.approx(2 * 2.0 + 2 * model.gap_s)
+    # Every layout, at either microbatch count, is predicted with the run's scales: in seconds, not
+    # in the milliseconds its children took here.
+    assert {m for _, m in by_name} == {2, 4} and all(c.predicted_step_time_s > 5 for c in by_name.values())
+    with pytest.raises(ConfigError, match=r"plan.costs='.*nowhere'.*Fix: point it at a run directory"):
+        plan(compose(*common, "plan.microbatches=[4]", f"plan.costs={tmp_path / 'nowhere'}"))
 
 
 def test_the_action_overhead_is_solved_from_a_pipeline_step():

@@ -123,7 +123,7 @@ def test_synthesis_is_deterministic_for_a_seed_and_bounded_by_its_budget():
 def test_plan_lists_synthesized_orders_beside_the_builtins(tmp_path):
     cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1",
                   "plan.synthesize=true", "plan.search_budget=60")
-    candidates, timelines, _ = plan(cfg, tmp_path)
+    candidates, timelines, _, _ = plan(cfg, tmp_path)
     searched = [c for c in candidates if c.schedule == "synthesized"]
     # m=4: one stage per rank, two looped, two in a V; each for the run's split (and the time-balanced one).
     assert {(c.stages_per_rank, c.search["placement"]) for c in searched} == {(1, "loop"), (2, "loop"), (2, "V")}

@@ -100,6 +100,7 @@ BAD = [
     (["launch.timeout_s=0"], ["launch.timeout_s=0", "> 0"]),
     (["launch.timeout_s=-1"], ["launch.timeout_s=-1"]),
     (["launch.grace_s=-1"], ["launch.grace_s=-1", ">= 0"]),
+    (["plan.probe_seconds=-1"], ["plan.probe_seconds=-1", ">= 0", "0 to plan without probes"]),
 ]
 
 

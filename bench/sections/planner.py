@@ -45,6 +45,7 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
 def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int], model: Sequence[str] = MODEL) -> dict[str, Any]:
     from runner.schedule import default_stages_per_rank
 
+    started = time.time()
     plan = run_plan(ctx, out, model, microbatches)
     if "error" in plan:
         return plan
@@ -55,7 +56,9 @@ def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int], model: Seq
         for c in plan if c["valid"] and c["stages_per_rank"] == default_stages_per_rank(c["schedule"])
         and c.get("split_points") is None}
     recommended = next((c for c in plan if c.get("recommended")), None)
+    fit = out / "fit.json"
     return {"predicted": predicted, "calibration": json.loads((out / "calibration.json").read_text()),
+            "fit": json.loads(fit.read_text()) if fit.exists() else None, "plan_s": time.time() - started,
             "recommended": None if recommended is None else plan_label(recommended),
             "tied": [plan_label(c) for c in plan if c.get("tie")]}
 
@@ -175,16 +178,24 @@ def _recommendations(res: Mapping[str, Any]) -> str:
                      for label, ties in sorted(picks.items(), key=lambda kv: -len(kv[1])))
 
 
+def _probed(res: Mapping[str, Any]) -> set[str]:
+    """The configurations (``schedule/m``) the plans probed: their own runs fitted the model."""
+    return {p["label"].replace(" m=", "/") for r in res["rounds"] for p in (r.get("fit") or {}).get("probes", [])}
+
+
 def _planner_summary(sizes: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    lines = ["| size | model | median F (ms) | within 10% | median error | bias (median signed) | pipeline "
+    lines = ["| size | model | median F (ms) | within 10% | median error | bias (median signed) | median error, "
+             "not probed | pipeline "
              "predicted / measured | rest of step predicted / measured | action cost run / planned, F | B | "
-             "recommended per round |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "recommended per round |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in sizes.items():
         if "error" in res:
-            lines.append(f"| {name} | failed: {res['error']} |||||||||")
+            lines.append(f"| {name} | failed: {res['error']} ||||||||||")
             continue
         rows = planner_rows(res)
         errors = [r["predicted_s"] / r["measured_s"] - 1 for r in rows]
+        probed = _probed(res)
+        unprobed = [abs(e) for r, e in zip(rows, errors) if f"{r['schedule']}/{r['m']}" not in probed]
         forwards = [v for r in res["rounds"] for m in r["measured"].values() for k, v in (m.get("costs") or {}).items()
                     if k.endswith("F")]
         att = _attribution(res)
@@ -192,6 +203,7 @@ def _planner_summary(sizes: Mapping[str, Mapping[str, Any]]) -> list[str]:
         lines.append(f"| {name} | `{' '.join(res['model'])}` | {num(forward_ms, '.2f')}"
                      f" | {sum(abs(e) <= 0.10 for e in errors)} of {len(errors)} | "
                      f"{num(median([abs(e) for e in errors]), '.1%')} | {num(median(errors), '+.1%')} | "
+                     f"{num(median(unprobed), '.1%') if probed else 'no probes'} | "
                      f"{num(att['pipeline'])} | {num(att['after'])} | {num(att['cost_f'])} | "
                      f"{num(att['cost_b'])} | {_recommendations(res)} |")
     return lines + [""]
@@ -209,7 +221,9 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
                   "optimizer with the run's `step_time_s - pipeline_step_s`, and *action cost* each recorded "
                   "action's mean (the run's `mean_costs_s`) with the planned one: where an error comes from. "
                   "*Recommended per round*: the plan's recommendation each round, and how often it was declared "
-                  "a tie (`plan.tie_tolerance`).", "", *_planner_summary(sizes)]
+                  "a tie (`plan.tie_tolerance`). Each plan fits its cost model to probe runs of four layouts "
+                  "(`runner.plan.probe`; the benchmark's runs of those layouts are separate runs, after the plan); "
+                  "*not probed* leaves those configurations out.", "", *_planner_summary(sizes)]
     for name, size in sizes.items():
         if len(sizes) > 1:
             lines += [f"### {name}", ""]
@@ -241,7 +255,8 @@ def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
               + f", runtime overhead {cal_range('action_overhead_s', 1e6, '.0f')} us per action, co-running "
               f"compute x{cal_range('corunning_slowdown', 1, '.2f')}"
               + f" (action times varying by {cal_range('action_jitter', 100, '.0f')}%)"
-              + ". *Replayed* is the simulator fed each run's own recorded per-action costs (the run's "
+              + ". " + _fit_ranges(res["rounds"])
+              + "*Replayed* is the simulator fed each run's own recorded per-action costs (the run's "
               "`bubble.simulated_step_s`), "
               "over that run's step: the simulation's share of the error, apart from the cost estimates.", "",
               "| schedule | m | predicted (ms) | measured (ms) | measured range | predicted / measured | replayed / "
@@ -262,7 +277,7 @@ def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
                   f"own runs differ by {noise:.1%} (median over configurations, slowest over fastest round)."
                   + (f" Recommended per round: {_recommendations(res)}."
                      if any("recommended" in r for r in res["rounds"]) else "")]
-        lines += _between_rounds(rows)
+        lines += _between_rounds(rows) + _probe_noise(res["rounds"])
     for m in sorted({r["m"] for r in rows}):
         at_m = [r for r in rows if r["m"] == m]
         rho = _ranks_agree([(r["predicted_s"], r["measured_s"]) for r in at_m])
@@ -279,6 +294,37 @@ def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _fit_ranges(rounds: Sequence[Mapping[str, Any]]) -> str:
+    """The cost model each round's plan fitted to its probes, as ranges over rounds."""
+    fits = [r["fit"] for r in rounds if r.get("fit")]
+    if not fits:
+        return "No probes (results from before them: the child timings and the calibration alone). "
+
+    def span(key: str, scale: float, fmt: str) -> str:
+        low, high = (f"{v * scale:{fmt}}" for v in (min(f[key] for f in fits), max(f[key] for f in fits)))
+        return low if low == high else f"{low} to {high}"
+
+    probes = ", ".join(p["label"] for p in fits[0]["probes"])
+    plan_s = [r["plan_s"] for r in rounds if r.get("plan_s")]
+    took = f" Each plan took {min(plan_s):.0f}-{max(plan_s):.0f} s, probes included." if plan_s else ""
+    return (f"Fitted per round to its probes ({probes}): forwards x{span('forward_scale', 1, '.2f')} and backwards "
+            f"x{span('backward_scale', 1, '.2f')} their timings, {span('gap_s', 1e6, '+.0f')} us per action, the "
+            f"rest of the step x{span('rest_scale', 1, '.2f')}.{took} ")
+
+
+def _probe_noise(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A plan's probe runs next to the benchmark's runs of the same configuration, minutes later:
+    how much two runs of one configuration differ, which no prediction fitted to probes beats."""
+    pairs = [(p["measured_step_s"], (r["measured"].get(p["label"].replace(" m=", "/")) or {}).get("step_s"))
+             for r in rounds for p in (r.get("fit") or {}).get("probes", [])]
+    diffs = sorted(abs(probe / run - 1) for probe, run in pairs if run)
+    if not diffs:
+        return []
+    return [f"- Two runs of one configuration minutes apart (a plan's probe, then the benchmark's run): they differ "
+            f"by {statistics.median(diffs):.1%} (median over {len(diffs)} pairs; {diffs[-1]:.0%} at most): the noise "
+            "a prediction fitted to probes carries into each round."]
+
+
 def _between_rounds(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """How much the plans themselves move between rounds, and how much of a run the replay of its
     own action costs accounts for."""
@@ -290,7 +336,7 @@ def _between_rounds(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     replayed = [r["replayed"] for r in rows if r.get("replayed") is not None]
     if replayed:
         short = ("; every replay falls short of its run (the time a run spends between its actions, which the "
-                 "simulator does not see)" if max(replayed) < 1 else "")
+                 "replay does not see and the planner's fitted gap per action stands for)" if max(replayed) < 1 else "")
         lines.append(f"- Replayed / measured: x{min(replayed):.2f}-x{max(replayed):.2f} over configurations{short}.")
     return lines
 

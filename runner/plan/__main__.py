@@ -1,12 +1,13 @@
 """``python -m runner.plan``: the planner's command line (see ``runner.plan.planner``).
 
     python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
-    python -m runner.plan plan.costs=outputs/<date>/<time>/summary.json plan.memory_limit=2GB
+    python -m runner.plan plan.costs=outputs/<date>/<time> plan.memory_limit=2GB
 
 Prints the calibration, the ranked table and the ``python -m runner ...`` line of the
 recommended candidate; writes ``plan.json`` (every candidate, fastest first),
-``calibration.json`` and ``plan_timeline.json`` (the recommended candidate's predicted timeline)
-into the Hydra run directory.
+``calibration.json``, ``fit.json`` (the cost model fitted to the probe runs, which are kept under
+``probes/``) and ``plan_timeline.json`` (the recommended candidate's predicted timeline) into the
+Hydra run directory.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.config import config_dir  # also registers the schemas
+from runner.launch import launch  # runs the probes
 from runner.plan.planner import plan
-from runner.plan.report import label, search_report, table
+from runner.plan.report import fit_line, label, search_report, table
 from runner.timeline import simulated_slices, write_chrome_trace
 
 
@@ -33,7 +35,7 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
     out = Path(HydraConfig.get().runtime.output_dir)
-    candidates, timelines, calibration = plan(cfg, out)
+    candidates, timelines, calibration, model = plan(cfg, out, launch)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     if calibration is not None:
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
@@ -42,6 +44,9 @@ def main(cfg: DictConfig) -> None:
               f"+{c.busy_delay_s * 1e6:.0f} us while its sender computes; runtime overhead per action: "
               f"{c.action_overhead_s * 1e6:.0f} us; compute x{c.corunning_slowdown:.2f} with both ranks busy, "
               f"varying by {c.action_jitter:.0%}")
+    if model is not None and model.probes:
+        (out / "fit.json").write_text(json.dumps(asdict(model), indent=2) + "\n")
+        print(fit_line(model))
     print(table(candidates))
     for line in search_report(candidates):
         print(line)

@@ -6,7 +6,8 @@ balancing measured time where it differs), plus the run's CSV schedule if it has
 checked with every check a run makes before spawning; the valid ones are simulated
 (``runner.plan.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
 microbatch in this process (``runner.plan.costs``; or taken from a previous run's summary when its
-stages match), plus a message cost per send (``runner.plan.calibrate``). With
+stages match), plus a message cost per send (``runner.plan.calibrate``), with the scales and gaps fitted
+to a few steps of real runs (``runner.plan.probe``). With
 ``plan.synthesize=true`` it also searches action orders for these costs under
 ``plan.memory_limit`` (``runner.plan.synthesize``) and lists them as CSV schedules. Candidates
 predicted within ``plan.tie_tolerance`` of the fastest tie; the recommended one is the tied
@@ -16,7 +17,6 @@ candidate with the least activation memory.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import tempfile
@@ -32,7 +32,8 @@ from runner.errors import ConfigError
 from runner.layout import Layout
 from runner.ops import Op
 from runner.plan.calibrate import Calibration, calibrate
-from runner.plan.costs import ChildCost, measure_child_costs, stage_costs
+from runner.plan.costs import ChildCost, measure_child_costs
+from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
@@ -40,7 +41,7 @@ from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
 from runner.validate import validate
 
-__all__ = ["Candidate", "plan"]
+__all__ = ["Candidate", "PlanResult", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +82,11 @@ class Candidate:
         return Prediction(step, pipeline, bound)
 
 
-def _costs_from_summary(path: str, layout: Layout) -> dict[tuple[int, str], float] | None:
-    """Measured per-stage costs of an earlier run, usable when its stages were the same."""
-    summary = json.loads(Path(path).read_text())
-    if [tuple(v) for v in summary["stages"].values()] != list(layout.stages):
-        return None
-    return {(int(k[:-1]), k[-1]): v for k, v in summary["bubble"]["mean_costs_s"].items()}
+class PlanResult(NamedTuple):
+    candidates: list[Candidate]  # fastest within the memory limit first
+    timelines: dict[int, list]  # the predicted timeline of each valid candidate, by id(candidate)
+    calibration: Calibration | None  # None when no candidate got as far as a layout
+    fit: Fit | None  # the cost model fitted to the probes (or plan.costs), or the unfitted one
 
 
 def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
@@ -124,28 +124,15 @@ def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calib
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
 
-def _layout_costs(layout: Layout, child: Mapping[str, ChildCost], calibration: Calibration,
-                  plan_cfg: DictConfig) -> tuple[dict[tuple[int, str], float], float]:
-    """Seconds per (stage, F/B/I/W) action, with the runtime's overhead, and per message."""
-    sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
-    # A previous run's costs were timed at the stage: they include the runtime's overhead.
-    costs = _costs_from_summary(plan_cfg.costs, layout) if plan_cfg.costs else None
-    if costs is None:
-        slow, overhead = calibration.corunning_slowdown, calibration.action_overhead_s
-        costs = {k: v * slow + overhead for k, v in stage_costs(layout.stages, child).items()}
-    # A busy sender holds its core for one action at a time: its shortest bounds the delay.
-    return costs, calibration.message_s(sent, min(v for (_, k), v in costs.items() if k == "F"))
-
-
 def _saved_bytes(layout: Layout, child: Mapping[str, ChildCost]) -> dict[int, float]:
     return {s: sum(child[n].saved_bytes for n in names) for s, names in enumerate(layout.stages)}
 
 
 def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], child: Mapping[str, ChildCost],
-             calibration: Calibration, plan_cfg: DictConfig) -> list | None:
+             calibration: Calibration, model: Fit, plan_cfg: DictConfig) -> list | None:
     """Fill in the candidate's prediction; returns its timeline of mean action times (None when
     its order cannot run)."""
-    costs, comm_s = _layout_costs(layout, child, calibration, plan_cfg)
+    costs, comm_s = layout_costs(layout.stages, child, calibration, model)
     candidate.stage_sizes = [len(names) for names in layout.stages]
     try:
         timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
@@ -154,14 +141,12 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
         return None
     makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
                                  jitter=calibration.action_jitter)
-    update = {r: calibration.corunning_slowdown * sum(child[n].update_s for s in layout.stages_on(r)
-                                                      for n in layout.stages[s])
-              for r in range(layout.pp)}
     busy = {r: 0.0 for r in range(layout.pp)}
     for a in timeline:
         busy[a.rank] += a.end - a.start
     candidate.valid = True
-    candidate.after_pipeline_s = calibration.latency_s + max(update.values())
+    rank_stages = {r: layout.stages_on(r) for r in range(layout.pp)}
+    candidate.after_pipeline_s = model.rest_scale * rest_s(rank_stages, layout.stages, child, calibration)
     candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
@@ -175,17 +160,20 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     return timeline
 
 
-def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dict[int, list], Calibration | None]:
+def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None) -> PlanResult:
     """Every candidate, fastest within the memory limit first (ties and the recommended one
-    marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), and the
-    message and action costs used (None when no candidate got as far as a layout). With
+    marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), the message
+    and action costs used and the cost model fitted to the probes (None when no candidate got
+    as far as a layout). ``launch`` (``runner.launch.launch``) runs the probes; without it the
+    plan has none. Probe runs and synthesized CSVs go into ``out``. With
     ``plan.synthesize``, searched orders join the built-ins: one per microbatch count, placement
     (1 and 2 stages per rank, looped or V) and split, written as CSV files into ``out``.
 
-    A step is predicted as the simulated pipeline (compute + the runtime's per-action overhead,
-    + a message per cross-rank dependency; its mean length with action times varying as
+    A step is predicted as the simulated pipeline (compute as fitted + the runtime's per-action
+    overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
     update: what ``summary.json``'s ``step_time_s`` measures."""
+    out = out or Path(tempfile.mkdtemp(prefix="runner-plan-"))
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
     ranks = cfg.parallel.pp * cfg.parallel.dp
     kind = resolve_device(cfg.device, ranks)
@@ -205,6 +193,7 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
                     "plan.action_overhead_s and plan.corunning_slowdown from a quiet calibration.json.", load, cores)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
+    model: Fit | None = None
     results, timelines = [], {}
     # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
     families: dict[tuple[int, bool, int], dict] = {}
@@ -225,13 +214,10 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
             own.stages_per_rank = layout.num_stages // layout.pp
         else:
             order = schedule_order(name, layout.pp, m, spr)
-        mb_size = cfg.train.batch_size // (cfg.parallel.dp * m)
-        if mb_size not in child_costs:
-            child_costs[mb_size] = measure_child_costs(cfg, mb_size, cfg.plan.repeats, device)
-        child = child_costs[mb_size]
-        if calibration is None:
-            sent = max(sum(child[n].output_bytes for n in names) for names in layout.stages)
-            calibration = _calibration(cfg.plan, sent, kind)
+        child = _child_costs(cfg, child_costs, m, device)
+        if calibration is None or model is None:
+            calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind)
+            model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
         splits = [(own, layout)]
         # The run's split balances parameter counts; the one balancing measured time may differ
         # (an embedding is heavy in parameters and light in time).
@@ -246,30 +232,38 @@ def plan(cfg: DictConfig, out: Path | None = None) -> tuple[list[Candidate], dic
             except ConfigError as e:  # e.g. tied weights that this split would put on two stages
                 by_time.reason = str(e).splitlines()[0]
         for candidate, split_layout in splits:
-            timeline = _predict(candidate, split_layout, order, child, calibration, cfg.plan)
+            timeline = _predict(candidate, split_layout, order, child, calibration, model, cfg.plan)
             if timeline is not None:
                 timelines[id(candidate)] = timeline
                 if spr is not None and spr <= 2:  # built-in schedules only: the search's seeds and layouts
                     family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
                     family["seeds"][name] = order
                     family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)
-    if cfg.plan.synthesize and calibration is not None:
+    if cfg.plan.synthesize and calibration is not None and model is not None:
         for (m, v_shape, _), family in families.items():
             for split, layout in family["layouts"].items():
                 child = child_costs[cfg.train.batch_size // (cfg.parallel.dp * m)]
-                out = out or Path(tempfile.mkdtemp(prefix="runner-plan-"))
                 candidate, timeline = _synthesized(cfg, layout, v_shape, list(split) or None, family["seeds"], child,
-                                                   calibration, out)
+                                                   calibration, model, out)
                 results.append(candidate)
                 if timeline is not None:
                     timelines[id(candidate)] = timeline
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     _mark_ties(ranked, cfg.plan.tie_tolerance)
-    return ranked, timelines, calibration
+    return PlanResult(ranked, timelines, calibration, model)
+
+
+def _child_costs(cfg: DictConfig, child_costs: dict[int, dict[str, ChildCost]], microbatches: int,
+                 device) -> dict[str, ChildCost]:
+    """The child timings at the microbatch size of ``microbatches`` (timed once per size)."""
+    size = cfg.train.batch_size // (cfg.parallel.dp * microbatches)
+    if size not in child_costs:
+        child_costs[size] = measure_child_costs(cfg, size, cfg.plan.repeats, device)
+    return child_costs[size]
 
 
 def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: list[str] | None,
-                 seeds: Mapping[str, dict], child: Mapping[str, ChildCost], calibration: Calibration,
+                 seeds: Mapping[str, dict], child: Mapping[str, ChildCost], calibration: Calibration, model: Fit,
                  out: Path) -> tuple[Candidate, list | None]:
     """Search an order for this layout's costs and ``plan.memory_limit``, write it as a CSV in
     ``out``, and plan it as the run would: checked like a user's CSV, then predicted."""
@@ -278,7 +272,7 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
     path = out / name
     candidate = Candidate("synthesized", m, spr, _overrides("csv", m, None, str(path), split_points), valid=False,
                           split_points=split_points)
-    costs, comm_s = _layout_costs(layout, child, calibration, cfg.plan)
+    costs, comm_s = layout_costs(layout.stages, child, calibration, model)
     problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child), cfg.plan.memory_limit)
 
     def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns
@@ -304,7 +298,7 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
     except ConfigError as e:  # the search checked it already: this would be a bug
         candidate.reason = str(e).splitlines()[0]
         return candidate, None
-    return candidate, _predict(candidate, checked, found.order, child, calibration, cfg.plan)
+    return candidate, _predict(candidate, checked, found.order, child, calibration, model, cfg.plan)
 
 
 def _mark_ties(ranked: list[Candidate], tolerance: float) -> None:

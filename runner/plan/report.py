@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from runner.plan.planner import Candidate
+from runner.plan.probe import Fit
 from runner.schedule import V_SHAPED
 
-__all__ = ["label", "table", "search_report"]
+__all__ = ["label", "table", "search_report", "fit_line"]
 
 
 def _placement(c: Candidate) -> str:
@@ -19,6 +20,15 @@ def _name(c: Candidate) -> str:
 def label(c: Candidate) -> str:
     split = f" split at {','.join(c.split_points)}" if c.split_points else ""
     return f"{_name(c)} m={c.microbatches} v={c.stages_per_rank}{split}"
+
+
+def fit_line(model: Fit) -> str:
+    """The cost model as fitted, and how close it puts the probes' own steps."""
+    off = [p["fitted_step_s"] / p["measured_step_s"] - 1 for p in model.probes]
+    return (f"fitted to {len(model.probes)} run(s) ({', '.join(p['label'] for p in model.probes)}): forwards "
+            f"x{model.forward_scale:.2f} and backwards x{model.backward_scale:.2f} their timings here, "
+            f"{model.gap_s * 1e6:+.0f} us per action, rest of step x{model.rest_scale:.2f}; their steps predicted "
+            f"{min(off):+.1%} to {max(off):+.1%}")
 
 
 def table(candidates: list[Candidate]) -> str:

@@ -3,9 +3,9 @@ ranks, and synthetic per-stage action costs."""
 
 from __future__ import annotations
 
-# Fixed message and runtime costs: in-process tests need no calibration ranks.
+# Fixed message and runtime costs and no probes: in-process tests need no calibration or probe ranks.
 FIXED = ["plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0",
-         "plan.corunning_slowdown=1", "plan.comm_busy_delay_s=0", "plan.action_jitter=0"]
+         "plan.corunning_slowdown=1", "plan.comm_busy_delay_s=0", "plan.action_jitter=0", "plan.probe_seconds=0"]
 
 
 def synthetic_costs(num_stages: int, skew: float) -> dict[tuple[int, str], float]:
