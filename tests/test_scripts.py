@@ -200,7 +200,7 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     # Medians over 2 rounds: gpipe 2.1 s and zbv 1.05 s measured (4.8% low), dualpipev 1.2 s (25% high). Pipeline
     # predicted / measured: 1.9/1.8, 0.9/1.0, 1.9/2.0, 0.9/0.7: median 1.003; the rest of the step 0.1 / 0.2;
     # forwards cost 1.2x the plan, backwards as planned.
-    assert ("| smoke | `model.dim=8` | 120.00 | 2 of 3 | 4.8% | -4.8% | 1.003 | 0.500 | 1.200 | 1.000 | "
+    assert ("| smoke | `model.dim=8` | 120.00 | 2 of 3 | 4.8% | -4.8% | no probes | 1.003 | 0.500 | 1.200 | 1.000 | "
             "dualpipev/8 x1, zbv/8 x1 (1 as a tie) |") in text
 
 
