@@ -184,8 +184,8 @@ def _observations(truth: Fit, calibration: Calibration) -> list[Observation]:
             f = 0.002 * (3 if s == stages - 1 else 1)
             compute.update({(s, "F"): f, (s, "B"): 2 * f, (s, "I"): 1.2 * f if s else 0.0, (s, "W"): f if s else 2 * f})
         order = schedule_order(name, 2, 4, spr)
-        recorded = {k: v for k, v in truth.action_costs(compute, calibration.action_overhead_s).items()}
-        recorded = {k: v - truth.gap_s for k, v in recorded.items()}  # the gap lies between the recorded actions
+        # The gap lies between the recorded actions, not inside them.
+        recorded = {k: v - truth.gap_s for k, v in truth.action_costs(compute, calibration.action_overhead_s).items()}
         run = Measured(name, [[f"u{s}"] for s in range(stages)], 4, order, recorded, 0.0, 0.0)
         observation = Observation(run, compute, 4096, rest_s=0.003)
         [pipeline] = predicted_pipelines([observation], truth, calibration)

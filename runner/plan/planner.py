@@ -5,10 +5,9 @@ Candidates are schedule x microbatches x stages per rank x split (the run's own,
 balancing measured time where it differs), plus the run's CSV schedule if it has one. Each is
 checked with every check a run makes before spawning; the valid ones are simulated
 (``runner.plan.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
-microbatch in this process (``runner.plan.costs``; or taken from a previous run's summary when its
-stages match), plus a message cost per send (``runner.plan.calibrate``), with the scales and gaps fitted
-to a few steps of real runs (``runner.plan.probe``). With
-``plan.synthesize=true`` it also searches action orders for these costs under
+microbatch in this process (``runner.plan.costs``), scaled as fitted to a few steps of real runs of
+the model or to a previous run (``runner.plan.probe``), plus a message cost per send
+(``runner.plan.calibrate``). With ``plan.synthesize=true`` it also searches action orders for these costs under
 ``plan.memory_limit`` (``runner.plan.synthesize``) and lists them as CSV schedules. Candidates
 predicted within ``plan.tie_tolerance`` of the fastest tie; the recommended one is the tied
 candidate with the least activation memory.
@@ -215,7 +214,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
         else:
             order = schedule_order(name, layout.pp, m, spr)
         child = _child_costs(cfg, child_costs, m, device)
-        if calibration is None or model is None:
+        if calibration is None or model is None:  # both at the first layout (set together)
             calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind)
             model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
         splits = [(own, layout)]

@@ -8,12 +8,12 @@ each run spent time between its actions that the replay of its own action costs 
 alone were 15-27% low at every size. So before it predicts, the planner runs probes: one per
 placement its candidates use (a stage per rank: 1F1B; looped stages: interleaved 1F1B; V stages:
 ZBV) at the smallest microbatch count, and 1F1B at the largest, on the run's split, and fits four
-numbers to them (``Fit``):
-how much slower forwards and backwards run than timed (``forward_scale``, ``backward_scale``),
-what each action costs beyond that and the calibrated overhead (``gap_s``), and how much longer
-the step's rest (all-reduce, clip, optimizer) is than predicted (``rest_scale``). Every
-candidate is then predicted with them (``layout_costs``, ``rest_s``). ``plan.costs`` (a
-previous run's directory or ``summary.json``) is fitted instead of probing.
+numbers to them (``Fit``): how much slower forwards and backwards run than timed
+(``forward_scale``, ``backward_scale``), what each action costs beyond that and the calibrated
+overhead (``gap_s``), and how much longer the step's rest (all-reduce, clip, optimizer) is than
+predicted (``rest_scale``). Every candidate is then predicted with them (``layout_costs``,
+``rest_s``). ``plan.costs`` (a previous run's directory or ``summary.json``) is fitted instead of
+probing.
 """
 
 from __future__ import annotations
