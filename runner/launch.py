@@ -25,7 +25,7 @@ from runner.console import console_for_run, console_listener, rank_logging, torc
 from runner.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.errors import ConfigError
 from runner.layout import RunPlan
-from runner.processes import spawn, start_method
+from runner.processes import pin_cpus, spawn, start_method
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.supervise import forward_signals, wait_for_ranks
 from runner.train import train
@@ -62,7 +62,7 @@ def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO 
     assert plan.run_dir is not None  # launch() validated with its run directory
     with spawn(plan.world_size, _train_rank, plan, OmegaConf.to_container(cfg, resolve=True), sender,
                device=plan.device, timeout_s=timeout_s, directory=plan.run_dir, port=cfg.launch.port, method=method,
-               threads=plan.threads_per_rank, clock=clock,
+               threads=plan.threads_per_rank, cpus=plan.rank_cpus, clock=clock,
                prelude=functools.partial(_rank_prelude, heartbeats, plan.run_dir, console_queue)) as ranks:
         sender.close()  # the ranks hold theirs
         # The listener's thread starts after the ranks are forked: a fork copies no threads.
@@ -77,7 +77,9 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
             f"torchrun started {world} ranks but parallel.pp x parallel.dp = {plan.world_size}. "
             f"Fix: --nproc-per-node {plan.world_size}, or parallel.pp={world}."
         )
-    device = pick_device(plan.device, local_rank=local_rank_from_env())
+    local_rank = local_rank_from_env()
+    device = pick_device(plan.device, local_rank=local_rank)
+    pinned = pin_cpus(plan.rank_cpus[local_rank]) if plan.rank_cpus else None
     torch.set_num_threads(plan.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
     clock.mark("process_group")
@@ -88,6 +90,8 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
         run_dir = Path(box[0])
         plan = dataclasses.replace(plan, run_dir=run_dir)
         with torchrun_rank_log(rank, run_dir), console_for_run():
+            if pinned:
+                log.info(pinned)
             return train(plan, cfg, env, clock=clock).summary
     finally:
         cleanup()
@@ -115,7 +119,9 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
     clock.mark("imports")
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     plan = validate(cfg, run_dir)
-    log.info("run directory: %s (device: %s)\n%s", run_dir, plan.device, plan.layout.describe())
+    log.info("run directory: %s (device: %s%s)\n%s", run_dir, plan.device,
+             f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in plan.rank_cpus)}"
+             if plan.rank_cpus else "", plan.layout.describe())
     run_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is not writable. Fix: hydra.run.dir=<writable dir>.")

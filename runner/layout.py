@@ -64,6 +64,7 @@ class RunPlan:
     steps: int  # the last step (numbered from 1) of the run
     device: str  # cpu or cuda: device=auto resolved for this host
     threads_per_rank: int  # intra-op threads: launch.threads_per_rank, or this host's cores shared out
+    rank_cpus: tuple[tuple[int, ...], ...] | None  # the cores of each rank on this host (launch.pin_cpus)
     run_dir: Path | None  # None where nothing runs (the planner's candidates)
     resume: Path | None  # the checkpoint directory checkpoint.resume named (a run directory, latest: found)
     verify: bool
@@ -89,4 +90,5 @@ class RunPlan:
         """The config keys the launcher resolved, by dotted key, as written into
         ``resolved_config.yaml`` and logged as the run's hyperparameters."""
         return {"device": self.device, "launch.threads_per_rank": self.threads_per_rank,
+                "launch.pin_cpus": self.rank_cpus is not None,
                 "checkpoint.resume": None if self.resume is None else str(self.resume)}

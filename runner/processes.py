@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import logging
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,10 @@ from runner.clock import StartupClock
 from runner.dist import cleanup, init_distributed, pick_device
 from runner.errors import ConfigError, interrupted_exit_code
 
-__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
+__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "pin_cpus", "Ranks", "stop",
+           "raise_if_stopped"]
+
+log = logging.getLogger(__name__)
 
 
 def start_method(requested: str, device: str) -> str:
@@ -149,20 +153,32 @@ class _RankSetup:
     device: str
     timeout_s: float
     threads: int | None
+    cpus: Sequence[Sequence[int]] | None  # each rank's cores (None: not pinned)
     launcher_pid: int
     prelude: Callable[[int], None] | None
     clock: StartupClock | None
 
 
+def pin_cpus(cpus: Iterable[int]) -> str:
+    """Run this process, and the threads it starts from now on, on these cores only; returns the
+    cores it now runs on, as a line for the log."""
+    os.sched_setaffinity(0, set(cpus))
+    return "on cores " + ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
 def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tuple) -> None:
     """Entry of each spawned rank process: join the process group, run ``fn``, leave it."""
     _die_with_launcher(setup.launcher_pid)
+    # Before any thread starts (threads inherit it); logged once the rank's logging is set up.
+    pinned = pin_cpus(setup.cpus[rank]) if setup.cpus else None
     _stop_on_signals()
     # A rank that dies in native code (an abort in a library, a segfault) shows every thread's
     # Python stack on its stderr, not only the launcher's "terminated with signal".
     faulthandler.enable(all_threads=True)
     if setup.prelude is not None:
         setup.prelude(rank)
+    if pinned:
+        log.info(pinned)
     if setup.clock is not None:
         setup.clock.mark("spawn")  # fork: milliseconds; spawn: a fresh interpreter and imports
     if setup.threads:
@@ -226,14 +242,16 @@ class Ranks:
 
 def spawn(world: int, fn: Callable[..., None], *args: Any, device: str = "cpu", timeout_s: float = 300.0,
           directory: Path | None = None, port: int | None = None, method: str = "auto", threads: int | None = None,
-          prelude: Callable[[int], None] | None = None, clock: StartupClock | None = None) -> Ranks:
+          cpus: Sequence[Sequence[int]] | None = None, prelude: Callable[[int], None] | None = None,
+          clock: StartupClock | None = None) -> Ranks:
     """Start ``world`` rank processes that call ``fn(env, *args)`` (``env``: a ``DistEnv``) inside
     the process group, on ``device`` (``cpu``: gloo; ``cuda``: NCCL, a GPU per rank). They meet
     in a store file in ``directory`` (a temporary one if None) or, with ``port``, at a TCP store
     on 127.0.0.1 hosted here. ``method``: fork, spawn or auto (``start_method``); ``threads``:
-    intra-op threads per rank; ``prelude(rank)`` runs first in each rank (its logging, its
-    heartbeats); ``clock`` gets each rank's ``spawn`` and ``process_group`` marks and is passed on
-    as ``fn(env, *args, clock=clock)``. Returns at once: ``with spawn(...) as ranks: ranks.join()``."""
+    intra-op threads per rank; ``cpus[rank]``: the cores a rank is pinned to (None: not pinned);
+    ``prelude(rank)`` runs first in each rank (its logging, its heartbeats); ``clock`` gets each
+    rank's ``spawn`` and ``process_group`` marks and is passed on as ``fn(env, *args,
+    clock=clock)``. Returns at once: ``with spawn(...) as ranks: ranks.join()``."""
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # Inside a joblib (loky) worker: spawned children would re-apply "loky" and fail.
         mp.set_start_method("spawn", force=True)
@@ -242,7 +260,7 @@ def spawn(world: int, fn: Callable[..., None], *args: Any, device: str = "cpu", 
         own_dir = tempfile.TemporaryDirectory(prefix="runner-rendezvous-")
         directory = Path(own_dir.name)
     where, server = rendezvous(directory, port, timeout_s)
-    setup = _RankSetup(world, where, device, timeout_s, threads, os.getpid(), prelude, clock)
+    setup = _RankSetup(world, where, device, timeout_s, threads, cpus, os.getpid(), prelude, clock)
     try:
         context = mp.start_processes(_rank_main, args=(setup, fn, args), nprocs=world, join=False,
                                      start_method=start_method(method, device))

@@ -275,10 +275,37 @@ def _concurrent_jobs() -> int:
     return n_jobs if n_jobs > 0 else os.cpu_count() or 1
 
 
+def _usable_cpus() -> list[int]:
+    """The cores this process may run on (a container's or taskset's share, not the host's count)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
     """Ranks on one host, of every job running at once, share its cores: oversubscribed
     intra-op threads slow every rank down."""
-    return cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // (ranks_on_host * _concurrent_jobs()))
+    return cfg.launch.threads_per_rank or max(1, len(_usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
+
+
+def _rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -> tuple[tuple[int, ...], ...] | None:
+    """The cores each rank on this host is pinned to (``launch.pin_cpus``), or None: not pinned.
+    Consecutive blocks of ``threads`` cores, by local rank."""
+    pin = cfg.launch.pin_cpus
+    if pin is False or ranks_on_host == 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = _usable_cpus()
+    # Unasked, only where this job's ranks fill the cores: other jobs would be pinned to the same
+    # first cores while the rest stay idle (a parallel sweep's, another user's). GPU runs' host
+    # threads are left to the OS.
+    if pin is None and (device != "cpu" or _concurrent_jobs() > 1 or len(cpus) // threads != ranks_on_host):
+        return None
+    if ranks_on_host * threads > len(cpus):
+        if pin:
+            raise ConfigError(
+                f"launch.pin_cpus=true: {ranks_on_host} ranks x {threads} threads (launch.threads_per_rank) need "
+                f"{ranks_on_host * threads} cores, and this process may use {len(cpus)}. Fix: a smaller "
+                "launch.threads_per_rank, or launch.pin_cpus=null to pin only where the threads fit.")
+        return None
+    return tuple(tuple(cpus[r * threads:(r + 1) * threads]) for r in range(ranks_on_host))
 
 
 def _launch_dir() -> Path:
@@ -362,7 +389,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     _check_host(cfg, device, ranks_on_host)
     layout = _layout(cfg, csv)
     resume = _resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
+    threads = _threads_per_rank(cfg, ranks_on_host)
     return RunPlan(layout=layout, dp=cfg.parallel.dp, dp_mode=cfg.parallel.dp_mode, batch_size=cfg.train.batch_size,
-                   seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device,
-                   threads_per_rank=_threads_per_rank(cfg, ranks_on_host), run_dir=run_dir, resume=resume,
+                   seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
+                   rank_cpus=_rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
                    verify=cfg.verify)

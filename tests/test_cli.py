@@ -25,7 +25,7 @@ from helpers.profiled import check_profiled_run
 def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     # One forks its ranks (the default on CPU), one spawns fresh interpreters: the same run.
     # The spawned one also logs to MLflow: from rank 0 only, one run.
-    procs = [start_cli("experiment=smoke", "verify=true", *extra, cwd=tmp_path)
+    procs = [start_cli("experiment=smoke", "verify=true", "launch.pin_cpus=true", *extra, cwd=tmp_path)
              for extra in ([], ["launch.start_method=spawn", "logging.mlflow=true"])]
     for done in [finish(p) for p in procs]:
         out, err = done.stdout, done.stderr
@@ -53,6 +53,7 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         log = (run_dir / "runner.log").read_text()
         assert "[rank 0][runner.train][INFO] - step 4/4" in log
         assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log  # every rank's lines
+        assert sorted(_cores_of_each_rank(log)) == sorted(_cores_given(log))  # launch.pin_cpus=true
         summary_provenance = {k: summary[k] for k in ("runner_version", "host", "torch_version", "hydra_version")}
         assert None not in summary_provenance.values() and summary["git_commit"] == git_commit()
         assert summary["device_names"][0].startswith("CPU") and len(summary["device_names"]) == 2
@@ -140,14 +141,28 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_torchrun_ranks_share_one_run_directory(tmp_path):
-    run_cli("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke", cwd=tmp_path,
+    run_cli("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke", "launch.pin_cpus=true",
+            cwd=tmp_path,
             module="torch.distributed.run", timeout=110, check=True)
     run_dirs = list(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 1
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["pp"] == 2 and len(summary["losses"]) == 4 and len(summary["peak_mem_bytes"]) == 2
     assert not list(tmp_path.glob("*.log"))  # rank 1 wrote no outputs of its own
-    assert "[rank 1][runner.pipeline][INFO] - stage 1: " in (run_dirs[0] / "runner.log").read_text()
+    log = (run_dirs[0] / "runner.log").read_text()
+    assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log
+    first, second = _cores_of_each_rank(log)  # launch.pin_cpus=true: by local rank, cores of its own
+    assert first and second and not set(first.split(",")) & set(second.split(","))
+
+
+def _cores_given(log: str) -> list[str]:
+    """The cores the launcher gave the two ranks."""
+    return list(re.search(r"ranks pinned to cores (\S+) \| (\S+)\)", log).groups())
+
+
+def _cores_of_each_rank(log: str) -> list[str]:
+    """The cores each rank found itself on (in the order the ranks logged them)."""
+    return re.findall(r"\]\[INFO\] - on cores (\S+)", log)
 
 
 def test_pp1_trains_the_unsplit_model_in_this_process_with_tensorboard_scalars(tmp_path):

@@ -125,6 +125,22 @@ def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(t
         plan.device = "cuda"
 
 
+def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkeypatch):
+    import runner.validate as v
+
+    monkeypatch.setattr(v, "_usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
+    assert validate(compose(*PP2)).rank_cpus == ((2, 3), (5, 7))  # 2 threads each, by default
+    assert validate(compose(*PP2, "launch.threads_per_rank=1")).rank_cpus is None  # cores left: not unasked
+    assert validate(compose(*PP2, "launch.threads_per_rank=1", "launch.pin_cpus=true")).rank_cpus == ((2,), (3,))
+    assert validate(compose(*PP2, "launch.pin_cpus=false")).rank_cpus is None
+    assert validate(compose(*PP2, "parallel.pp=1")).rank_cpus is None  # one rank: nothing to keep apart
+    with pytest.raises(ConfigError, match=r"launch.pin_cpus=true: 2 ranks x 3 threads .* need 6 cores, and this "
+                                          r"process may use 4. Fix: a smaller launch.threads_per_rank"):
+        validate(compose(*PP2, "launch.threads_per_rank=3", "launch.pin_cpus=true"))
+    resolved = validate(compose(*PP2)).resolved_values()
+    assert resolved["launch.pin_cpus"] is True and resolved["launch.threads_per_rank"] == 2
+
+
 def test_extra_keys_are_accepted_where_a_factory_takes_them():
     # A user's (or the built-in) loss/model/data factory is called with its group's keys.
     cfg = compose(*PP2, "+loss.label_smoothing=0.1")

@@ -1,5 +1,6 @@
-"""Training options at pp=2, m=8: what activation checkpointing, bf16 and compile cost against
-the same schedule without them, in alternating repeats (also the option runs of ``device``)."""
+"""Training options at pp=2, m=8: what activation checkpointing, bf16, compile and pinning ranks
+to cores cost against the same schedule without them, in alternating repeats (also the option
+runs of ``device``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ OPTIONS = {  # name -> overrides, at pp=2 m=8; ratios are taken against the base
     "zbv+ac": ["schedule=zbv", "train.activation_checkpointing=full"],
     "1f1b+bf16": ["schedule=1f1b", "train.precision=bf16"],
     "1f1b+compile": ["schedule=1f1b", "train.compile=true"],
+    "1f1b-unpinned": ["schedule=1f1b", "launch.pin_cpus=false"],
 }
 # bf16 matmuls run several times slower than fp32 on a CPU without native bf16 (AVX2 only): fewer steps, one
 # repeat.
@@ -27,6 +29,7 @@ OPTION_RATIOS = [  # (label, config, baseline)
     ("activation checkpointing full / none, zbv", "zbv+ac", "zbv"),
     ("bf16 / fp32, 1f1b", "1f1b+bf16", "1f1b"),
     ("compile / eager, 1f1b", "1f1b+compile", "1f1b"),
+    ("ranks pinned / not pinned (launch.pin_cpus), 1f1b", "1f1b", "1f1b-unpinned"),
     ("zbv / 1f1b (no options)", "zbv", "1f1b"),
 ]
 
