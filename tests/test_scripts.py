@@ -202,6 +202,17 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     # forwards cost 1.2x the plan, backwards as planned.
     assert ("| smoke | `model.dim=8` | 120.00 | 2 of 3 | 4.8% | -4.8% | no probes | 1.003 | 0.500 | 1.200 | 1.000 | "
             "dualpipev/8 x1, zbv/8 x1 (1 as a tie) |") in text
+    # Plans fitted to probes of zbv/8: the error without it (gpipe 0%, dualpipev +25%), the fit over rounds, and
+    # each probe against the benchmark's run of zbv/8 (1.1 s against 1.2, 0.9 and 1.0 s: 8.3%, 22.2%, 10.0%).
+    fits = [{"forward_scale": f, "backward_scale": 1.0, "gap_s": 5e-5, "rest_scale": 2.0,
+             "probes": [{"label": "zbv m=8", "microbatches": 8, "measured_step_s": 1.1}]} for f in (1.1, 1.3, 1.2)]
+    probed = {**res, "rounds": [{**r, "fit": f, "plan_s": s} for r, f, s in zip(res["rounds"], fits, (30, 42, 35))]}
+    _section(results, "planner", {"sizes": {"smoke": small, "benchmark": probed}})
+    text = render(results, tmp_path / "BENCHMARKS.md")
+    assert "| benchmark | `model.dim=8` | 120.00 | 2 of 3 | 0.0% | +0.0% | 12.5% |" in text
+    assert ("Fitted per round to its probes (zbv m=8): forwards x1.10 to 1.30 and backwards x1.00 their timings, "
+            "+50 us per action, the rest of the step x2.00. Each plan took 30-42 s, probes included.") in text
+    assert "they differ by 10.0% (median over 3 pairs; 22% at most)" in text
 
 
 def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_go_elsewhere(tmp_path):

@@ -241,8 +241,7 @@ def _render_planner_size(res: Mapping[str, Any]) -> list[str]:
     n = len(res["rounds"])
 
     def cal_range(key: str, scale: float, fmt: str) -> str:
-        low, high = (f"{v * scale:{fmt}}" for v in (min(c[key] for c in cals), max(c[key] for c in cals)))
-        return low if low == high else f"{low}-{high}"
+        return _span([c[key] * scale for c in cals], fmt, "-")
 
     lines += ["`python -m runner.plan` on the model `" + " ".join(res["model"]) + "` at pp=2, against real runs "
               f"of every schedule (its default stages per rank) x m, {res['steps']} steps each (steady median: over "
@@ -301,15 +300,20 @@ def _fit_ranges(rounds: Sequence[Mapping[str, Any]]) -> str:
         return "No probes (results from before them: the child timings and the calibration alone). "
 
     def span(key: str, scale: float, fmt: str) -> str:
-        low, high = (f"{v * scale:{fmt}}" for v in (min(f[key] for f in fits), max(f[key] for f in fits)))
-        return low if low == high else f"{low} to {high}"
+        return _span([f[key] * scale for f in fits], fmt, " to ")
 
     probes = ", ".join(p["label"] for p in fits[0]["probes"])
     plan_s = [r["plan_s"] for r in rounds if r.get("plan_s")]
-    took = f" Each plan took {min(plan_s):.0f}-{max(plan_s):.0f} s, probes included." if plan_s else ""
+    took = f" Each plan took {_span(plan_s, '.0f', '-')} s, probes included." if plan_s else ""
     return (f"Fitted per round to its probes ({probes}): forwards x{span('forward_scale', 1, '.2f')} and backwards "
             f"x{span('backward_scale', 1, '.2f')} their timings, {span('gap_s', 1e6, '+.0f')} us per action, the "
             f"rest of the step x{span('rest_scale', 1, '.2f')}.{took} ")
+
+
+def _span(values: Sequence[float], fmt: str, between: str) -> str:
+    """min-max of ``values`` as formatted, or the one value where both read the same."""
+    low, high = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return low if low == high else f"{low}{between}{high}"
 
 
 def _probe_noise(rounds: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -176,18 +177,20 @@ def solve_action_overhead(step_s: float, comm_s: float) -> float:
     return max(0.0, (step_s - base) / slope)
 
 
-def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20) -> Calibration:
+def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20,
+              cpus: Sequence[Sequence[int]] | None = None) -> Calibration:
     """Two ranks on this host, on ``device`` (``cpu``: gloo, forked where the runner would fork
-    them; ``cuda``: NCCL between GPUs 0 and 1): the message cost at 4 bytes and at
-    ``message_bytes`` or 4 MiB, whichever is larger (so that the transfer, not the noise, sets the
-    bandwidth), what a ``message_bytes`` message costs more while its sender computes, then the
-    runtime's per-action overhead and the co-running slowdown and jitter."""
+    them, pinned to ``cpus`` as its first two ranks would be; ``cuda``: NCCL between GPUs 0 and
+    1): the message cost at 4 bytes and at ``message_bytes`` or 4 MiB, whichever is larger (so
+    that the transfer, not the noise, sets the bandwidth), what a ``message_bytes`` message costs
+    more while its sender computes, then the runtime's per-action overhead and the co-running
+    slowdown and jitter."""
     bandwidth_bytes = max(message_bytes, 4 * 2**20)
     with tempfile.TemporaryDirectory(prefix="runner-calibrate-") as tmp:
         out = str(Path(tmp) / "result.pt")
         # Started as a run's ranks are: gloo bound to loopback, the calibration listens on no address.
         with spawn(2, _rank, max(message_bytes, 4), bandwidth_bytes, repeats, out, device=device, directory=Path(tmp),
-                   threads=1) as ranks:
+                   threads=1, cpus=cpus) as ranks:
             ranks.join()
         result = torch.load(out, weights_only=True)
     bandwidth = (bandwidth_bytes - 4) / max(result["transfer"], 1e-9)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
@@ -114,12 +113,15 @@ def _overrides(name: str, m: int, spr: int | None, csv: str | None, split_points
     return out + ([f"parallel.split_points=[{','.join(split_points)}]"] if split_points else [])
 
 
-def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str) -> Calibration:
-    """The configured message and action costs; whatever is null is measured on two ranks."""
+def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str,
+                 rank_cpus: Sequence[Sequence[int]] | None) -> Calibration:
+    """The configured message and action costs; whatever is null is measured on two ranks (on
+    the cores the run's first two ranks are pinned to)."""
     fields = ("latency_s", "bandwidth", "action_overhead_s", "corunning_slowdown", "busy_delay_s", "action_jitter")
     given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s,
              plan_cfg.corunning_slowdown, plan_cfg.comm_busy_delay_s, plan_cfg.action_jitter)
-    measured = calibrate(message_bytes, device=device) if None in given else None
+    measured = calibrate(message_bytes, device=device, cpus=rank_cpus[:2] if rank_cpus else None) \
+        if None in given else None
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
 
@@ -164,7 +166,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), the message
     and action costs used and the cost model fitted to the probes (None when no candidate got
     as far as a layout). ``launch`` (``runner.launch.launch``) runs the probes; without it the
-    plan has none. Probe runs and synthesized CSVs go into ``out``. With
+    plan has none. Probe runs and synthesized CSVs go into ``out`` (required for either). With
     ``plan.synthesize``, searched orders join the built-ins: one per microbatch count, placement
     (1 and 2 stages per rank, looped or V) and split, written as CSV files into ``out``.
 
@@ -172,7 +174,8 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
     update: what ``summary.json``'s ``step_time_s`` measures."""
-    out = out or Path(tempfile.mkdtemp(prefix="runner-plan-"))
+    if out is None and (launch is not None or cfg.plan.synthesize):
+        raise ValueError("plan(): probe runs and synthesized schedules are written into a directory: pass out=")
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
     ranks = cfg.parallel.pp * cfg.parallel.dp
     kind = resolve_device(cfg.device, ranks)
@@ -203,10 +206,11 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
         trial = copy.deepcopy(cfg)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
         try:
-            layout = validate(trial).layout  # a CSV that would deadlock fails here, in torch's dry run
+            resolved = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
         except ConfigError as e:
             own.reason = str(e).splitlines()[0]
             continue
+        layout = resolved.layout
         if spr is None:  # the run's CSV schedule (its file decides the stages per rank)
             assert layout.csv is not None  # validate() read the file
             order = csv_order(layout.csv)
@@ -215,7 +219,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
             order = schedule_order(name, layout.pp, m, spr)
         child = _child_costs(cfg, child_costs, m, device)
         if calibration is None or model is None:  # both at the first layout (set together)
-            calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind)
+            calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, resolved.rank_cpus)
             model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
         splits = [(own, layout)]
         # The run's split balances parameter counts; the one balancing measured time may differ
@@ -238,7 +242,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
                     family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
                     family["seeds"][name] = order
                     family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)
-    if cfg.plan.synthesize and calibration is not None and model is not None:
+    if cfg.plan.synthesize and calibration is not None and model is not None and out is not None:
         for (m, v_shape, _), family in families.items():
             for split, layout in family["layouts"].items():
                 child = child_costs[cfg.train.batch_size // (cfg.parallel.dp * m)]

@@ -238,14 +238,15 @@ def rest_s(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[s
 
 
 def fitted_model(cfg: DictConfig, calibration: Calibration, child_at: Callable[[int], Mapping[str, ChildCost]],
-                 out: Path, launch: Launch | None) -> Fit:
+                 out: Path | None, launch: Launch | None) -> Fit:
     """The cost model: fitted to ``plan.costs`` (a previous run), else to probes of this model
     (``plan.probe_seconds`` > 0), else the calibration alone. ``child_at(m)``: the child timings
-    at the microbatch size of m microbatches; ``launch`` runs the probes (None: no probes)."""
+    at the microbatch size of m microbatches; ``launch`` runs the probes in ``out`` (without
+    both: no probes)."""
     unfitted = Fit.unfitted(calibration)
     if cfg.plan.costs:
         runs = [read_run(cfg.plan.costs)]
-    elif cfg.plan.probe_seconds > 0 and launch is not None:
+    elif cfg.plan.probe_seconds > 0 and launch is not None and out is not None:
         runs = _probe(cfg, calibration, unfitted, child_at, out, launch)
     else:
         return unfitted
