@@ -140,10 +140,11 @@ class LaunchConfig:
     # Intra-op threads per rank; null = this host's cores divided among the ranks it runs.
     threads_per_rank: Optional[int] = None
     # Pin each rank's threads to cores of its own (consecutive blocks of the cores this process
-    # may use: `taskset -c` chooses which), so ranks neither share a core nor migrate (CPU runs
-    # on a 2-core host: steps 10-20% faster and steadier from run to run). null = pin CPU runs
-    # whose ranks fill those cores (one job at a time); true = pin, or a config error if the
-    # threads do not fit; false = leave placement to the OS.
+    # may use: `taskset -c` chooses which), so ranks neither share a core nor migrate (on a
+    # 2-core host, models with actions of a few ms stepped 8-18% faster and steadier; with
+    # 30-250 ms actions, no difference beyond run-to-run noise). null = pin CPU runs whose ranks
+    # fill those cores (one job at a time); true = pin, or a config error if the threads do not
+    # fit; false = leave placement to the OS.
     pin_cpus: Optional[bool] = None
     # Rendezvous: null = a file in the run directory (no port, no collisions); N = a TCP store on
     # 127.0.0.1:N hosted by the launcher (bound to loopback only).

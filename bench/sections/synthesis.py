@@ -5,6 +5,7 @@ against every built-in schedule's best plan, in alternating runs."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 from bench.common import MIB, SCHEDULES, median
@@ -51,7 +52,8 @@ def _synthesis_model(ctx: Context, name: str, model: Sequence[str], pp: int) -> 
         # Alternating: every config once per round, the order rotated so none always runs first.
         for i in range(len(configs)):
             config = configs[(i + r) % len(configs)]
-            run_dir = work / f"round{r}" / config["label"].replace("/", "-").replace(" ", "_")
+            # A label's "=" and "," would make hydra.run.dir=<dir> a key and a list.
+            run_dir = work / f"round{r}" / re.sub(r"[^\w.-]+", "_", config["label"])
             done = run_cli(ctx, *common, *config["overrides"], f"hydra.run.dir={run_dir}")
             run = ctx.mark(read_run(run_dir, done))
             config.setdefault("runs", []).append({**run, "steady_s": steady_s(run)})
