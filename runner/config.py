@@ -144,7 +144,7 @@ class LaunchConfig:
     # 2-core host, models with actions of a few ms stepped 8-18% faster and steadier; with
     # 30-250 ms actions, no difference beyond run-to-run noise). null = pin CPU runs whose ranks
     # fill those cores (one job at a time); true = pin, or a config error if the threads do not
-    # fit; false = leave placement to the OS.
+    # fit; false = leave placement to the OS. Ranks torchrun or SLURM started are theirs to place.
     pin_cpus: Optional[bool] = None
     # Rendezvous: null = a file in the run directory (no port, no collisions); N = a TCP store on
     # 127.0.0.1:N hosted by the launcher (bound to loopback only).

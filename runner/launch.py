@@ -25,7 +25,7 @@ from runner.console import console_for_run, console_listener, rank_logging, torc
 from runner.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.errors import ConfigError
 from runner.layout import RunPlan
-from runner.processes import pin_cpus, spawn, start_method
+from runner.processes import spawn, start_method
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.supervise import forward_signals, wait_for_ranks
 from runner.train import train
@@ -77,9 +77,7 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
             f"torchrun started {world} ranks but parallel.pp x parallel.dp = {plan.world_size}. "
             f"Fix: --nproc-per-node {plan.world_size}, or parallel.pp={world}."
         )
-    local_rank = local_rank_from_env()
-    device = pick_device(plan.device, local_rank=local_rank)
-    pinned = pin_cpus(plan.rank_cpus[local_rank]) if plan.rank_cpus else None
+    device = pick_device(plan.device, local_rank=local_rank_from_env())
     torch.set_num_threads(plan.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
     clock.mark("process_group")
@@ -90,8 +88,6 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
         run_dir = Path(box[0])
         plan = dataclasses.replace(plan, run_dir=run_dir)
         with torchrun_rank_log(rank, run_dir), console_for_run():
-            if pinned:
-                log.info(pinned)
             return train(plan, cfg, env, clock=clock).summary
     finally:
         cleanup()

@@ -25,6 +25,7 @@ from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size
 from runner.loggers import check_loggers
 from runner.options import allowed
+from runner.rank_env import under_torchrun
 from runner.schedules import CSV, SCHEDULES
 
 if TYPE_CHECKING:
@@ -287,9 +288,15 @@ def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
 
 
 def _rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -> tuple[tuple[int, ...], ...] | None:
-    """The cores each rank on this host is pinned to (``launch.pin_cpus``), or None: not pinned.
-    Consecutive blocks of ``threads`` cores, by local rank."""
+    """The cores each rank this runner spawns is pinned to (``launch.pin_cpus``), or None: not
+    pinned. Consecutive blocks of ``threads`` cores, by rank."""
     pin = cfg.launch.pin_cpus
+    if under_torchrun():
+        if pin:
+            raise ConfigError("launch.pin_cpus=true pins the ranks the runner starts itself; these ranks were "
+                              "started by torchrun (or SLURM). Fix: launch.pin_cpus=null, and place them with the "
+                              "launcher's own options (torchrun --numa-binding on GPUs) or numactl/taskset.")
+        return None
     if pin is False or ranks_on_host == 1 or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = _usable_cpus()

@@ -129,6 +129,8 @@ def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkey
     import runner.validate as v
 
     monkeypatch.setattr(v, "_usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
+    for key in ("LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):  # not under torchrun
+        monkeypatch.delenv(key, raising=False)
     assert validate(compose(*PP2)).rank_cpus == ((2, 3), (5, 7))  # 2 threads each, by default
     assert validate(compose(*PP2, "launch.threads_per_rank=1")).rank_cpus is None  # cores left: not unasked
     assert validate(compose(*PP2, "launch.threads_per_rank=1", "launch.pin_cpus=true")).rank_cpus == ((2,), (3,))
@@ -137,6 +139,12 @@ def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkey
     with pytest.raises(ConfigError, match=r"launch.pin_cpus=true: 2 ranks x 3 threads .* need 6 cores, and this "
                                           r"process may use 4. Fix: a smaller launch.threads_per_rank"):
         validate(compose(*PP2, "launch.threads_per_rank=3", "launch.pin_cpus=true"))
+    with monkeypatch.context() as torchrun:  # torchrun (or SLURM) started the ranks: it places them
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+            torchrun.setenv(key, value)
+        assert validate(compose(*PP2)).rank_cpus is None
+        with pytest.raises(ConfigError, match="launch.pin_cpus=true pins the ranks the runner starts itself.*Fix: "):
+            validate(compose(*PP2, "launch.pin_cpus=true"))
     resolved = validate(compose(*PP2)).resolved_values()
     assert resolved["launch.pin_cpus"] is True and resolved["launch.threads_per_rank"] == 2
 
