@@ -38,8 +38,7 @@ from runner.clock import StartupClock
 from runner.dist import cleanup, init_distributed, pick_device
 from runner.errors import ConfigError, interrupted_exit_code
 
-__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "pin_cpus", "Ranks", "stop",
-           "raise_if_stopped"]
+__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ class _RankSetup:
     clock: StartupClock | None
 
 
-def pin_cpus(cpus: Iterable[int]) -> str:
+def _pin_cpus(cpus: Iterable[int]) -> str:
     """Run this process, and the threads it starts from now on, on these cores only; returns the
     cores it now runs on, as a line for the log."""
     os.sched_setaffinity(0, set(cpus))
@@ -170,7 +169,7 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
     """Entry of each spawned rank process: join the process group, run ``fn``, leave it."""
     _die_with_launcher(setup.launcher_pid)
     # Before any thread starts (threads inherit it); logged once the rank's logging is set up.
-    pinned = pin_cpus(setup.cpus[rank]) if setup.cpus else None
+    pinned = _pin_cpus(setup.cpus[rank]) if setup.cpus else None
     _stop_on_signals()
     # A rank that dies in native code (an abort in a library, a segfault) shows every thread's
     # Python stack on its stderr, not only the launcher's "terminated with signal".

@@ -291,27 +291,22 @@ def _rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -
     """The cores each rank this runner spawns is pinned to (``launch.pin_cpus``), or None: not
     pinned. Consecutive blocks of ``threads`` cores, by rank."""
     pin = cfg.launch.pin_cpus
-    if under_torchrun():
-        if pin:
-            raise ConfigError("launch.pin_cpus=true pins the ranks the runner starts itself; these ranks were "
-                              "started by torchrun (or SLURM). Fix: launch.pin_cpus=null, and place them with the "
-                              "launcher's own options (torchrun --numa-binding on GPUs) or numactl/taskset.")
-        return None
-    if pin is False or ranks_on_host == 1 or not hasattr(os, "sched_setaffinity"):
+    if under_torchrun() and pin:
+        raise ConfigError("launch.pin_cpus=true pins the ranks the runner starts itself; these ranks were "
+                          "started by torchrun (or SLURM). Fix: launch.pin_cpus=null, and place them with the "
+                          "launcher's own options (torchrun --numa-binding on GPUs) or numactl/taskset.")
+    if under_torchrun() or pin is False or ranks_on_host == 1 or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = _usable_cpus()
-    # Unasked, only where this job's ranks fill the cores: other jobs would be pinned to the same
-    # first cores while the rest stay idle (a parallel sweep's, another user's). GPU runs' host
-    # threads are left to the OS.
+    # Unasked, only where this job's ranks fill the cores: other jobs would be pinned to the same first
+    # cores while the rest stay idle (a parallel sweep's, another user's). GPU runs' host threads: the OS's.
     if pin is None and (device != "cpu" or _concurrent_jobs() > 1 or len(cpus) // threads != ranks_on_host):
         return None
-    if ranks_on_host * threads > len(cpus):
-        if pin:
-            raise ConfigError(
-                f"launch.pin_cpus=true: {ranks_on_host} ranks x {threads} threads (launch.threads_per_rank) need "
-                f"{ranks_on_host * threads} cores, and this process may use {len(cpus)}. Fix: a smaller "
-                "launch.threads_per_rank, or launch.pin_cpus=null to pin only where the threads fit.")
-        return None
+    if ranks_on_host * threads > len(cpus):  # asked for (unasked, the ranks fill the cores exactly)
+        raise ConfigError(
+            f"launch.pin_cpus=true: {ranks_on_host} ranks x {threads} threads (launch.threads_per_rank) need "
+            f"{ranks_on_host * threads} cores, and this process may use {len(cpus)}. Fix: a smaller "
+            "launch.threads_per_rank, or launch.pin_cpus=null to pin only where the threads fit.")
     return tuple(tuple(cpus[r * threads:(r + 1) * threads]) for r in range(ranks_on_host))
 
 
