@@ -31,7 +31,7 @@ from runner.schedules import CSV, SCHEDULES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_config", "validate"]
+__all__ = ["check_config", "usable_cpus", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _concurrent_jobs() -> int:
     return n_jobs if n_jobs > 0 else os.cpu_count() or 1
 
 
-def _usable_cpus() -> list[int]:
+def usable_cpus() -> list[int]:
     """The cores this process may run on (a container's or taskset's share, not the host's count)."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -284,7 +284,7 @@ def _usable_cpus() -> list[int]:
 def _threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
     """Ranks on one host, of every job running at once, share its cores: oversubscribed
     intra-op threads slow every rank down."""
-    return cfg.launch.threads_per_rank or max(1, len(_usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
+    return cfg.launch.threads_per_rank or max(1, len(usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
 
 
 def _rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -> tuple[tuple[int, ...], ...] | None:
@@ -297,7 +297,7 @@ def _rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -
                           "launcher's own options (torchrun --numa-binding on GPUs) or numactl/taskset.")
     if under_torchrun() or pin is False or ranks_on_host == 1 or not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = _usable_cpus()
+    cpus = usable_cpus()
     # Unasked, only where this job's ranks fill the cores: other jobs would be pinned to the same first
     # cores while the rest stay idle (a parallel sweep's, another user's). GPU runs' host threads: the OS's.
     if pin is None and (device != "cpu" or _concurrent_jobs() > 1 or len(cpus) // threads != ranks_on_host):

@@ -104,7 +104,7 @@ def test_plan_also_tries_the_split_that_balances_measured_time(monkeypatch):
 
 
 def test_plan_warns_when_ranks_outnumber_the_cores_or_the_host_is_busy(monkeypatch, caplog):
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # this process may use one core
     monkeypatch.setattr("os.getloadavg", lambda: (4.0, 3.0, 2.0))
     plan(compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1"))
     assert "2 ranks on 1 CPU cores take turns" in caplog.text

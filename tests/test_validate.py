@@ -128,7 +128,7 @@ def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(t
 def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkeypatch):
     import runner.validate as v
 
-    monkeypatch.setattr(v, "_usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
+    monkeypatch.setattr(v, "usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
     for key in ("LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):  # not under torchrun
         monkeypatch.delenv(key, raising=False)
     assert validate(compose(*PP2)).rank_cpus == ((2, 3), (5, 7))  # 2 threads each, by default

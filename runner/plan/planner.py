@@ -37,7 +37,7 @@ from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
 from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
-from runner.validate import validate
+from runner.validate import usable_cpus, validate
 
 __all__ = ["Candidate", "PlanResult", "plan"]
 
@@ -180,7 +180,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     ranks = cfg.parallel.pp * cfg.parallel.dp
     kind = resolve_device(cfg.device, ranks)
     device = pick_device(kind, 0)
-    cores = os.cpu_count() or 1
+    cores = len(usable_cpus())  # this process's share of the host (taskset, a container's cpuset)
     if kind == "cpu" and ranks > cores:
         log.warning("%d ranks on %d CPU cores take turns on the cores, which the planner does not simulate: its "
                     "step times assume a core per rank and will read low. Plan on a host with a core per rank.",
