@@ -121,7 +121,7 @@ def chunks(blocks: Iterable[tuple[str, bool]], cap: int) -> Iterator[tuple[str, 
     rest = ""
     for block, ends in blocks:
         rest += block
-        while len(rest) > cap:
+        while len(rest) > cap + (not ends):  # within a document, what follows a space at ``cap`` is known
             cut = _cut(rest, cap)
             yield rest[:cut or cap], False, "space" if cut else "forced"
             rest = rest[cut or cap:]
@@ -133,9 +133,9 @@ def chunks(blocks: Iterable[tuple[str, bool]], cap: int) -> Iterator[tuple[str, 
 
 
 def _cut(text: str, cap: int) -> int:
-    """The last position ``p <= cap`` (``len(text) > cap``) where ``text[p]`` is a space and
-    ``text[p + 1]`` is not whitespace; 0 if there is none."""
-    p = text.rfind(" ", 1, cap + 1)
+    """The last position ``0 < p <= cap`` where ``text[p]`` is a space and ``text[p + 1]`` is not
+    whitespace; 0 if there is none."""
+    p = text.rfind(" ", 1, min(cap, len(text) - 2) + 1)
     while p > 0:
         if not text[p + 1].isspace():
             return p

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -72,6 +73,10 @@ def spy_encode(monkeypatch) -> list[list[str]]:
 
 @pytest.mark.parametrize("kind", ["bpe", "byte_level", "metaspace"])
 def test_pieces_cut_before_a_space_give_exactly_the_whole_documents_ids(tmp_path, tokenizers, kind, monkeypatch):
+    for cap in (13, 50, 97):  # cuts at other places
+        tokens = cached(corpus(tmp_path), tokenizers[kind], tmp_path / f"cache{cap}", chunk_chars=cap, block=7)
+        assert tokens.tolist() == whole(tokenizers[kind], DOCUMENTS), cap
+        assert "forced" not in [cut for _, _, cut in chunks(((d, True) for d in DOCUMENTS), cap)]
     calls = spy_encode(monkeypatch)
     tokens = cached(corpus(tmp_path), tokenizers[kind], tmp_path / "cache", chunk_chars=29, block=11)
     assert tokens.tolist() == whole(tokenizers[kind], DOCUMENTS)
@@ -84,6 +89,27 @@ def test_pieces_cut_before_a_space_give_exactly_the_whole_documents_ids(tmp_path
     after_cut = [following for (_, _, cut), (following, _, _) in zip(pieces, pieces[1:]) if cut]
     assert len(after_cut) > 50 and all(t[0] == " " and not t[1].isspace() for t in after_cut)  # " word"
     assert token_cache._chunk_safe(load_tokenizer(tokenizers[kind]))
+
+
+def test_pieces_keep_every_character_stay_under_the_cap_and_are_forced_only_without_a_space_before_a_word():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(["a", "bc", " ", "  ", "\n", "\t", "é"]) for _ in range(rng.randrange(0, 80)))
+        cap, cuts = rng.randrange(2, 12), sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        blocks = [(text[a:b], False) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [("", True)]
+        pieces = list(chunks(blocks, cap))
+        assert "".join(t for t, _, _ in pieces) == text and pieces[-1][1:] == (True, "")
+        assert all(len(t) <= cap for t, _, _ in pieces), (text, cap)
+        start = 0
+        for (piece, _, cut), (following, _, _) in zip(pieces, pieces[1:]):
+            start += len(piece)
+            if cut == "space":
+                assert following[0] == " " and not following[1].isspace()
+            else:  # forced: no space before a word anywhere in the window it was cut from
+                window = text[start - len(piece):start + 1]
+                assert cut == "forced" and not re.search(r"(?<=.) (?=\S)", window), (text, cap, piece)
 
 
 def test_a_tokenizer_that_prepends_to_every_text_is_found_out_and_its_cuts_are_warned_about(tmp_path, tokenizers,
@@ -235,9 +261,15 @@ def test_no_partial_file_survives_a_failure_and_those_of_killed_runs_are_removed
 
 
 def test_a_cache_directory_that_cannot_be_written_is_one_error_naming_it_and_the_key(tmp_path, tokenizers):
+    from runner.data import build_dataset
+
+    from helpers.config import compose
+
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError) as e:
-        cached(corpus(tmp_path), tokenizers["bpe"], tmp_path / "file" / "cache")
+    cfg = compose("data=text", f"data.path={corpus(tmp_path)}", f"data.tokenizer={tokenizers['bpe']}",
+                  f"data.cache_dir={tmp_path / 'file' / 'cache'}")
+    with pytest.raises(ConfigError) as e:  # as the launcher builds the dataset: our error, not a wrapped one
+        build_dataset(cfg.data, seed=0)
     assert str(e.value).startswith(f"The token cache directory {str(tmp_path / 'file' / 'cache')!r} "
                                    "(data.cache_dir) cannot be written: Not a directory")
     assert "Fix: data.cache_dir=<a writable directory" in str(e.value) and "\n" not in str(e.value)
