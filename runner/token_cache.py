@@ -232,7 +232,11 @@ def _problem(target: Path, expected: dict, vocab: int) -> str | None:
     if not isinstance(manifest.get("sha256"), str):
         return f"has no sha256 in its manifest {manifest_file.name}"
     if _recall(identity) != manifest["sha256"]:  # not verified by this run yet (or changed since)
-        if _file_sha256(target) != manifest.get("sha256"):
+        try:
+            digest = _file_sha256(target)
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if digest != manifest["sha256"]:
             return f"does not match the sha256 in its manifest {manifest_file.name} (its ids were altered)"
         _remember(identity, manifest["sha256"])
     return None

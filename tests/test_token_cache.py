@@ -273,6 +273,14 @@ def test_a_cache_directory_that_cannot_be_written_is_one_error_naming_it_and_the
     assert str(e.value).startswith(f"The token cache directory {str(tmp_path / 'file' / 'cache')!r} "
                                    "(data.cache_dir) cannot be written: Not a directory")
     assert "Fix: data.cache_dir=<a writable directory" in str(e.value) and "\n" not in str(e.value)
+    def disk_full(tokenizer, texts):
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as m:  # the disk fills while the cache is written
+        m.setattr(token_cache, "_encode", disk_full)
+        with pytest.raises(ConfigError, match=r"'.*cache' \(data.cache_dir\) cannot be written: No space left"):
+            cached(corpus(tmp_path), tokenizers["bpe"], tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing partial left
     if os.geteuid() == 0:
         pytest.skip("root writes into a read-only directory")
     read_only = tmp_path / "read-only"
