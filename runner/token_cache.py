@@ -33,8 +33,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from runner.cache_files import default_cache_dir, file_identity
 from runner.errors import ConfigError
-from runner.tokens import default_cache_dir, file_identity, load_tokenizer
 
 __all__ = ["tokenize_to_cache", "chunks", "source_key", "tokenizer_digest", "CHUNK_CHARS"]
 
@@ -53,13 +53,13 @@ _PROBE = ("The  pipeline\n stage   runs\n\nevery it's 12 345.6 café  naïve\tan
 _WEIGHTS = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt"}
 
 
-def tokenize_to_cache(pieces: Iterable[tuple[str, bool]], *, files: Sequence[Path], tokenizer_dir: str,
+def tokenize_to_cache(pieces: Iterable[tuple[str, bool]], *, files: Sequence[Path], tokenizer, tokenizer_dir: str,
                       cache_dir: str | None, extra: str = "", by_content: bool = False,
                       chunk_chars: int = CHUNK_CHARS) -> tuple[np.ndarray, int]:
     """Token ids of the documents in ``pieces`` (text, and whether a document ends with it; the
-    tokenizer's EOS follows each document), as a memory map of the cache file for ``files`` and the
-    tokenizer: verified against its manifest, or (re)built. Returns the ids and the vocabulary size."""
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer's EOS follows each document), as a memory map of the cache file for ``files`` and
+    ``tokenizer`` (loaded from ``tokenizer_dir``): verified against its manifest, or (re)built.
+    Returns the ids and the vocabulary size."""
     vocab = len(tokenizer)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()

@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 
+from runner.cache_files import default_cache_dir, file_identity
 from runner.errors import ConfigError
 
 __all__ = ["TokenStream", "window_index", "open_tokens", "load_tokenizer", "tokenizer_vocab",
@@ -100,17 +100,6 @@ def open_tokens(path: str, dtype: str) -> np.ndarray:
         raise ConfigError(f"data.path={path!r}: {file.stat().st_size} bytes is not a whole number of {dtype} tokens. "
                           "Fix: the data.dtype it was written with.")
     return np.memmap(file, dtype=DTYPES[dtype], mode="r")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / "tokens"
-
-
-def file_identity(file: Path) -> str:
-    """What changes whenever a file's bytes may have: its path, device, inode, size, modification and
-    change times (``cp -p``, ``rsync -t`` and ``tar`` keep a modification time, never a change time)."""
-    st = file.stat()
-    return f"{file.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
 def load_tokenizer(path: str):

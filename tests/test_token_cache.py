@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -58,7 +56,8 @@ def corpus(tmp_path, documents=DOCUMENTS):
 
 def cached(path, tokenizer_dir, cache, *, chunk_chars=token_cache.CHUNK_CHARS, by_content=False, block=64):
     files, pieces = text_documents(str(path), chunk_chars=block)
-    tokens, _ = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer_dir, cache_dir=str(cache),
+    tokens, _ = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer_dir),
+                                  tokenizer_dir=tokenizer_dir, cache_dir=str(cache),
                                   extra="text", by_content=by_content, chunk_chars=chunk_chars)
     return tokens
 
@@ -245,12 +244,15 @@ def test_no_partial_file_survives_a_failure_and_those_of_killed_runs_are_removed
         raise RuntimeError("the source went away")
 
     with pytest.raises(RuntimeError, match="went away"):
-        tokenize_to_cache(failing(), files=[corpus(tmp_path)], tokenizer_dir=tokenizers["bpe"], cache_dir=str(cache))
+        tokenize_to_cache(failing(), files=[corpus(tmp_path)], tokenizer=load_tokenizer(tokenizers["bpe"]),
+                          tokenizer_dir=tokenizers["bpe"], cache_dir=str(cache))
     assert list(cache.iterdir()) == []
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    dead = os.fork()  # a process that has ended: its id names no process now
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
     host = token_cache.socket.gethostname()
-    killed = cache / f".x.uint16~{host}~{dead.pid}~abcd1234.partial"  # a run killed while tokenizing
+    killed = cache / f".x.uint16~{host}~{dead}~abcd1234.partial"  # a run killed while tokenizing
     running = cache / f".y.uint16~{host}~{os.getpid()}~abcd1234.partial"  # one still tokenizing
     old = cache / ".z.uint16.1234abcd.partial"  # an older runner's, two days old
     for file in (killed, running, old):
