@@ -174,8 +174,8 @@ def _build(pieces: Iterable[tuple[str, bool]], tokenizer, target: Path, dtype: n
     """Write the cache file beside ``target`` and rename it into place; a failure leaves no
     partial file behind. Returns its manifest's numbers."""
     _remove_stale_partials(target.parent)
-    partial = target.with_name(f".{target.name}~{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.partial")
-    digest, tokens, lo, hi, cuts = hashlib.sha256(), 0, None, None, Counter[str]()
+    partial = _partial(target)
+    digest, tokens, lo, hi, cuts = hashlib.sha256(), 0, 1 << 32, -1, Counter[str]()
     try:
         with open(partial, "wb") as out:
             for group in _batched(chunks(pieces, cap), cap):
@@ -185,8 +185,7 @@ def _build(pieces: Iterable[tuple[str, bool]], tokenizer, target: Path, dtype: n
                     digest.update(array.tobytes())
                     tokens, cuts[cut] = tokens + array.size, cuts[cut] + 1
                     if array.size:
-                        lo = min(int(array.min()), lo if lo is not None else 1 << 32)
-                        hi = max(int(array.max()), hi if hi is not None else -1)
+                        lo, hi = min(int(array.min()), lo), max(int(array.max()), hi)
         os.replace(partial, target)
     except OSError as e:
         if e.filename is not None and Path(e.filename).parent != target.parent:  # a source, not the cache
@@ -196,8 +195,8 @@ def _build(pieces: Iterable[tuple[str, bool]], tokenizer, target: Path, dtype: n
     finally:
         partial.unlink(missing_ok=True)
     _warn_cuts(cuts, tokenizer, tokenizer_dir, cap)
-    return {"tokens": tokens, "bytes": tokens * dtype.itemsize, "sha256": digest.hexdigest(), "min_id": lo,
-            "max_id": hi}
+    return {"tokens": tokens, "bytes": tokens * dtype.itemsize, "sha256": digest.hexdigest(),
+            "min_id": lo if tokens else None, "max_id": hi if tokens else None}
 
 
 def _warn_cuts(cuts: Counter, tokenizer, tokenizer_dir: str, cap: int) -> None:
@@ -244,7 +243,7 @@ def _problem(target: Path, expected: dict, vocab: int) -> str | None:
 
 def _write_manifest(target: Path, manifest: dict) -> None:
     file = target.with_name(target.name + ".json")
-    partial = file.with_name(f".{file.name}~{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.partial")
+    partial = _partial(file)
     try:
         partial.write_text(json.dumps(manifest, indent=1))
         os.replace(partial, file)
@@ -252,6 +251,12 @@ def _write_manifest(target: Path, manifest: dict) -> None:
         raise _cache_error(target.parent, e) from e
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _partial(file: Path) -> Path:
+    """Where ``file`` is written before it is renamed into place: hidden, named by host and process
+    (so that a later build knows whether its writer is gone)."""
+    return file.with_name(f".{file.name}~{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:8]}.partial")
 
 
 def _prepare(cache: Path) -> None:
