@@ -289,6 +289,9 @@ class TextDataConfig:
     vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},256")  # the tokenizer's, or 256 bytes
     val_fraction: float = 0.1  # the tail of the token stream held out for evaluation
     cache_dir: Optional[str] = None  # tokenized files; null = $XDG_CACHE_HOME/runner/tokens
+    # Key the token cache by a SHA-256 of the sources' bytes (read once per run), not by their path,
+    # inode, size and times: a copy or a touch reuses it, and any edit is caught even where times lie.
+    cache_by_content: bool = False
 
 
 @dataclass
@@ -302,6 +305,7 @@ class HFDataConfig:
     vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},null")
     val_fraction: float = 0.01
     cache_dir: Optional[str] = None
+    cache_by_content: bool = False  # as data=text's: the token cache keyed by the sources' bytes
 
 
 @dataclass

@@ -17,7 +17,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError
-from runner.tokens import TokenStream, dataset_documents, open_tokens, text_documents, tokenize_to_cache
+from runner.token_cache import tokenize_to_cache
+from runner.tokens import TokenStream, dataset_documents, load_tokenizer, open_tokens, text_documents
 
 __all__ = ["SPLITS", "build_dataset", "get_batch", "SyntheticData", "TextData", "HFData", "TokensData"]
 
@@ -86,7 +87,7 @@ class TextData(TokenStream):
     (``runner.tokens``); the last ``val_fraction`` is held out for evaluation."""
 
     def __init__(self, *, path: str, vocab_size: int | None, seed: int, val_fraction: float = 0.1,
-                 tokenizer: str | None = None, cache_dir: str | None = None):
+                 tokenizer: str | None = None, cache_dir: str | None = None, cache_by_content: bool = False):
         if tokenizer is None:
             file = Path(path).expanduser()
             if not file.is_file():
@@ -98,8 +99,9 @@ class TextData(TokenStream):
             tokens = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
         else:
             files, pieces = text_documents(path)
-            tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
-                                              extra="text")
+            tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer),
+                                              tokenizer_dir=tokenizer, cache_dir=cache_dir, extra="text",
+                                              by_content=cache_by_content)
             _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
             vocab_size = vocab_size or vocab
         super().__init__(tokens, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size, source=path)
@@ -110,10 +112,11 @@ class HFData(TokenStream):
     is a document, tokenized with ``data.tokenizer`` (once, cached) and packed with EOS between."""
 
     def __init__(self, *, path: str, tokenizer: str, seed: int, field: str = "text", vocab_size: int | None = None,
-                 val_fraction: float = 0.01, cache_dir: str | None = None):
+                 val_fraction: float = 0.01, cache_dir: str | None = None, cache_by_content: bool = False):
         files, pieces = dataset_documents(path, field, cache_dir)
-        tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
-                                          extra=f"hf/{field}")
+        tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer),
+                                          tokenizer_dir=tokenizer, cache_dir=cache_dir, extra=f"hf/{field}",
+                                          by_content=cache_by_content)
         _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
         super().__init__(tokens, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size or vocab, source=path)
 

@@ -5,7 +5,8 @@ memory map, and batches are windows of it.
   corpora are kept;
 * ``data=text`` with ``data.tokenizer``, and ``data=hf`` (json/jsonl/parquet/arrow/csv through
   ``datasets``): documents are tokenized once, the tokenizer's EOS after each, into a cache file
-  keyed by the sources and the tokenizer; later runs (and every rank) map the cached file.
+  keyed by the sources and the tokenizer (``runner.token_cache``); later runs (and every rank) map
+  the cached file.
 
 Windows of ``seq_len + 1`` tokens tile the stream (documents are packed across window edges); the
 last ``val_fraction`` of it is held out. Sample ``n`` of a split is window ``perm(n mod W)`` of
@@ -19,18 +20,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-import re
-import uuid
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from runner.cache_files import default_cache_dir, file_identity
 from runner.errors import ConfigError
 
-__all__ = ["TokenStream", "window_index", "open_tokens", "tokenize_to_cache", "load_tokenizer", "tokenizer_vocab",
+__all__ = ["TokenStream", "window_index", "open_tokens", "load_tokenizer", "tokenizer_vocab",
            "text_documents", "dataset_documents", "default_cache_dir"]
 
 log = logging.getLogger(__name__)
@@ -103,10 +102,6 @@ def open_tokens(path: str, dtype: str) -> np.ndarray:
     return np.memmap(file, dtype=DTYPES[dtype], mode="r")
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / "tokens"
-
-
 def load_tokenizer(path: str):
     """A local Hugging Face tokenizer directory (nothing is downloaded)."""
     try:
@@ -145,59 +140,6 @@ def tokenizer_vocab(path: str | None, default: int | None) -> int | None:
             return None
 
 
-def _source_key(files: Sequence[Path], tokenizer_dir: str, extra: str) -> str:
-    h = hashlib.sha256(extra.encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    for f in sorted(Path(tokenizer_dir).expanduser().iterdir()):
-        if f.is_file():
-            h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()[:24]
-
-
-def tokenize_to_cache(pieces: Iterable[tuple[str, bool]], *, files: Sequence[Path], tokenizer_dir: str,
-                      cache_dir: str | None, extra: str = "", batch: int = 256) -> tuple[np.ndarray, int]:
-    """Token ids of the text ``pieces`` (a text, and whether a document ends with it; the
-    tokenizer's EOS follows each document), as a memory map of a cache file named by the sources
-    and the tokenizer: written once (atomically, by a rename), then reused. Returns the tokens and
-    the tokenizer's vocabulary size."""
-    tokenizer = load_tokenizer(tokenizer_dir)
-    vocab = len(tokenizer)
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = cache / f"{_source_key(files, tokenizer_dir, extra)}.{np.dtype(dtype).name}"
-    if not target.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
-        log.info("tokenizing %s%s into %s", ", ".join(str(f) for f in files[:3]), " …" if len(files) > 3 else "",
-                 target)
-        count = 0
-        try:
-            with open(partial, "wb") as out:
-                for group in _batched(pieces, batch):
-                    ids = tokenizer([text for text, _ in group], add_special_tokens=False)["input_ids"]
-                    for piece, (_, ends) in zip(ids, group):
-                        out.write(np.asarray(piece + [tokenizer.eos_token_id] * ends, dtype=dtype).tobytes())
-                        count += len(piece) + ends
-            partial.rename(target)
-        finally:
-            partial.unlink(missing_ok=True)
-        log.info("%d tokens", count)
-    return np.memmap(target, dtype=dtype, mode="r"), vocab
-
-
-def _batched(items: Iterable, size: int) -> Iterator[list]:
-    group = []
-    for item in items:
-        group.append(item)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
 def _files(path: str, key: str = "data.path") -> list[Path]:
     p = Path(path).expanduser()
     files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")) if p.is_dir() else (
@@ -207,26 +149,17 @@ def _files(path: str, key: str = "data.path") -> list[Path]:
     return files
 
 
-# A chunk ends at a newline before a non-space: tokenizers' pre-tokenizers split there anyway,
-# so tokenizing a document chunk by chunk gives the ids of the whole.
-_CHUNK_END = re.compile(r"\n(?=\S)")
-
-
 def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
-    """Each file under ``path`` is a document, read in chunks (never a whole file at once)."""
+    """Each file under ``path`` is a document, read in blocks of ``chunk_chars`` characters (never a
+    whole file at once; ``runner.token_cache`` cuts the pieces it tokenizes)."""
     files = _files(path)
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for file in files:
             with open(file, encoding="utf-8", errors="replace") as f:
-                rest = ""
                 while block := f.read(chunk_chars):
-                    text = rest + block
-                    cuts = [m.end() for m in _CHUNK_END.finditer(text)]
-                    text, rest = (text[:cuts[-1]], text[cuts[-1]:]) if cuts else ("", text)
-                    if text:
-                        yield text, False
-                yield rest, True
+                    yield block, False
+                yield "", True
 
     return files, pieces()
 
@@ -243,7 +176,9 @@ def dataset_documents(path: str, field: str, cache_dir: str | None) -> tuple[lis
         import datasets
     except ImportError as e:
         raise ConfigError("data=hf needs datasets (not installed). Fix: pip install -e '.[hf]'.") from e
-    cache = str((Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "datasets")
+    # datasets keys its Arrow copy by path and modification time: one directory per identity of the sources.
+    identity = hashlib.sha256("\n".join(file_identity(f) for f in files).encode()).hexdigest()[:16]
+    cache = str((Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "datasets" / identity)
     ds = datasets.load_dataset(formats.pop(), data_files=[str(f) for f in files], split="train", cache_dir=cache)
     if field not in ds.column_names:
         raise ConfigError(f"data.field={field!r} is not a column of data.path={path!r} (columns: "

@@ -60,6 +60,46 @@ def write_tokenizer(directory: Path) -> Path:
     return directory
 
 
+TOKENIZER_KINDS = ("bpe", "byte_level", "metaspace", "prepend")
+
+
+def write_trained_tokenizer(directory: Path, kind: str) -> Path:
+    """A small tokenizer of ``kind`` trained on a fixed corpus: ``bpe`` (BPE over whitespace-split
+    words), ``byte_level`` (GPT-2's byte-level BPE), ``metaspace`` (a SentencePiece-style Unigram
+    with the Metaspace pre-tokenizer) or ``prepend`` (Llama-2's legacy normalizer, which prepends
+    '▁' to every text it is given)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = ("the a pipeline stage runs every microbatch forward and backward while another rank waits 12 3.5 "
+             "it's don't café naïve 東京 (x) a-b").split()
+    corpus = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(24)) for i in range(120)]
+    if kind == "byte_level":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    elif kind == "metaspace":
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=150, special_tokens=specials, unk_token="<unk>")
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        if kind == "bpe":
+            tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        else:
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(directory)
+    return directory
+
+
 def hf_training(cfg: DictConfig, steps: int) -> dict:
     """transformers' own model (the class itself, with the run's initial weights) trained as the
     runner trains: the same batches, microbatches, AdamW groups, LR schedule and global clip."""
