@@ -78,6 +78,18 @@ def _check_tokenizer(cfg: DictConfig, path: Path, state: dict) -> None:
                       "this tokenizer on purpose.")
 
 
+def _by_module(names: list[str], model: dict) -> dict[str, int]:
+    """``names`` counted by the outermost module the model lacks (``block5``, ``model.layers.3``)."""
+    prefixes = {".".join(n.split(".")[:i]) for n in model for i in range(1, n.count(".") + 2)}
+    counts: dict[str, int] = {}
+    for name in sorted(names):
+        parts = name.split(".")
+        module = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in prefixes),
+                      name)
+        counts[module] = counts.get(module, 0) + 1
+    return counts
+
+
 def _check_tensors(cfg: DictConfig, path: Path, build_meta_model: Callable[..., Any]) -> None:
     """Every model tensor of the checkpoint exists in the configured model, with its shape."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -92,11 +104,11 @@ def _check_tensors(cfg: DictConfig, path: Path, build_meta_model: Callable[..., 
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     model = {n: tuple(t.shape) for n, t in
              build_meta_model(cfg.model, cfg.parallel.get("stage_modules")).module.state_dict(keep_vars=True).items()}
-    lacks = sorted(n for n in saved if n not in model)
+    lacks = _by_module([n for n in saved if n not in model], model)
     shapes = [f"{n} {saved[n]} (the model's {model[n]})" for n in sorted(saved) if n in model and saved[n] != model[n]]
     if lacks or shapes:
-        more = " …" if len(lacks) > 6 else ""
-        found = (f"{len(lacks)} tensors the configured model lacks ({', '.join(lacks[:6])}{more})"
+        listed = ", ".join(f"{m} ({k} tensors)" if k > 1 else m for m, k in list(lacks.items())[:8])
+        found = (f"{sum(lacks.values())} tensors the configured model lacks: {listed}{' …' if len(lacks) > 8 else ''}"
                  if lacks else f"tensors of other shapes: {', '.join(shapes[:4])}")
         raise ConfigError(f"checkpoint.resume: {path} holds {found}; resuming would drop or mangle trained weights "
                           "and their optimizer state. Fix: the model config the checkpoint was trained with (the same "
