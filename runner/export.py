@@ -142,13 +142,13 @@ def _into_place(new: Path, out: Path) -> None:
         return
     old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
     signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # no window without either directory in place
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # not stopped between the renames, nor leaving `old`
     try:
         out.rename(old)
         new.rename(out)
+        shutil.rmtree(old)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-    shutil.rmtree(old)
 
 
 def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size: str = "5GB",

@@ -135,3 +135,14 @@ def test_a_command_refused_because_its_run_directory_is_in_use_writes_nothing_in
     assert "Traceback" not in done.stderr
     after = {p.name: p.read_bytes() for p in live.rglob("*") if p.is_file()}
     assert after == {**before, ".runner.lock": b""}  # the lock file the live run holds, as it was
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_verify_on_a_pipelined_resume_reads_the_checkpoint_on_rank_0_alone(saved, tmp_path):
+    from runner.launch import launch
+
+    cfg = compose(*TINY, "parallel.pp=2", "parallel.microbatches=2", "train.batch_size=4", "train.steps=3",
+                  "verify=true", f"checkpoint.resume={saved}")
+    summary = launch(cfg, tmp_path / "pp2")
+    assert summary is not None and summary["first_step"] == 3 and summary["verify"]["passed"]
