@@ -172,7 +172,8 @@ class Checkpointer:
         ``model.path`` (export never writes over it)."""
         self.every, self.keep = cfg.every, cfg.keep
         self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
-        self.model_path = run_config.model.get("path") if run_config is not None else None
+        model_path = run_config.model.get("path") if run_config is not None else None
+        self.model_path = str(Path(model_path).expanduser().resolve()) if model_path else None
         self.dir = run_dir / "checkpoints"
         self.env = env
         self.model = _named(modules)
