@@ -194,3 +194,15 @@ def test_a_failed_or_killed_export_leaves_the_target_as_it_was(trained, tmp_path
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert _listing(target) == before and sorted(p.name for p in tmp_path.iterdir()) == ["previous"]
+
+
+def test_without_a_recorded_model_path_the_runs_resolved_config_names_it(trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    state_file = run / "checkpoints" / "step-2" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    del state["model_path"]  # as saved before checkpoints recorded it
+    state_file.write_text(json.dumps(state))
+    assert f"path: {trained / 'model'}" in (run / "resolved_config.yaml").read_text()
+    assert _main(str(run), str(trained / "model"), "--overwrite") == 2
+    assert "would write over the run's own model.path" in capsys.readouterr().err
