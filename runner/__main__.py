@@ -27,6 +27,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.checkpoint_files import RunDirInUseError
 from runner.clock import StartupClock
 from runner.config import config_dir  # also registers the config schemas
 from runner.errors import EXIT_CONFIG, EXIT_FAILED, RunnerError, exit_code
@@ -34,6 +35,7 @@ from runner.outputs import format_table
 from runner.provenance import versions
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.report import ERROR_FILE, write_report
+from runner.rundir import Rejected
 from runner.validate import check_config
 
 
@@ -50,6 +52,8 @@ def main(cfg: DictConfig) -> float | None:
 
         summary = launch(cfg, run_dir, clock=clock)
     except Exception as e:  # leave the reason in the job directory for the sweep report
+        if isinstance(e, RunDirInUseError):  # not this run's directory: another run's, in progress
+            raise
         try:
             (run_dir / ERROR_FILE).write_text(f"{type(e).__name__}: {e}\n")
         except OSError:  # a full disk: the error itself still reaches the user
@@ -143,7 +147,8 @@ def cli() -> None:
     try:
         main()
         _end_of_search()
-    except (Exception, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt, Rejected) as caught:
+        e = caught.error if isinstance(caught, Rejected) else caught  # refused before Hydra's run directory
         outcome = _outcome(e)
         if outcome is None:  # a crash: its traceback, after the sweep's list of failed jobs if any
             print(_failed_jobs(), file=sys.stderr)

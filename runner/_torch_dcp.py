@@ -15,15 +15,19 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-__all__ = ["UnsafeCheckpointError", "SafeReader", "SafePlanner", "root_causes"]
+from runner.errors import CheckpointError
+
+__all__ = ["UnsafeCheckpointError", "SafeReader", "SafePlanner", "root_causes", "read_model_tensors"]
 
 # What DCP's ``.metadata`` pickle refers to (torch 2.13): its dataclasses, tensor sizes, dtypes
 # and layouts, and the path it was saved to.
@@ -98,3 +102,34 @@ def root_causes(error: BaseException) -> list[tuple[int | None, BaseException]]:
     if isinstance(error, CheckpointException):
         return [(rank, exc) for rank, (exc, _trace) in sorted(error.failures.items())]
     return [(None, error)]
+
+
+def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors of a DCP checkpoint (not the optimizer's), by full name, read in this
+    process alone (no collective: rank 0 of a run may call it), the safe way. Nothing is allocated
+    beyond what the checkpoint's shard files can hold. The caller checks the manifests first
+    (``runner.checkpoint.verify_checkpoint``)."""
+    reader = SafeReader(str(checkpoint))
+    try:
+        metadata = reader.read_metadata()
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(f"checkpoint {checkpoint} was refused: {e}.") from None
+    entries = {key.removeprefix("model."): meta for key, meta in metadata.state_dict_metadata.items()
+               if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    wanted = sum(m.size.numel() * m.properties.dtype.itemsize for m in entries.values())
+    on_disk = sum(f.stat().st_size for f in checkpoint.glob("*.distcp"))
+    if wanted > on_disk:
+        raise CheckpointError(f"checkpoint {checkpoint}: its .metadata describes {wanted} bytes of model tensors, "
+                              f"its shards hold {on_disk} bytes (.metadata corrupt, or shards missing). Nothing was "
+                              "loaded. Fix: another checkpoint of that run.")
+    model = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in entries.items()}
+    try:
+        dcp.load({"model": model}, checkpoint_id=str(checkpoint), storage_reader=reader, planner=SafePlanner(),
+                 no_dist=True)
+    except (Exception, CheckpointException) as e:  # the latter is a BaseException
+        rank, exc = root_causes(e)[0]
+        if isinstance(exc, UnsafeCheckpointError):
+            raise CheckpointError(f"checkpoint {checkpoint} was refused: {exc}.") from None
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"checkpoint {checkpoint} could not be read: {type(exc).__name__}: {first_line}") from e
+    return model

@@ -44,6 +44,7 @@ from runner.checkpoint_files import complete_steps, files_of, manifest_problems,
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, NonFiniteLossError
 from runner.faults import fault_point
+from runner.resume_check import copy_tokenizer, tokenizer_record
 from runner.split import StageModule
 from runner.tied import TiedWeights
 from runner.watchdog import busy
@@ -165,8 +166,14 @@ def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[
 
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
-                 *, tied: TiedWeights | None = None):
+                 *, tied: TiedWeights | None = None, run_config=None):
+        """``run_config``: the run's whole config, for what a checkpoint records of it: the
+        tokenizer it trains with (files and digest: export ships it, a resume checks it) and
+        ``model.path`` (export never writes over it)."""
         self.every, self.keep = cfg.every, cfg.keep
+        self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
+        model_path = run_config.model.get("path") if run_config is not None else None
+        self.model_path = str(Path(model_path).expanduser().resolve()) if model_path else None
         self.dir = run_dir / "checkpoints"
         self.env = env
         self.model = _named(modules)
@@ -238,9 +245,10 @@ class Checkpointer:
                 self.model.spec.save_metadata(partial / "hf")
             torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
             if self.env.is_main:
+                copy_tokenizer(self.tokenizer, partial)
                 (partial / "train_state.json").write_text(json.dumps(
-                    {"step": steps_done, "world_size": self.env.world_size,
-                     "lr_scheduler": self.scheduler.state_dict()}))
+                    {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict(),
+                     "tokenizer": self.tokenizer, "model_path": self.model_path}))
             write_manifest(partial, self.env.rank, files_of(partial, self.env.rank, self.env.is_main))
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             problem = ("save", _save_failure(e, self.env.rank))

@@ -16,20 +16,31 @@ from typing import Iterator
 
 from runner.errors import CheckpointError, ConfigError
 
-__all__ = ["LOCK_FILE", "hold_run_lock", "run_in_progress", "read_train_state", "checkpoint_step", "complete_steps",
-           "find_checkpoint", "write_manifest", "files_of", "manifest_problems"]
+__all__ = ["LOCK_FILE", "RunDirInUseError", "in_use_error", "hold_run_lock", "run_in_progress", "read_train_state",
+           "checkpoint_step", "complete_steps", "find_checkpoint", "write_manifest", "files_of", "manifest_problems",
+           "TOKENIZER_DIR"]
 
 log = logging.getLogger("runner.checkpoint")  # its lines are the checkpoints' (as before the split)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK_FILE = ".runner.lock"  # held (flock) by a run's launcher while the run is in progress
 _MANIFEST = "manifest-rank{}.json"
+TOKENIZER_DIR = "tokenizer"  # in a checkpoint: the files of the tokenizer the run trained with
 # Where checkpoint.resume=latest looks under its root: the root itself, and run directories one,
 # two (Hydra's outputs/<date>/<time>) and three (multirun/<date>/<time>/<job>) levels down.
 _LATEST_PATTERNS = ("checkpoints", "*/checkpoints", "*/*/checkpoints", "*/*/*/checkpoints")
 
 
 # -- runs in progress -------------------------------------------------------------------------
+
+class RunDirInUseError(ConfigError):
+    """The run directory belongs to a run in progress: nothing may be written into it."""
+
+
+def in_use_error(run_dir: Path) -> RunDirInUseError:
+    return RunDirInUseError(f"hydra.run.dir={str(run_dir)!r} is in use by another run that is still in progress; "
+                            "nothing was written into it. Fix: another hydra.run.dir, or wait for that run to end.")
+
 
 @contextmanager
 def hold_run_lock(run_dir: Path) -> Iterator[None]:
@@ -39,8 +50,7 @@ def hold_run_lock(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is in use by another run that is still in "
-                              "progress. Fix: another hydra.run.dir, or wait for that run to end.") from None
+            raise in_use_error(run_dir) from None
         except OSError as e:  # a filesystem without locks (some network mounts)
             log.warning("cannot lock %s (%s): checkpoint.resume=latest will not see this run as in progress",
                         f.name, e)
@@ -64,13 +74,22 @@ def run_in_progress(run_dir: Path) -> bool:
 # -- what a checkpoint directory holds ---------------------------------------------------------
 
 def read_train_state(path: Path) -> dict:
-    """``train_state.json``, or a ``CheckpointError`` naming the file and what is wrong with it."""
+    """``train_state.json``, or a ``CheckpointError`` naming the file and what is wrong with it.
+    Its ``world_size`` is bounded by what is on disk (each rank wrote at least its manifest and
+    RNG state) before anything (manifest names, hashing work) is sized by it."""
     file = path / "train_state.json"
     try:
         state = json.loads(file.read_text())
         if not (isinstance(state, dict) and isinstance(state.get("step"), int)
                 and isinstance(state.get("world_size"), int) and isinstance(state.get("lr_scheduler"), dict)):
             raise ValueError("expected an object with an integer step and world_size and lr_scheduler")
+        if state["step"] < 0 or state["world_size"] < 1:
+            raise ValueError(f"step {state['step']} and world_size {state['world_size']}: expected step >= 0 "
+                             "and world_size >= 1")
+        on_disk = sum(1 for _ in path.glob("rng-rank*.pt"))
+        if state["world_size"] > on_disk:
+            raise ValueError(f"world_size {state['world_size']}, but the directory holds the RNG state of only "
+                             f"{on_disk} ranks (rng-rank<R>.pt)")
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{file} is unreadable or corrupt ({e}).") from None
     return state
@@ -126,30 +145,33 @@ def _latest(root: Path, run_dir: Path) -> Path:
     return max(candidates, key=lambda p: (p / "train_state.json").stat().st_mtime)
 
 
-def find_checkpoint(resume: str, run_dir: Path, latest_root: Path | None = None) -> Path:
+def find_checkpoint(resume: str, run_dir: Path, latest_root: Path | None = None, *, label: str | None = None) -> Path:
     """The checkpoint directory ``checkpoint.resume`` names (checked before any rank starts).
     ``latest`` searches the runs under ``latest_root`` only (default: ``outputs`` of the
-    working directory), never the parents of a custom run directory."""
-    if resume == "latest":
+    working directory), never the parents of a custom run directory. ``label``: what named the
+    directory in the errors (``python -m runner.export``'s source), instead of ``checkpoint.resume``."""
+    if resume == "latest" and label is None:
         return _latest((latest_root or Path("outputs")).expanduser().resolve(), run_dir)
+    what = label or f"checkpoint.resume={resume!r}"
     path = Path(resume).expanduser().resolve()
-    if not path.exists():
-        raise ConfigError(f"checkpoint.resume={resume!r}: no such directory. Fix: a checkpoint directory "
-                          "(…/checkpoints/step-N), a run directory, or latest.")
+    if not path.is_dir():
+        raise ConfigError(f"{what}: no such directory. Fix: a checkpoint directory (…/checkpoints/step-N), a run "
+                          f"directory{'' if label else ', or latest'}.")
     if (path / "checkpoints").is_dir():
         steps = complete_steps(path / "checkpoints")
         if not steps:
-            raise ConfigError(f"checkpoint.resume={resume!r}: the run has no complete checkpoint "
-                              "(the log names each one skipped and why).")
+            raise ConfigError(f"{what}: the run has no complete checkpoint (the log names each one skipped and why). "
+                              "Fix: a run that saved one (checkpoint.every=K saves every K steps).")
         path = steps[-1]
     else:
         reason = _incomplete(path)
         if reason is not None:
-            raise ConfigError(f"checkpoint.resume={resume!r} is not a complete checkpoint: {reason}.")
+            raise ConfigError(f"{what} is not a complete checkpoint: {reason}. Fix: a checkpoint directory "
+                              "(…/checkpoints/step-N) or a run directory that has checkpoints/.")
     run = path.parent.parent
     if run.resolve() != run_dir.resolve() and run_in_progress(run):
-        log.warning("checkpoint.resume: %s belongs to a run still in progress; its checkpoint.keep may "
-                    "delete it while this run loads it", path)
+        log.warning("%s: %s belongs to a run still in progress; its checkpoint.keep may delete it while it is "
+                    "read", what, path)
     return path
 
 
@@ -169,11 +191,13 @@ def write_manifest(directory: Path, rank: int, names: list[str]) -> None:
 
 def files_of(directory: Path, rank: int, is_main: bool) -> list[str]:
     """What ``rank`` writes into a checkpoint: its DCP shards (``__<rank>_<n>.distcp``), its RNG
-    state and, on rank 0, ``.metadata``, ``train_state.json`` and a Hugging Face model's ``hf/``."""
+    state and, on rank 0, ``.metadata``, ``train_state.json``, a Hugging Face model's ``hf/`` and the
+    run's tokenizer (``tokenizer/``)."""
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [f"rng-rank{rank}.pt"]
     if not is_main:
         return names
-    extra = [str(p.relative_to(directory)) for p in sorted((directory / "hf").rglob("*")) if p.is_file()]
+    extra = [str(p.relative_to(directory)) for sub in ("hf", TOKENIZER_DIR)
+             for p in sorted((directory / sub).rglob("*")) if p.is_file()]
     return names + [".metadata", "train_state.json", *extra]
 
 

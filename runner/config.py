@@ -193,6 +193,9 @@ class CheckpointConfig:
     # Where resume=latest looks (relative to the launch directory): this directory and run
     # directories up to three levels below it (outputs/<date>/<time>, multirun/<date>/<time>/<job>).
     latest_root: str = "outputs"
+    # Resume with a data.tokenizer other than the one the checkpoint recorded (its token ids then
+    # stand for other text); false: such a resume is refused before any rank starts.
+    allow_tokenizer_change: bool = False
 
 
 @dataclass

@@ -1,69 +1,112 @@
 """``python -m runner.export <checkpoint or run directory> <output directory>``: a trained
 ``model=hf`` model in Hugging Face format, for ``AutoModelForCausalLM.from_pretrained``.
 
-Writes config.json (with the run's ``model.config_overrides``), the weights as safetensors
-(sharded above ``--max-shard-size``, a tied head stored once, as transformers stores it), and the
-tokenizer and generation-config files the model directory had. Checkpoints are keyed by the
-model's own parameter names, so the tensors go in as they are, from any layout.
+Writes config.json (with the run's ``model.config_overrides``), the weights as safetensors in the
+source model's dtype unless ``--dtype`` says otherwise (sharded above ``--max-shard-size``, a tied
+head stored once, as transformers stores it), the tokenizer the run trained with and the model's
+generation config. Checkpoints are keyed by the model's own parameter names, so the tensors go in
+as they are, from any layout. Everything is written into a fresh directory beside the target,
+renamed into place once complete: a failed or killed export leaves the target as it was.
+
+Exit codes as ``python -m runner``'s: 2 nothing could be exported as asked (nothing written),
+3 the export failed, 130/143 stopped by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import signal
 import sys
-import warnings
+import uuid
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError
+from runner._torch_dcp import read_model_tensors
 from runner.checkpoint import verify_checkpoint
-from runner.checkpoint_files import find_checkpoint, read_train_state
+from runner.checkpoint_files import TOKENIZER_DIR, find_checkpoint, read_train_state
+from runner.config import parse_bytes
 from runner.dist import DistEnv
-from runner.errors import CheckpointError, ConfigError, RunnerError, exit_code
+from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
 from runner.units import tied_groups
 
-__all__ = ["export", "main"]
+__all__ = ["DTYPES", "export", "checkpoint_of", "source_dtype", "main"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as config.json spells them
 
 
-def _model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors of a DCP checkpoint (not the optimizer's), read in this process: its
-    files checked against their manifests, and nothing unpickled but checkpoint data."""
-    verify_checkpoint(checkpoint, read_train_state(checkpoint)["world_size"], DistEnv(0, 1, torch.device("cpu")))
-    reader = SafeReader(str(checkpoint))
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the export is, so that its temporary directory is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def checkpoint_of(source: Path) -> Path:
+    """The checkpoint ``source`` names: itself, or a run directory's newest complete one."""
+    return find_checkpoint(str(source), source, label=f"python -m runner.export {source}")
+
+
+def source_dtype(checkpoint: Path) -> str:
+    """The dtype the checkpoint's ``hf/config.json`` records for the source model (fp32 where it
+    names none: the runner trains in fp32)."""
     try:
-        metadata = reader.read_metadata()
-    except UnsafeCheckpointError as e:
-        raise CheckpointError(f"checkpoint {checkpoint} was refused: {e}.") from None
-    model = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=str(checkpoint), storage_reader=reader, planner=SafePlanner())
-    return model
+        config = json.loads((checkpoint / "hf" / "config.json").read_text())
+    except (OSError, ValueError):
+        return "fp32"
+    return _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), "fp32")
 
 
-def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size: str = "5GB") -> Path:
-    """Write the model of ``source`` (a checkpoint, or a run directory's newest) into ``out``."""
+def _protected(checkpoint: Path) -> list[tuple[Path, str]]:
+    """What an export must never write over or into: the checkpoint (and so its run), and the
+    run's model.path (recorded by the checkpoint, else in the run's resolved_config.yaml)."""
+    import yaml
+
+    found = [(checkpoint, "the checkpoint being exported")]
+    model_path = read_train_state(checkpoint).get("model_path")
+    resolved = checkpoint.parent.parent / "resolved_config.yaml"
+    if model_path is None and resolved.is_file():
+        try:
+            model_path = ((yaml.safe_load(resolved.read_text()) or {}).get("model") or {}).get("path")
+        except (OSError, yaml.YAMLError, AttributeError):
+            model_path = None
+    if model_path:
+        found.append((Path(model_path).expanduser().resolve(), "the run's own model.path"))
+    return found
+
+
+def _check_target(out: Path, checkpoint: Path, *, overwrite: bool) -> None:
+    """Before anything is read or written: ``out`` may be replaced."""
+    for path, what in _protected(checkpoint):
+        if out == path or out in path.parents or (what.startswith("the checkpoint") and path in out.parents):
+            raise ConfigError(f"output directory {out} would write over {what} ({path}), even with --overwrite. "
+                              "Fix: another output directory.")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output directory {out} is an existing file. Fix: another output directory.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"output directory {out} is not empty. Fix: another output directory, or --overwrite "
+                          "to replace it (the old one is removed once the new one is in place).")
+    parent = next(p for p in out.parents if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"output directory {out}: {parent} is not writable. Fix: another output directory.")
+
+
+def _model(checkpoint: Path):
+    """The model of the checkpoint's ``hf/config.json`` with the checkpoint's tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from runner.hf import copy_model_files
-
-    checkpoint = find_checkpoint(str(source), source)
     hf = checkpoint / "hf"
-    if not (hf / "config.json").is_file():
-        raise ConfigError(f"{checkpoint} holds no Hugging Face config (hf/config.json): only model=hf runs export "
-                          "to Hugging Face format. Fix: export a checkpoint of a model=hf run.")
     config = AutoConfig.from_pretrained(hf, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = {n for names in tied_groups(model) for n in names[1:]}  # stored once, under the first name
-    tensors = _model_tensors(checkpoint)
+    verify_checkpoint(checkpoint, read_train_state(checkpoint)["world_size"], DistEnv(0, 1, torch.device("cpu")))
+    tensors = read_model_tensors(checkpoint)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = [n for n in missing if n not in tied and n in params]
@@ -76,27 +119,102 @@ def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size:
             module.to_empty(device="cpu", recurse=False)
             with torch.no_grad():
                 model._init_weights(module)
-    if dtype:
-        model.to(DTYPES[dtype])
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    copy_model_files(hf, out)
+    return model
+
+
+def _ship_files(checkpoint: Path, target: Path) -> None:
+    """The tokenizer the run trained with (the checkpoint's ``tokenizer/``; checkpoints that
+    predate it: the model directory's, in ``hf/``) and the model's generation config."""
+    from runner.hf import copy_model_files
+
+    trained = checkpoint / TOKENIZER_DIR
+    copy_model_files(trained if trained.is_dir() else checkpoint / "hf", target)
+    generation = checkpoint / "hf" / "generation_config.json"
+    if generation.is_file() and not (target / generation.name).exists():
+        shutil.copy2(generation, target / generation.name)
+
+
+def _into_place(new: Path, out: Path) -> None:
+    """``new`` becomes ``out``: a rename cannot replace a non-empty directory, so an old ``out``
+    is renamed aside first and removed once the new one is in place."""
+    if not out.exists():
+        new.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # not stopped between the renames, nor leaving `old`
+    try:
+        out.rename(old)
+        new.rename(out)
+        shutil.rmtree(old)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size: str = "5GB",
+           overwrite: bool = False) -> Path:
+    """Write the model of ``source`` (a checkpoint, or a run directory's newest) into ``out``, in
+    ``dtype`` (default: the source model's, ``source_dtype``)."""
+    shard_bytes = parse_bytes("--max-shard-size", max_shard_size)
+    if not shard_bytes or shard_bytes < 1:
+        raise ConfigError(f"--max-shard-size={max_shard_size!r} must be positive. Fix: e.g. --max-shard-size 5GB.")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is not one of {sorted(DTYPES)}. Fix: one of them.")
+    checkpoint = checkpoint_of(source.expanduser().resolve())
+    out = out.expanduser().resolve()
+    if not (checkpoint / "hf" / "config.json").is_file():
+        raise ConfigError(f"{checkpoint} holds no Hugging Face config (hf/config.json): only model=hf runs export "
+                          "to Hugging Face format. Fix: export a checkpoint of a model=hf run.")
+    _check_target(out, checkpoint, overwrite=overwrite)
+    model = _model(checkpoint)
+    model.to(DTYPES[dtype or source_dtype(checkpoint)])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    try:
+        new.mkdir()
+        model.save_pretrained(new, max_shard_size=shard_bytes)
+        _ship_files(checkpoint, new)
+        _into_place(new, out)
+    except BaseException:  # killed, interrupted or failed: the target stays as it was
+        shutil.rmtree(new, ignore_errors=True)
+        raise
     return out
+
+
+def _stop(signum: int, frame) -> None:
+    raise _Stopped(signum)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m runner.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="a checkpoint (…/checkpoints/step-N) or a run directory")
-    parser.add_argument("out", type=Path, help="the output directory")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: as trained, fp32)")
-    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    parser.add_argument("out", type=Path, help="the output directory (new, empty, or with --overwrite)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="cast the weights (default: the source model's dtype, as its config.json records it; "
+                             "fp32 where it records none)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="safetensors shard size, e.g. 5GB, 500MiB (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty output directory (never the run's model.path or the checkpoint)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     try:
-        out = export(args.source.expanduser().resolve(), args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+        checkpoint = checkpoint_of(args.source.expanduser().resolve())
+        dtype = args.dtype or source_dtype(checkpoint)
+        out = export(checkpoint, args.out, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     except RunnerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(exit_code(e))
-    print(f"exported to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    except KeyboardInterrupt as e:
+        print("export stopped: nothing was written", file=sys.stderr)
+        sys.exit(interrupted_exit_code(e.signum if isinstance(e, _Stopped) else signal.SIGINT))
+    except Exception as e:  # noqa: BLE001  (one paragraph, not a traceback: the target is untouched)
+        print(f"error: the export of {args.source} failed: {type(e).__name__}: {e}. Nothing was written to "
+              f"{args.out}.", file=sys.stderr)
+        sys.exit(exit_code(RunnerError()))
+    why = "--dtype" if args.dtype else "the source model's dtype, from its config.json; --dtype to change"
+    print(f"exported {checkpoint} to {out}, weights in {dtype} ({why}): "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ class Trainer:
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, env, self.modules, self.optimizer,
-                                         self.scheduler, tied=self.tied)
+                                         self.scheduler, tied=self.tied, run_config=cfg)
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
         self.first_step = self.checkpointer.load(plan.resume) if plan.resume else 0

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Iterator
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.checkpoint_files import checkpoint_step, find_checkpoint
 from runner.config import parse_bytes
 from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
@@ -26,6 +25,7 @@ from runner.layout import Layout, RunPlan, microbatch_size
 from runner.loggers import check_loggers
 from runner.options import allowed
 from runner.rank_env import under_torchrun
+from runner.resume_check import resume_checkpoint
 from runner.schedules import CSV, SCHEDULES
 
 if TYPE_CHECKING:
@@ -320,8 +320,8 @@ def _resume_point(cfg: DictConfig, run_dir: Path) -> Path:
     complete one, or (``latest``) the newest of the runs under ``checkpoint.latest_root``."""
     try:
         latest_root = _launch_dir() / Path(cfg.checkpoint.latest_root).expanduser()
-        path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
-        step = checkpoint_step(path)
+        from runner.split import build_meta_model  # the model the checkpoint's tensors must fit
+        path, step = resume_checkpoint(cfg, run_dir, latest_root, build_meta_model)  # its tokenizer checked too
     except CheckpointError as e:  # before any rank starts: the configuration names a bad checkpoint
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
     if step >= cfg.train.steps:

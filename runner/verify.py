@@ -2,12 +2,14 @@
 parameter's gradient against the pipeline's. Catches gradients silently scaled, missing or
 applied to the wrong stage, and units that do not compute what the model does: the reference is
 the model's own forward (for a Hugging Face model, transformers' forward of the unmodified
-model), with the run's initial weights."""
+model), with the run's initial weights (a resumed run: the weights of the checkpoint it resumed
+from, as its stages hold them)."""
 
 from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Callable, Collection
 
 import torch
@@ -60,12 +62,28 @@ def gather_grads(modules: list[nn.Module], env: DistEnv, skip: Collection[str] =
     return {name: g for part in gathered for name, g in part.items()}
 
 
-def reference_model(cfg: DictConfig) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
-    """The unsplit model with the run's initial weights (initialised or read as each stage does),
-    on CPU, and its own forward (logits from a microbatch's inputs and keyword inputs), in the
-    run's precision."""
+def _load_checkpoint_weights(units: nn.Module, tied: list[list[str]], checkpoint: Path) -> None:
+    """The checkpoint's model tensors into the unsplit model's units: what the stages resumed
+    with. A tied weight is stored once, under its first name."""
+    from runner._torch_dcp import read_model_tensors
+
+    tensors = read_model_tensors(checkpoint)  # the ranks checked its manifests when they loaded it
+    for first, *others in tied:
+        tensors.update({other: tensors[first] for other in others if first in tensors})
+    with torch.no_grad():
+        for name, t in [*units.named_parameters(remove_duplicate=False), *units.named_buffers()]:
+            if name in tensors:
+                t.copy_(tensors[name])
+
+
+def reference_model(cfg: DictConfig, resume: Path | None = None) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """The unsplit model with the run's initial weights (initialised or read as each stage does;
+    ``resume``: the checkpoint's), on CPU, and its own forward (logits from a microbatch's inputs
+    and keyword inputs), in the run's precision."""
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     units = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=torch.device("cpu"))
+    if resume is not None:
+        _load_checkpoint_weights(units, meta.tied, resume)
     dtype = PRECISIONS[cfg.train.precision]
     if isinstance(meta.spec, SequentialSpec):  # its forward is the chain of its units
         units.autocast_dtype = dtype
@@ -153,16 +171,17 @@ def verify_first_step(
     *,
     microbatches: int,
     skip: Collection[str] = (),
+    resume: Path | None = None,
 ) -> dict:
     """Call after the first step's backward, before clipping and the optimizer, with the step's
     global batch and the layout's microbatch count. The reference runs in the run's precision
     (autocast for bf16) on CPU. Every rank gets the report; every rank raises ``VerifyError``
     together when it failed (none is left waiting). ``skip``: names of tied copies (see
-    ``collect_grads``)."""
+    ``collect_grads``). ``resume``: the checkpoint the run resumed from (the reference's weights)."""
     got = gather_grads(modules, env, skip)
     report: dict | None = None
     if env.is_main:
-        model, forward = reference_model(cfg)
+        model, forward = reference_model(cfg, resume)
         inputs, targets, kwargs = batch
         step = UnsplitStep(model, microbatches, build_loss(cfg.loss), forward=forward)
         ref_loss = step(inputs, targets, **kwargs)
@@ -204,7 +223,7 @@ class VerifyFirstStep(Hook):
             busy(f"verifying step {state.step} against the unsplit model")
             self.report = verify_first_step(trainer.cfg, trainer.modules, state.loss, state.batch, trainer.env,
                                             microbatches=trainer.plan.layout.microbatches,
-                                            skip=trainer.tied.not_counted())
+                                            skip=trainer.tied.not_counted(), resume=trainer.plan.resume)
 
     def summary(self) -> dict:
         return {} if self.report is None else {"verify": self.report}

@@ -135,7 +135,8 @@ def test_verify_fails_a_forward_that_adds_residuals_its_listed_units_do_not(pp2)
 def test_a_trained_model_exports_to_hugging_face_format_and_loads_with_from_pretrained(pp2, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from runner.export import _model_tensors, export
+    from runner._torch_dcp import read_model_tensors
+    from runner.export import export
 
     out, results = pp2
     run = out / "gpt2-save"
@@ -143,7 +144,7 @@ def test_a_trained_model_exports_to_hugging_face_format_and_loads_with_from_pret
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.lm_head.weight is model.transformer.wte.weight  # stored once, tied again on load
     # The checkpoint's own tensors (what the pipeline trained) give the same logits.
-    tensors = _model_tensors(run / "checkpoints" / "step-6")
+    tensors = read_model_tensors(run / "checkpoints" / "step-6")
     assert "lm_head.weight" not in tensors
     ids = torch.randint(64, (2, 16))
     with torch.no_grad():

@@ -1,0 +1,208 @@
+"""``python -m runner.export`` never writes over what a user handed it and never half-writes: it
+writes beside the target and renames, refuses a non-empty target (unless ``--overwrite``) and the
+run's own model.path, ships the tokenizer the run trained with, writes the source dtype unless
+told otherwise, and answers with the main CLI's exit codes. In-process: one tiny Llama run (bf16
+pretrained weights, trained with another tokenizer than its model directory's), its checkpoint
+exported many times."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.checkpoint_files import TOKENIZER_DIR
+from runner.dist import DistEnv
+from runner.errors import ConfigError
+from runner.export import export, main
+from runner.resume_check import TOKENIZER_FILES, tokenizer_record
+from runner.train import train
+from runner.validate import validate
+
+from helpers.config import compose
+from helpers.hf import family_configs, write_tokenizer
+
+ENV = DistEnv(0, 1, torch.device("cpu"))
+WORDS = "the pipeline stage runs every microbatch forward and backward while another rank waits".split()
+
+
+def other_tokenizer(directory: Path) -> Path:
+    """A tokenizer of the same size as ``write_tokenizer``'s whose ids stand for other words."""
+    write_tokenizer(directory)
+    file = directory / "tokenizer.json"
+    file.write_text(file.read_text().replace('"pipeline"', '"pipework"'))
+    return directory
+
+
+def run_config(root: Path, tokenizer: Path, *overrides: str):
+    return compose("device=cpu", "model=hf", f"model.path={root / 'model'}", "data=text",
+                   f"data.path={root / 'corpus.txt'}", f"data.tokenizer={tokenizer}",
+                   f"data.cache_dir={root / 'cache'}",
+                   "train.seq_len=16", "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4",
+                   "profile.enabled=false", *overrides)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """``root``: model/ (a tiny Llama saved in bf16, with tokenizer A), tokenizer-b/ (B: the same
+    size, other words), run/ (2 steps trained with B, checkpoint step-2)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("export")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(family_configs()["llama"]).to(torch.bfloat16).save_pretrained(root / "model")
+    write_tokenizer(root / "model")
+    other_tokenizer(root / "tokenizer-b")
+    (root / "corpus.txt").write_text(" ".join(WORDS * 40))
+    cfg = run_config(root, root / "tokenizer-b", "train.steps=2", "checkpoint.every=2")
+    (root / "run").mkdir()
+    train(validate(cfg, root / "run"), cfg, ENV)
+    return root
+
+
+def _main(*argv: str) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv])
+    return exit_info.value.code  # type: ignore[return-value]
+
+
+def _listing(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_the_tokenizer_file_lists_agree():
+    from runner.hf import TOKENIZER_FILES as MODEL_FILES
+
+    assert set(TOKENIZER_FILES) == set(MODEL_FILES) - {"generation_config.json"}
+
+
+def test_a_checkpoint_records_the_tokenizer_the_run_trained_with_and_export_ships_it(trained, tmp_path):
+    step = trained / "run" / "checkpoints" / "step-2"
+    state = json.loads((step / "train_state.json").read_text())
+    assert state["tokenizer"] == tokenizer_record(str(trained / "tokenizer-b"))
+    assert state["model_path"] == str(trained / "model")
+    trained_with = (trained / "tokenizer-b" / "tokenizer.json").read_bytes()
+    assert (step / TOKENIZER_DIR / "tokenizer.json").read_bytes() == trained_with
+    manifest = json.loads((step / "manifest-rank0.json").read_text())["files"]
+    assert "tokenizer/tokenizer.json" in manifest  # damage to it is caught like any other file's
+    out = export(trained / "run", tmp_path / "out")
+    assert (out / "tokenizer.json").read_bytes() == (trained / "tokenizer-b" / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() != (trained / "model" / "tokenizer.json").read_bytes()
+
+
+def test_resuming_with_another_tokenizer_is_refused_unless_allowed(trained, tmp_path, caplog):
+    common = ["train.steps=3", f"checkpoint.resume={trained / 'run'}"]
+    with pytest.raises(ConfigError) as info:
+        validate(run_config(trained, trained / "model", *common), tmp_path)
+    text = str(info.value)
+    assert f"trained with tokenizer {trained / 'tokenizer-b'}" in text
+    assert f"data.tokenizer is {trained / 'model'}" in text
+    assert "Fix: data.tokenizer=" in text and "checkpoint.allow_tokenizer_change=true" in text
+    plan = validate(run_config(trained, trained / "model", *common, "checkpoint.allow_tokenizer_change=true"), tmp_path)
+    assert plan.resume == trained / "run" / "checkpoints" / "step-2"
+    assert "allow_tokenizer_change=true: continuing" in caplog.text
+    assert validate(run_config(trained, trained / "tokenizer-b", *common), tmp_path).resume == plan.resume
+
+
+def test_export_writes_the_source_dtype_by_default_and_dtype_overrides_it(trained, tmp_path, capsys):
+    from safetensors import safe_open
+
+    def dtypes(directory: Path) -> set:
+        with safe_open(directory / "model.safetensors", framework="pt") as f:
+            return {f.get_tensor(k).dtype for k in f.keys()}
+
+    main([str(trained / "run"), str(tmp_path / "default")])
+    out = capsys.readouterr().out
+    assert "weights in bf16 (the source model's dtype" in out and dtypes(tmp_path / "default") == {torch.bfloat16}
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["dtype"] == "bfloat16"
+    main([str(trained / "run"), str(tmp_path / "fp32"), "--dtype", "fp32"])
+    assert "weights in fp32 (--dtype)" in capsys.readouterr().out and dtypes(tmp_path / "fp32") == {torch.float32}
+    assert _main("--help") == 0
+    assert "default: the source model's dtype" in capsys.readouterr().out
+
+
+def test_a_non_empty_target_is_refused_and_overwrite_replaces_it_whole(trained, tmp_path, capsys):
+    target = tmp_path / "other-model"
+    shutil.copytree(trained / "model", target)
+    (target / "model.safetensors.index.json").write_text("{}")  # a stale index of another model
+    before = _listing(target)
+    assert _main(str(trained / "run"), str(target)) == 2
+    err = capsys.readouterr().err
+    assert f"output directory {target} is not empty" in err and "--overwrite" in err and "Traceback" not in err
+    assert _listing(target) == before
+    main([str(trained / "run"), str(target), "--overwrite"])
+    after = _listing(target)
+    assert "model.safetensors.index.json" not in after  # nothing of the old directory is left
+    assert after["tokenizer.json"] == (trained / "tokenizer-b" / "tokenizer.json").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-model"]  # no temporary or old directory left
+
+
+@pytest.mark.parametrize("where", ["model", "run", "checkpoint"])
+def test_export_never_writes_over_the_runs_model_path_or_checkpoint(trained, where, capsys):
+    target = {"model": trained / "model", "run": trained / "run",
+              "checkpoint": trained / "run" / "checkpoints" / "step-2"}[where]
+    before = _listing(target)
+    assert _main(str(trained / "run"), str(target), "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "even with --overwrite" in err and ("model.path" in err if where == "model" else "checkpoint" in err)
+    assert _listing(target) == before
+
+
+def test_bad_arguments_exit_2_before_anything_is_written(trained, tmp_path, capsys):
+    assert _main(str(trained / "run"), str(tmp_path / "out"), "--max-shard-size", "banana") == 2
+    assert "--max-shard-size='banana' is not a memory size" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert _main(str(trained / "run"), str(tmp_path / "file")) == 2
+    assert "is an existing file" in capsys.readouterr().err
+    (tmp_path / "empty-run" / "checkpoints").mkdir(parents=True)
+    assert _main(str(tmp_path / "empty-run"), str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert f"python -m runner.export {tmp_path / 'empty-run'}: the run has no complete checkpoint" in err
+    assert "checkpoint.resume" not in err and "checkpoint.every" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty-run", "file"]
+
+
+def test_a_failed_or_killed_export_leaves_the_target_as_it_was(trained, tmp_path, monkeypatch, capsys):
+    import transformers
+
+    target = tmp_path / "previous"
+    export(trained / "run", target)
+    before = _listing(target)
+
+    def fail(self, directory, **kwargs):
+        (Path(directory) / "config.json").write_text("{}")  # what a killed export left behind
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", fail)
+    assert _main(str(trained / "run"), str(target), "--overwrite") == 3
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err and f"Nothing was written to {target}" in err
+
+    def killed(self, directory, **kwargs):
+        (Path(directory) / "config.json").write_text("{}")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", killed)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert _main(str(trained / "run"), str(tmp_path / "new"), "--overwrite") == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert _listing(target) == before and sorted(p.name for p in tmp_path.iterdir()) == ["previous"]
+
+
+def test_without_a_recorded_model_path_the_runs_resolved_config_names_it(trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    state_file = run / "checkpoints" / "step-2" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    del state["model_path"]  # as saved before checkpoints recorded it
+    state_file.write_text(json.dumps(state))
+    assert f"path: {trained / 'model'}" in (run / "resolved_config.yaml").read_text()
+    assert _main(str(run), str(trained / "model"), "--overwrite") == 2
+    assert "would write over the run's own model.path" in capsys.readouterr().err
