@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from runner.errors import ConfigError
+from runner.remote_code import refuse_remote_code
 
 __all__ = ["TokenStream", "window_index", "open_tokens", "tokenize_to_cache", "load_tokenizer", "tokenizer_vocab",
            "text_documents", "dataset_documents", "default_cache_dir"]
@@ -118,8 +119,9 @@ def load_tokenizer(path: str):
     if not directory.is_dir():
         raise ConfigError(f"data.tokenizer={path!r}: no such directory. Fix: a local tokenizer directory "
                           "(tokenizer.json or the files save_pretrained writes).")
+    refuse_remote_code(directory, f"data.tokenizer={path!r}")  # before transformers reads an auto_map
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.tokenizer={path!r} cannot be loaded: {e}") from e
     if tokenizer.eos_token_id is None:
