@@ -23,7 +23,7 @@ from runner.checkpoint import verify_checkpoint
 from runner.checkpoint_files import find_checkpoint, read_train_state
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, ConfigError, RunnerError, exit_code
-from runner.remote_code import refuse_remote_code
+from runner.remote_code import remote_code_problem
 from runner.units import tied_groups
 
 __all__ = ["export", "main"]
@@ -60,7 +60,8 @@ def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size:
     if not (hf / "config.json").is_file():
         raise ConfigError(f"{checkpoint} holds no Hugging Face config (hf/config.json): only model=hf runs export "
                           "to Hugging Face format. Fix: export a checkpoint of a model=hf run.")
-    refuse_remote_code(hf, f"checkpoint {checkpoint}")  # before transformers reads an auto_map
+    if problem := remote_code_problem(hf, f"checkpoint {checkpoint}"):  # before transformers reads an auto_map
+        raise ConfigError(problem)
     config = AutoConfig.from_pretrained(hf, local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)

@@ -22,6 +22,7 @@ are not public API: tested with the transformers range pinned in pyproject.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -33,13 +34,13 @@ from torch import nn
 
 from runner.errors import ConfigError
 from runner.hf_weights import Stored, Weights, header_dtype, read_weights
-from runner.remote_code import refuse_remote_code, refuse_remote_overrides
+from runner.remote_code import remote_code_problem, remote_override_problem
 from runner.units import ModelSpec, Unit, tied_groups
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files"]
+__all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files", "resolve_verify"]
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,9 @@ def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = Fals
         raise ConfigError(f"model.path={path!r} holds no config.json. Fix: a local directory written by "
                           "save_pretrained (config.json, and optionally *.safetensors and tokenizer files).")
     overrides = dict(config_overrides or {})
-    refuse_remote_overrides(overrides, attn_implementation)
-    refuse_remote_code(directory, "model.path")
+    problem = remote_override_problem(overrides, attn_implementation) or remote_code_problem(directory, "model.path")
+    if problem:  # before transformers reads an auto_map
+        raise ConfigError(problem)
     stored = read_weights(directory) if pretrained else None
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
@@ -151,6 +153,33 @@ def _unlisted_family(model: PreTrainedModel) -> Family:
                           "embed_tokens/layers/norm pipeline plan the runner can follow. Fix: a listed family.")
     rotary = "rotary_emb" if hasattr(base, "rotary_emb") else None
     return Family(rotary=rotary, mask=lambda config, i: getattr(base.layers[i], "attention_type", "full_attention"))
+
+
+def _unlisted_type(model_cfg: Any) -> str | None:
+    """The model_type of a ``model=hf`` directory outside the tested list (None: listed, or not model=hf)."""
+    if model_cfg.get("_target_") != "runner.hf.causal_lm" or not model_cfg.get("allow_unlisted"):
+        return None
+    try:  # the factory has read it already (validate builds the meta model first)
+        model_type = json.loads((Path(model_cfg.path).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if model_type in FAMILIES else str(model_type)
+
+
+def resolve_verify(cfg: Any) -> bool:
+    """The run's ``verify``: as given, or (null) on for a ``model=hf`` family outside the tested
+    list, whose Llama-like reading nothing else checks; said in the log either way. (Here, not in
+    runner.verify: validate calls it, and the import chain stays short.)"""
+    family = _unlisted_type(cfg.model)
+    if family is not None:
+        if cfg.verify is False:
+            log.warning("model.path=%s is a %r model, outside the tested list, and verify=false: nothing checks that "
+                        "the runner computes what the model does.", cfg.model.path, family)
+        else:
+            log.warning("model.path=%s is a %r model, outside the tested list (model.allow_unlisted=true): verify "
+                        "compares the first step with the model's own forward (verify=false turns it off).",
+                        cfg.model.path, family)
+    return bool(cfg.verify) if cfg.verify is not None else family is not None
 
 
 @dataclass

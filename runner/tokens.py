@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from runner.errors import ConfigError
-from runner.remote_code import refuse_remote_code
+from runner.remote_code import remote_code_problem
 
 __all__ = ["TokenStream", "window_index", "open_tokens", "tokenize_to_cache", "load_tokenizer", "tokenizer_vocab",
            "text_documents", "dataset_documents", "default_cache_dir"]
@@ -119,7 +119,8 @@ def load_tokenizer(path: str):
     if not directory.is_dir():
         raise ConfigError(f"data.tokenizer={path!r}: no such directory. Fix: a local tokenizer directory "
                           "(tokenizer.json or the files save_pretrained writes).")
-    refuse_remote_code(directory, f"data.tokenizer={path!r}")  # before transformers reads an auto_map
+    if problem := remote_code_problem(directory, f"data.tokenizer={path!r}"):  # before transformers reads it
+        raise ConfigError(problem)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:

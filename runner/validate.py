@@ -382,7 +382,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
     run (the planner's candidates); no checkpoint is looked for."""
     from runner.dist import resolve_device
-    from runner.verify import resolve_verify
+    from runner.hf import resolve_verify
 
     check_config(cfg)
     csv = _schedule_file(cfg)

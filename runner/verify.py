@@ -6,10 +6,8 @@ model), with the run's initial weights."""
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Callable, Collection
 
 import torch
@@ -28,42 +26,13 @@ from runner.split import build_meta_model, materialize
 from runner.units import SequentialSpec, tied_groups
 from runner.watchdog import busy
 
-__all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step", "VerifyFirstStep",
-           "resolve_verify"]
+__all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step", "VerifyFirstStep"]
 
 log = logging.getLogger(__name__)
 
 # (rtol, atol) per train.precision. fp32: those of torch's own test_schedule_multiproc.py. bf16:
 # an 8-bit mantissa (relative step 2**-8) and reductions in another order per layout.
 TOLERANCES = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 2e-3)}
-
-
-def _unlisted_family(model_cfg: DictConfig) -> str | None:
-    """The model_type of a ``model=hf`` directory outside the tested list (None: listed, or not model=hf)."""
-    from runner.hf import FAMILIES
-
-    if model_cfg.get("_target_") != "runner.hf.causal_lm" or not model_cfg.get("allow_unlisted"):
-        return None
-    try:  # the factory has read it already (validate builds the meta model first)
-        model_type = json.loads((Path(model_cfg.path).expanduser() / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return None if model_type in FAMILIES else str(model_type)
-
-
-def resolve_verify(cfg: DictConfig) -> bool:
-    """``verify``: as given, or (null) on for a family outside the tested list, whose Llama-like
-    reading nothing else checks; said in the log either way."""
-    family = _unlisted_family(cfg.model)
-    if family is not None:
-        if cfg.verify is False:
-            log.warning("model.path=%s is a %r model, outside the tested list, and verify=false: nothing checks that "
-                        "the runner computes what the model does.", cfg.model.path, family)
-        else:
-            log.warning("model.path=%s is a %r model, outside the tested list (model.allow_unlisted=true): verify "
-                        "compares the first step with the model's own forward (verify=false turns it off).",
-                        cfg.model.path, family)
-    return bool(cfg.verify) if cfg.verify is not None else family is not None
 
 
 def collect_grads(modules: list[nn.Module], skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,13 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from runner.dist import DistEnv
 from runner.errors import ConfigError, VerifyError
+from runner.hf import resolve_verify
 from runner.split import build_meta_model, materialize
 from runner.train import Trainer
 from runner.validate import validate
-from runner.verify import resolve_verify
 
-from helpers import tier
-from helpers.cli import cli_env
+from helpers.cli import run_cli
 from helpers.config import compose
 from helpers.hf import write_model, write_tokenizer
 
@@ -160,14 +157,12 @@ def test_a_checkpoint_whose_hf_config_has_an_auto_map_is_not_exported(bf16_run, 
 @pytest.mark.timeout(200)
 def test_yes_on_stdin_runs_no_code_from_a_model_directory_or_a_checkpoint(bf16_run, tmp_path):
     """transformers asks "Do you wish to run the custom code? [y/N]" on stdin; the runner never lets it."""
-    tier.check("runs a command line")
     marker = tmp_path / "marker"
     model = _remote_code_dir(tmp_path / "model", marker)
     checkpoint = _checkpoint_with_code(bf16_run[1], tmp_path, marker)
-    for argv in (["-m", "runner", *BASE, f"model.path={model}", f"hydra.run.dir={tmp_path / 'new'}"],
-                 ["-m", "runner.export", str(checkpoint), str(tmp_path / "out")]):
-        done = subprocess.run([sys.executable, *argv], input="y\n" * 8, capture_output=True, text=True,
-                              env=cli_env(), cwd=tmp_path, timeout=150)
+    for module, args in (("runner", [*BASE, f"model.path={model}", f"hydra.run.dir={tmp_path / 'new'}"]),
+                         ("runner.export", [str(checkpoint), str(tmp_path / "out")])):
+        done = run_cli(*args, module=module, cwd=tmp_path, input="y\n" * 8, timeout=150)
         assert done.returncode == 2, done.stderr[-3000:]
         assert "has an auto_map" in done.stderr + done.stdout and "[y/N]" not in done.stdout + done.stderr
     assert not marker.exists()
@@ -258,11 +253,11 @@ def gemma2(tmp_path):
 
 
 def test_an_unlisted_family_is_verified_unless_verify_false_is_given(tmp_path, gemma2, caplog):
-    with caplog.at_level(logging.WARNING, logger="runner.verify"):
+    with caplog.at_level(logging.WARNING, logger="runner.hf"):
         assert validate(compose(*BASE, *gemma2)).verify is True
     assert "a 'gemma2' model, outside the tested list" in caplog.text and "verify=false turns it off" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="runner.verify"):
+    with caplog.at_level(logging.WARNING, logger="runner.hf"):
         assert resolve_verify(compose(*BASE, *gemma2, "verify=false")) is False
     assert "verify=false: nothing checks" in caplog.text
     listed = write_model(tmp_path / "llama", "llama", weights=False)
