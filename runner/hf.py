@@ -7,11 +7,13 @@ hidden states (position ids, rotary position embeddings, the causal or sliding-w
 each layer) each stage recomputes from the batch's keyword inputs (``attention_mask``,
 ``position_ids``) with transformers' own functions, per family. Families are a tested list, each
 held to the model's own forward; another family runs only with ``model.allow_unlisted=true``,
-where ``verify=true`` decides.
+where ``verify`` decides (on by default: ``resolve_verify``).
 
-Pretrained weights: each rank reads only its own stages' tensors (``safe_open``, lazily), through
-transformers' key renames; a tied head absent from the file reads the embedding it is tied to.
-Random initialisation (no weights, or ``model.pretrained=false``) runs the family's
+Pretrained weights: checked against the model from the safetensors headers when the model is built
+(``runner.hf_weights``: before launch, as validate builds the meta model); each rank then reads only
+its own stages' tensors (``safe_open``, lazily), cast to the fp32 the model is built in whatever the
+directory stores (its dtype is recorded for export). No directory's code runs
+(``runner.remote_code``). Random initialisation (``model.pretrained=false``) runs the family's
 ``_init_weights`` per module, children before parents as transformers does, each module under a
 seed of its own (the runner's layout-independent initialisation).
 
