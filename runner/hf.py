@@ -326,13 +326,9 @@ class HFSpec(ModelSpec):
                 with safe_open(self.path / file, framework="pt") as f:
                     for source in (s for s in by_source if s.file == file):
                         tensor = f.get_tensor(source.key)
-                        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                            raise ConfigError(
-                                f"model.path={str(self.path)!r}: {source.key} in {file} holds non-finite values "
-                                f"({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} are NaN or inf): "
-                                "the weights are damaged. Fix: weights with finite values (copy them again).")
                         for target in by_source[source]:
                             target.copy_(tensor)  # cast to the model's fp32, whatever the file stores
+                        _check_finite(by_source[source][0], source, self.path)
                         if (file, source.key) not in self._counted:
                             self._counted.add((file, source.key))
                             self.bytes_read += tensor.numel() * tensor.element_size()
@@ -345,6 +341,18 @@ class HFSpec(ModelSpec):
         config.dtype = self.source_dtype or torch.float32  # the directory's, not the fp32 trained in
         config.save_pretrained(directory)
         copy_model_files(self.path, directory)
+
+
+def _check_finite(tensor: torch.Tensor, source: Stored, path: Path) -> None:
+    """Pretrained values that are NaN or inf are named here, not found as a non-finite loss later.
+    The sum is finite unless one is not (or it overflows): only then are they counted."""
+    if not tensor.is_floating_point() or torch.isfinite(tensor.sum()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise ConfigError(f"model.path={str(path)!r}: {source.key} in {source.file} holds non-finite values ({bad} of "
+                          f"{tensor.numel()} are NaN or inf): the weights are damaged. Fix: weights with finite "
+                          "values (copy them again).")
 
 
 def copy_model_files(source: Path, target: Path) -> None:

@@ -224,6 +224,10 @@ def test_damaged_weight_files_and_indexes_are_named(tmp_path):
 def test_non_finite_pretrained_weights_are_named_by_tensor(tmp_path):
     path = write_model(tmp_path / "m", "llama", weights=True)
     tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][0, :2] = 3e38  # finite, though their sum overflows: accepted
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    meta = build_meta_model(_cfg(path).model)
+    materialize(meta, meta.unit_names, seed=0, device=CPU)
     tensors["model.layers.3.mlp.up_proj.weight"][0, :3] = float("nan")
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     meta = build_meta_model(_cfg(path).model)
