@@ -44,11 +44,6 @@ class Stored:
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: F32, BF16, ...
 
-    @property
-    def nbytes(self) -> int:
-        size = torch.empty((), dtype=_FLOAT_DTYPES.get(self.dtype, torch.float32)).element_size()
-        return size * int(torch.Size(self.shape).numel())
-
 
 def _fail(path: Path, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"model.path={str(path.parent)!r}: {path.name} {problem}. Fix: {fix}")
@@ -119,7 +114,7 @@ def header_dtype(stored: Iterable[Stored]) -> torch.dtype | None:
     counts: Counter[str] = Counter()
     for s in stored:
         if s.dtype in _FLOAT_DTYPES:
-            counts[s.dtype] += s.nbytes
+            counts[s.dtype] += _FLOAT_DTYPES[s.dtype].itemsize * torch.Size(s.shape).numel()
     return _FLOAT_DTYPES[counts.most_common(1)[0][0]] if counts else None
 
 

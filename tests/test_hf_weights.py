@@ -79,6 +79,17 @@ def test_a_config_dtype_that_disagrees_with_the_stored_tensors_is_logged(tmp_pat
     assert meta.spec.source_dtype == torch.bfloat16 and next(meta.module.parameters()).dtype == torch.float32
 
 
+def test_without_a_dtype_in_config_json_the_stored_dtype_is_recorded(tmp_path):
+    path = write_model(tmp_path / "m", "llama", weights=True, dtype=torch.bfloat16)
+    config = json.loads((path / "config.json").read_text())
+    del config["dtype"]
+    (path / "config.json").write_text(json.dumps(config))
+    meta = build_meta_model(_cfg(path).model)
+    assert meta.spec.source_dtype == torch.bfloat16
+    meta.spec.save_metadata(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_a_tied_embedding_on_one_rank_is_read_and_counted_once(tmp_path):
     path = write_model(tmp_path / "gpt2", "gpt2", weights=True)
     meta = build_meta_model(_cfg(path).model)
