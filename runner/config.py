@@ -265,7 +265,8 @@ class HFModelConfig:
     _target_: str = "runner.hf.causal_lm"
     path: str = MISSING  # a directory with config.json, optionally *.safetensors and tokenizer files
     pretrained: bool = True  # read the directory's weights (each rank its own stages'); false = random init
-    # Run a family outside the tested list (Llama-like reading of its pipeline plan); check with verify=true.
+    # Run a family outside the tested list (Llama-like reading of its pipeline plan); verify then runs on the
+    # first step unless verify=false is given.
     allow_unlisted: bool = False
     # config.json values to change, as AutoConfig.from_pretrained(path, **overrides): e.g. dropout off,
     # +model.config_overrides.resid_pdrop=0.0
@@ -342,8 +343,9 @@ class RunConfig:
     # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
     logger: Dict[str, Any] = field(default_factory=dict)
     device: str = field(default="auto", metadata=choices(Device))  # auto | cpu | cuda
-    # Also run the unsplit model on the first batch and compare loss and every gradient.
-    verify: bool = False
+    # Also run the unsplit model on the first batch and compare loss and every gradient. null (auto):
+    # on for a model=hf family outside the tested list (model.allow_unlisted=true), off otherwise.
+    verify: Optional[bool] = None
 
 
 def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:

@@ -31,6 +31,7 @@ from runner.checkpoint_files import TOKENIZER_DIR, find_checkpoint, read_train_s
 from runner.config import parse_bytes
 from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
+from runner.remote_code import remote_code_problem
 from runner.units import tied_groups
 
 __all__ = ["DTYPES", "export", "checkpoint_of", "source_dtype", "main"]
@@ -101,9 +102,11 @@ def _model(checkpoint: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = checkpoint / "hf"
-    config = AutoConfig.from_pretrained(hf, local_files_only=True)
+    if problem := remote_code_problem(hf, f"checkpoint {checkpoint}"):  # before transformers reads an auto_map
+        raise ConfigError(problem)
+    config = AutoConfig.from_pretrained(hf, local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     tied = {n for names in tied_groups(model) for n in names[1:]}  # stored once, under the first name
     verify_checkpoint(checkpoint, read_train_state(checkpoint)["world_size"], DistEnv(0, 1, torch.device("cpu")))
     tensors = read_model_tensors(checkpoint)

@@ -7,11 +7,13 @@ hidden states (position ids, rotary position embeddings, the causal or sliding-w
 each layer) each stage recomputes from the batch's keyword inputs (``attention_mask``,
 ``position_ids``) with transformers' own functions, per family. Families are a tested list, each
 held to the model's own forward; another family runs only with ``model.allow_unlisted=true``,
-where ``verify=true`` decides.
+where ``verify`` decides (on by default: ``resolve_verify``).
 
-Pretrained weights: each rank reads only its own stages' tensors (``safe_open``, lazily), through
-transformers' key renames; a tied head absent from the file reads the embedding it is tied to.
-Random initialisation (no weights, or ``model.pretrained=false``) runs the family's
+Pretrained weights: checked against the model from the safetensors headers when the model is built
+(``runner.hf_weights``: before launch, as validate builds the meta model); each rank then reads only
+its own stages' tensors (``safe_open``, lazily), cast to the fp32 the model is built in whatever the
+directory stores (its dtype is recorded for export). No directory's code runs
+(``runner.remote_code``). Random initialisation (``model.pretrained=false``) runs the family's
 ``_init_weights`` per module, children before parents as transformers does, each module under a
 seed of its own (the runner's layout-independent initialisation).
 
@@ -21,6 +23,7 @@ are not public API: tested with the transformers range pinned in pyproject.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -32,12 +35,14 @@ import torch
 from torch import nn
 
 from runner.errors import ConfigError
+from runner.hf_weights import Stored, Weights, header_dtype, read_weights
+from runner.remote_code import remote_code_problem, remote_override_problem
 from runner.units import ModelSpec, Unit, tied_groups
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files"]
+__all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files", "resolve_verify"]
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +97,25 @@ def _import_transformers():
 def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = False,
               config_overrides: Mapping[str, Any] | None = None, attn_implementation: str | None = None) -> nn.Module:
     """The model factory of ``model=hf``: the causal LM of ``path`` (built on the current device:
-    meta when the runner builds it), carrying its pipeline units as ``runner_spec``."""
+    meta when the runner builds it), carrying its pipeline units as ``runner_spec``. Its weights
+    are fp32 whatever dtype the directory stores or its config.json names (``source_dtype``)."""
     transformers = _import_transformers()
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path={path!r} holds no config.json. Fix: a local directory written by "
                           "save_pretrained (config.json, and optionally *.safetensors and tokenizer files).")
     overrides = dict(config_overrides or {})
+    problem = remote_override_problem(overrides, attn_implementation) or remote_code_problem(directory, "model.path")
+    if problem:  # before transformers reads an auto_map
+        raise ConfigError(problem)
+    stored = read_weights(directory) if pretrained else None
     try:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True, **overrides)
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False,
+                                                         **overrides)
+        source_dtype = _source_dtype(directory, config, stored)  # from_config(dtype=...) overwrites config.dtype
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False,
+                                                              **kwargs)
     except (ValueError, KeyError, OSError) as e:
         raise ConfigError(f"model.path={path!r}: transformers cannot build a causal LM from its config.json: {e}\n"
                           "Fix: a directory of a causal language model (AutoModelForCausalLM).") from e
@@ -113,10 +126,23 @@ def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = Fals
                 f"model.path={path!r} is a {config.model_type!r} model, which is not in the tested list "
                 f"({', '.join(FAMILIES)}): what its base model computes beside the layers (masks, position "
                 "embeddings, scalings) may differ. Fix: a listed family, or model.allow_unlisted=true to run it "
-                "as a Llama-like decoder, with verify=true to check it against the model's own forward.")
+                "as a Llama-like decoder, checked against the model's own forward on the first step (verify).")
         family = _unlisted_family(model)
-    model.runner_spec = HFSpec(model, family, directory, pretrained=pretrained)
+    model.runner_spec = HFSpec(model, family, directory, stored=stored, source_dtype=source_dtype)
     return model
+
+
+def _source_dtype(directory: Path, config: Any, stored: Mapping[str, Stored] | None) -> torch.dtype | None:
+    """The dtype the model is stored in: config.json's, else the weights' (what an export writes
+    back). A disagreement between the two is logged."""
+    named = config.dtype if isinstance(config.dtype, torch.dtype) else None
+    found = header_dtype(stored.values()) if stored else None
+    if named is not None and found is not None and named != found:
+        log.warning("model.path=%s: config.json names dtype %s but the weights are stored in %s; the runner trains "
+                    "fp32 weights either way and records %s as the model's dtype", directory,
+                    str(named).removeprefix("torch."), str(found).removeprefix("torch."),
+                    str(named).removeprefix("torch."))
+    return named or found
 
 
 def _unlisted_family(model: PreTrainedModel) -> Family:
@@ -129,6 +155,33 @@ def _unlisted_family(model: PreTrainedModel) -> Family:
                           "embed_tokens/layers/norm pipeline plan the runner can follow. Fix: a listed family.")
     rotary = "rotary_emb" if hasattr(base, "rotary_emb") else None
     return Family(rotary=rotary, mask=lambda config, i: getattr(base.layers[i], "attention_type", "full_attention"))
+
+
+def _unlisted_type(model_cfg: Any) -> str | None:
+    """The model_type of a ``model=hf`` directory outside the tested list (None: listed, or not model=hf)."""
+    if model_cfg.get("_target_") != "runner.hf.causal_lm" or not model_cfg.get("allow_unlisted"):
+        return None
+    try:  # the factory has read it already (validate builds the meta model first)
+        model_type = json.loads((Path(model_cfg.path).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if model_type in FAMILIES else str(model_type)
+
+
+def resolve_verify(cfg: Any) -> bool:
+    """The run's ``verify``: as given, or (null) on for a ``model=hf`` family outside the tested
+    list, whose Llama-like reading nothing else checks; said in the log either way. (Here, not in
+    runner.verify: validate calls it, and the import chain stays short.)"""
+    family = _unlisted_type(cfg.model)
+    if family is not None:
+        if cfg.verify is False:
+            log.warning("model.path=%s is a %r model, outside the tested list, and verify=false: nothing checks that "
+                        "the runner computes what the model does.", cfg.model.path, family)
+        else:
+            log.warning("model.path=%s is a %r model, outside the tested list (model.allow_unlisted=true): verify "
+                        "compares the first step with the model's own forward (verify=false turns it off).",
+                        cfg.model.path, family)
+    return bool(cfg.verify) if cfg.verify is not None else family is not None
 
 
 @dataclass
@@ -145,12 +198,15 @@ class _Context:
 class HFSpec(ModelSpec):
     """A Hugging Face causal LM's units: the embedding, each decoder layer, the final norm, the head."""
 
-    def __init__(self, model: PreTrainedModel, family: Family, path: Path, *, pretrained: bool):
+    def __init__(self, model: PreTrainedModel, family: Family, path: Path, *, stored: Mapping[str, Stored] | None,
+                 source_dtype: torch.dtype | None = None):
         from transformers import PreTrainedModel
 
         self.family = model.config.model_type
+        self.unlisted = model.config.model_type not in FAMILIES  # verify runs unless turned off
         self.config = model.config
         self.path = path
+        self.source_dtype = source_dtype  # the directory's; the model's weights are fp32
         self._family = family
         self._model = model
         base = model.base_model_prefix
@@ -169,8 +225,10 @@ class HFSpec(ModelSpec):
         self._init_owners = sorted(((name, m) for name, m in model.named_modules() if isinstance(m, PreTrainedModel)),
                                    key=lambda item: -len(item[0]))
         self._tied = tied_groups(model)
-        self._weights = _weight_files(path) if pretrained else None
+        # Checked against the model here, so that validate's meta model refuses bad weights before launch.
+        self._weights = None if stored is None else Weights(path, stored, model, self._tied)
         self.bytes_read = 0
+        self._counted: set[tuple[str, str]] = set()  # (file, key) read by this process: a tied copy counts once
 
     # -- running a stage ------------------------------------------------------------------------
     def blocks(self) -> list[str]:
@@ -256,35 +314,45 @@ class HFSpec(ModelSpec):
         from safetensors import safe_open
 
         wanted = _persistent_state(stage)
-        found = {name: self._weights.source(name, self._model, self._tied) for name in wanted}
-        missing = [name for name, src in found.items() if src is None]
-        sources = {name: src for name, src in found.items() if src is not None}
-        if missing:
-            raise ConfigError(f"model.path={str(self.path)!r}: the weights hold no tensor for {missing[:5]}"
-                              f"{' …' if len(missing) > 5 else ''}. Fix: complete weights, or model.pretrained=false "
-                              "to start from random initialisation.")
-        by_file: dict[str, list[str]] = {}
-        for name, (file, _) in sources.items():
-            by_file.setdefault(file, []).append(name)
+        by_source: dict[Stored, list[torch.Tensor]] = {}
+        for name, target in wanted.items():
+            source = self._weights.source(name)
+            assert source is not None  # Weights checked every name of the model
+            targets = by_source.setdefault(source, [])
+            if all(t is not target for t in targets):  # a weight tied within the stage: one tensor
+                targets.append(target)
         with torch.no_grad():
-            for file, names in by_file.items():
+            for file in sorted({s.file for s in by_source}):
                 with safe_open(self.path / file, framework="pt") as f:
-                    for name in names:
-                        tensor = f.get_tensor(sources[name][1])
-                        target = wanted[name]
-                        if tensor.shape != target.shape:
-                            raise ConfigError(f"model.path: {sources[name][1]} has shape {tuple(tensor.shape)}, "
-                                              f"the model's {name} {tuple(target.shape)}. Fix: weights that match "
-                                              "config.json.")
-                        target.copy_(tensor)
-                        self.bytes_read += tensor.numel() * tensor.element_size()
+                    for source in (s for s in by_source if s.file == file):
+                        tensor = f.get_tensor(source.key)
+                        for target in by_source[source]:
+                            target.copy_(tensor)  # cast to the model's fp32, whatever the file stores
+                        _check_finite(by_source[source][0], source, self.path)
+                        if (file, source.key) not in self._counted:
+                            self._counted.add((file, source.key))
+                            self.bytes_read += tensor.numel() * tensor.element_size()
         return set(wanted)
 
     def save_metadata(self, directory: Path) -> None:
         """What an exported model needs besides its tensors: config and tokenizer files."""
         directory.mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(directory)
+        config = copy.deepcopy(self.config)
+        config.dtype = self.source_dtype or torch.float32  # the directory's, not the fp32 trained in
+        config.save_pretrained(directory)
         copy_model_files(self.path, directory)
+
+
+def _check_finite(tensor: torch.Tensor, source: Stored, path: Path) -> None:
+    """Pretrained values that are NaN or inf are named here, not found as a non-finite loss later.
+    The sum is finite unless one is not (or it overflows): only then are they counted."""
+    if not tensor.is_floating_point() or torch.isfinite(tensor.sum()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise ConfigError(f"model.path={str(path)!r}: {source.key} in {source.file} holds non-finite values ({bad} of "
+                          f"{tensor.numel()} are NaN or inf): the weights are damaged. Fix: weights with finite "
+                          "values (copy them again).")
 
 
 def copy_model_files(source: Path, target: Path) -> None:
@@ -301,65 +369,4 @@ def _persistent_state(stage: nn.Module) -> dict[str, torch.Tensor]:
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf_name not in module._non_persistent_buffers_set:
                 out[f"{module_name}.{buf_name}" if module_name else buf_name] = buf
-    return out
-
-
-class _WeightFiles:
-    """The tensors of a directory's safetensors files, by the model's parameter names."""
-
-    def __init__(self, keys: dict[str, str]):
-        self.keys = keys  # file key -> file name
-        self._by_name: dict[str, tuple[str, str]] | None = None
-
-    def source(self, name: str, model: PreTrainedModel, tied: list[list[str]]) -> tuple[str, str] | None:
-        """(file, key) holding the model's parameter ``name``; a tied parameter absent from the
-        files reads the one it is tied to."""
-        if self._by_name is None:
-            self._by_name = _rename(self.keys, model)
-        if name in self._by_name:
-            return self._by_name[name]
-        for group in tied:
-            if name in group:
-                return next((self._by_name[n] for n in group if n in self._by_name), None)
-        return None
-
-
-def _weight_files(path: Path) -> _WeightFiles | None:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return _WeightFiles(dict(json.loads(index.read_text())["weight_map"]))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-            raise ConfigError(f"model.path={str(path)!r} holds pickled weights (*.bin) only; the runner reads "
-                              "safetensors (no code runs when they load). Fix: convert them with transformers "
-                              "(from_pretrained, then save_pretrained), or model.pretrained=false.")
-        log.info("model.path=%s holds no weights: random initialisation", path)
-        return None
-    from safetensors import safe_open
-
-    keys = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:  # reads the header only
-            keys.update({k: file.name for k in f.keys()})
-    return _WeightFiles(keys)
-
-
-def _rename(keys: Mapping[str, str], model: PreTrainedModel) -> dict[str, tuple[str, str]]:
-    """Model parameter name -> (file, file key), through transformers' own renames (legacy names,
-    a base-model checkpoint loaded into a model with a head, ...)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    expected = model.state_dict()
-    out = {}
-    for key, file in keys.items():
-        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
-        if converted is not None:
-            raise ConfigError(f"model.path: the weight {key!r} needs transformers' tensor conversion "
-                              f"({converted}), which the runner's per-stage loading does not do. Fix: a listed family.")
-        out[name] = (file, key)
     return out

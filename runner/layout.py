@@ -91,4 +91,4 @@ class RunPlan:
         ``resolved_config.yaml`` and logged as the run's hyperparameters."""
         return {"device": self.device, "launch.threads_per_rank": self.threads_per_rank,
                 "launch.pin_cpus": self.rank_cpus is not None,
-                "checkpoint.resume": None if self.resume is None else str(self.resume)}
+                "checkpoint.resume": None if self.resume is None else str(self.resume), "verify": self.verify}

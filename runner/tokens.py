@@ -28,6 +28,7 @@ import torch
 
 from runner.cache_files import default_cache_dir, file_identity
 from runner.errors import ConfigError
+from runner.remote_code import remote_code_problem
 
 __all__ = ["TokenStream", "window_index", "open_tokens", "load_tokenizer", "tokenizer_vocab",
            "text_documents", "dataset_documents", "default_cache_dir"]
@@ -113,8 +114,10 @@ def load_tokenizer(path: str):
     if not directory.is_dir():
         raise ConfigError(f"data.tokenizer={path!r}: no such directory. Fix: a local tokenizer directory "
                           "(tokenizer.json or the files save_pretrained writes).")
+    if problem := remote_code_problem(directory, f"data.tokenizer={path!r}"):  # before transformers reads it
+        raise ConfigError(problem)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.tokenizer={path!r} cannot be loaded: {e}") from e
     if tokenizer.eos_token_id is None:

@@ -382,6 +382,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
     run (the planner's candidates); no checkpoint is looked for."""
     from runner.dist import resolve_device
+    from runner.hf import resolve_verify
 
     check_config(cfg)
     csv = _schedule_file(cfg)
@@ -395,4 +396,4 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     return RunPlan(layout=layout, dp=cfg.parallel.dp, dp_mode=cfg.parallel.dp_mode, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=_rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
-                   verify=cfg.verify)
+                   verify=resolve_verify(cfg))

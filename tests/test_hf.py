@@ -83,7 +83,7 @@ def test_random_init_follows_transformers_init_children_before_parents(tmp_path)
     from transformers import GPT2Config
 
     GPT2Config(vocab_size=64, n_embd=256, n_layer=8, n_head=4, n_positions=64).save_pretrained(tmp_path / "g")
-    cfg = _hf_cfg(tmp_path / "g")
+    cfg = _hf_cfg(tmp_path / "g", pretrained=False)
     split, stages = _stages(cfg, 2)
     first, last = stages
     # GPT-2 scales its residual projections by 1/sqrt(2 x layers) after the generic init: the
@@ -108,8 +108,9 @@ def test_an_unlisted_family_is_refused_or_run_with_opt_in_where_verify_decides(t
                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=3,
                  initializer_range=1.0).save_pretrained(tmp_path / "gemma2")
     with pytest.raises(ConfigError, match="'gemma2' model, which is not in the tested list.*llama.*allow_unlisted"):
-        build_meta_model(_hf_cfg(tmp_path / "gemma2"))
+        build_meta_model(_hf_cfg(tmp_path / "gemma2", pretrained=False))
     cfg = compose("model=hf", f"model.path={tmp_path / 'gemma2'}", "model.allow_unlisted=true", "parallel.pp=1",
+                  "model.pretrained=false",
                   "data.vocab_size=64", "train.seq_len=8")
     meta = build_meta_model(cfg.model)
     assert meta.unit_names[:2] == ["model.embed_tokens", "model.layers.0"]
@@ -162,7 +163,7 @@ def test_a_nested_sequential_is_split_inside_its_container():
 
 
 def test_weight_decay_spares_every_1d_parameter_and_embeddings_by_shape_and_role(tmp_path):
-    cfg = _hf_cfg(write_model(tmp_path / "llama", "llama", weights=False))
+    cfg = _hf_cfg(write_model(tmp_path / "llama", "llama", weights=False), pretrained=False)
     meta = build_meta_model(cfg)
     module = materialize(meta, meta.unit_names, seed=0, device=CPU)
     decayed, exempt = ({n for n, p in module.named_parameters() if id(p) in {id(q) for q in g["params"]}}

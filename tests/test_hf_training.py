@@ -39,8 +39,10 @@ RESUMES = ["resume-pp4-interleaved", "resume-fsdp-zbv"]
 
 
 def _base(path: Path) -> list[str]:
-    return ["device=cpu", "model=hf", f"model.path={path}", "data.vocab_size=64", "train.seq_len=16", "train.steps=5",
-            "profile.enabled=false", *CLIP]
+    # A directory of config.json only (GPT-2 here) is the runner's random initialisation: said explicitly.
+    pretrained = (path / "model.safetensors").is_file()
+    return ["device=cpu", "model=hf", f"model.path={path}", f"model.pretrained={str(pretrained).lower()}",
+            "data.vocab_size=64", "train.seq_len=16", "train.steps=5", "profile.enabled=false", *CLIP]
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,16 @@ def cli_env(extra: dict[str, str] | None = None, *, checkout: bool = True) -> di
 
 def start_cli(*args: str, cwd: Path | None = None, module: str = "runner", program: Sequence[str] | None = None,
               env: dict[str, str] | None = None, checkout: bool = True,
-              ignore_sigint: bool = False) -> subprocess.Popen:
+              ignore_sigint: bool = False, stdin: bool = False) -> subprocess.Popen:
     """Start ``python -m <module> *args`` (or ``*program, *args``) in ``cwd`` with ``cli_env(env)``.
-    ``ignore_sigint``: with SIGINT ignored, as ``cmd &`` in a script starts a command."""
+    ``ignore_sigint``: with SIGINT ignored, as ``cmd &`` in a script starts a command. ``stdin``: a
+    pipe to write to (``finish(input=...)``), else the test's own."""
     tier.check("runs a command line")
     argv = [*(program or (sys.executable, "-m", module)), *args]
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     return subprocess.Popen(argv, cwd=cwd, env=cli_env(env, checkout=checkout), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
+                            stderr=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None, text=True,
+                            preexec_fn=ignore)
 
 
 def _shown(stdout: str | None, stderr: str | None) -> str:
@@ -49,11 +51,12 @@ def _shown(stdout: str | None, stderr: str | None) -> str:
             f"\n--- stderr (last {SHOWN} characters) ---\n{(stderr or '')[-SHOWN:]}")
 
 
-def finish(proc: subprocess.Popen, *, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+def finish(proc: subprocess.Popen, *, timeout: float = 120, check: bool = False,
+           input: str | None = None) -> subprocess.CompletedProcess:
     """Wait for ``proc`` and return its exit code and output. Past ``timeout`` it is killed and the
     test fails showing what it printed; ``check``: so does a non-zero exit code."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
@@ -67,7 +70,9 @@ def finish(proc: subprocess.Popen, *, timeout: float = 120, check: bool = False)
 
 def run_cli(*args: str, cwd: Path | None = None, module: str = "runner", program: Sequence[str] | None = None,
             env: dict[str, str] | None = None, checkout: bool = True, timeout: float = 120,
-            check: bool = False) -> subprocess.CompletedProcess:
-    """``start_cli`` then ``finish``: the finished command's exit code, stdout and stderr."""
-    proc = start_cli(*args, cwd=cwd, module=module, program=program, env=env, checkout=checkout)
-    return finish(proc, timeout=timeout, check=check)
+            check: bool = False, input: str | None = None) -> subprocess.CompletedProcess:
+    """``start_cli`` then ``finish``: the finished command's exit code, stdout and stderr.
+    ``input``: written to its stdin."""
+    proc = start_cli(*args, cwd=cwd, module=module, program=program, env=env, checkout=checkout,
+                     stdin=input is not None)
+    return finish(proc, timeout=timeout, check=check, input=input)

@@ -30,16 +30,24 @@ def family_configs() -> dict:
     }
 
 
-def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0) -> Path:
-    """``save_pretrained`` of a tiny model of ``family``: with random weights, or its config only."""
+def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0,
+                dtype: torch.dtype | None = None, **config_changes) -> Path:
+    """``save_pretrained`` of a tiny model of ``family``: with random weights, or its config only.
+    ``dtype``: stored in it, and named in config.json (as real bf16 checkpoints are)."""
     from transformers import AutoModelForCausalLM
 
     config = family_configs()[family]
+    for key, value in config_changes.items():
+        setattr(config, key, value)
     if weights:
         torch.manual_seed(seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if dtype is not None:
+                model.to(dtype)
+                model.config.dtype = dtype
+            model.save_pretrained(directory)
     else:
         config.save_pretrained(directory)
     return directory
