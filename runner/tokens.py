@@ -23,20 +23,22 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from runner.data_files import text_files
 from runner.errors import ConfigError
+from runner.records import load_records
 
-__all__ = ["TokenStream", "window_index", "open_tokens", "tokenize_to_cache", "load_tokenizer", "tokenizer_vocab",
-           "text_documents", "dataset_documents", "default_cache_dir"]
+if TYPE_CHECKING:
+    from runner.token_files import Shards
+
+__all__ = ["TokenStream", "window_index", "tokenize_to_cache", "load_tokenizer", "tokenizer_vocab", "text_documents",
+           "dataset_documents", "default_cache_dir"]
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
-_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
 
 
 def window_index(n: int, windows: int, seed: int, split: str) -> int:
@@ -54,7 +56,7 @@ def window_index(n: int, windows: int, seed: int, split: str) -> int:
 class TokenStream:
     """Batches of windows of a flat token array (see the module docstring)."""
 
-    def __init__(self, tokens: np.ndarray, *, seed: int, val_fraction: float, vocab_size: int | None,
+    def __init__(self, tokens: np.ndarray | Shards, *, seed: int, val_fraction: float, vocab_size: int | None,
                  source: str, key: str = "data.path"):
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1. Fix: e.g. 0.01.")
@@ -67,6 +69,9 @@ class TokenStream:
         self.splits = {"train": (0, cut), "val": (cut, len(tokens))}
 
     def batch(self, step: int, batch_size: int, seq_len: int, *, split: str = "train"):
+        """Step ``step``'s batch (steps are numbered from 1): samples ``(step - 1) * batch_size`` on."""
+        if step < 1:
+            raise ValueError(f"step {step}: steps are numbered from 1")
         start, end = self.splits[split]
         window = seq_len + 1
         windows = (end - start) // window
@@ -74,33 +79,17 @@ class TokenStream:
             raise ConfigError(
                 f"{self.key}={self.source!r}: its {split} split holds {end - start} tokens, fewer than "
                 f"train.seq_len + 1 = {window}. Fix: more data, a smaller train.seq_len or another data.val_fraction.")
-        first = step * batch_size
+        first = (step - 1) * batch_size
         offsets = [start + window * window_index(n, windows, self.seed, split)
                    for n in range(first, first + batch_size)]
         rows = torch.from_numpy(np.stack([self.tokens[o:o + window] for o in offsets]).astype(np.int64))
-        if self.vocab_size is not None and int(rows.max()) >= self.vocab_size:
-            raise ConfigError(f"{self.key}={self.source!r} holds token id {int(rows.max())}, outside data.vocab_size="
-                              f"{self.vocab_size}. Fix: the data's real vocabulary size (data.vocab_size), or the "
-                              "right data.dtype.")
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            ids = f"0..{self.vocab_size - 1} (data.vocab_size={self.vocab_size})" if self.vocab_size else "ids >= 0"
+            raise ConfigError(f"{self.key}={self.source!r} holds token id {low if low < 0 else high} ({split} batch of "
+                              f"step {step}), outside {ids}. Fix: the data's real vocabulary size (data.vocab_size), "
+                              "or the right data.dtype.")
         return rows[:, :-1], rows[:, 1:]
-
-
-def open_tokens(path: str, dtype: str) -> np.ndarray:
-    """A pre-tokenized file as a read-only memory map: ``.npy`` (its own dtype) or raw ``dtype``."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"data.path={path!r}: no such file. "
-                          "Fix: data.path=<a flat binary of token ids (.bin) or .npy>.")
-    if file.suffix == ".npy":
-        return np.load(file, mmap_mode="r").reshape(-1)
-    if dtype not in DTYPES:
-        raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(DTYPES)}. "
-                          "Fix: data.dtype=uint16 (vocabularies up to 65536) or uint32.")
-    size = np.dtype(DTYPES[dtype]).itemsize
-    if file.stat().st_size % size:
-        raise ConfigError(f"data.path={path!r}: {file.stat().st_size} bytes is not a whole number of {dtype} tokens. "
-                          "Fix: the data.dtype it was written with.")
-    return np.memmap(file, dtype=DTYPES[dtype], mode="r")
 
 
 def default_cache_dir() -> Path:
@@ -120,8 +109,10 @@ def load_tokenizer(path: str):
                           "(tokenizer.json or the files save_pretrained writes).")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer={path!r} cannot be loaded: {e}") from e
+    except Exception as e:  # OSError, ValueError, and the tokenizers library's plain Exception for a damaged file
+        raise ConfigError(f"data.tokenizer={path!r} cannot be loaded as a tokenizer: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())} Fix: a directory save_pretrained wrote a tokenizer to "
+                          "(tokenizer.json, or a SentencePiece model with tokenizer_config.json).") from e
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"data.tokenizer={path!r} has no EOS token to put between documents. Fix: a tokenizer "
                           "with an eos_token.")
@@ -198,15 +189,6 @@ def _batched(items: Iterable, size: int) -> Iterator[list]:
         yield group
 
 
-def _files(path: str, key: str = "data.path") -> list[Path]:
-    p = Path(path).expanduser()
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")) if p.is_dir() else (
-        [p] if p.is_file() else sorted(Path().glob(path)))
-    if not files:
-        raise ConfigError(f"{key}={path!r}: no such file or directory. Fix: a local file, directory or glob.")
-    return files
-
-
 # A chunk ends at a newline before a non-space: tokenizers' pre-tokenizers split there anyway,
 # so tokenizing a document chunk by chunk gives the ids of the whole.
 _CHUNK_END = re.compile(r"\n(?=\S)")
@@ -214,7 +196,7 @@ _CHUNK_END = re.compile(r"\n(?=\S)")
 
 def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
     """Each file under ``path`` is a document, read in chunks (never a whole file at once)."""
-    files = _files(path)
+    files = text_files(path)
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for file in files:
@@ -234,20 +216,9 @@ def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], I
 def dataset_documents(path: str, field: str, cache_dir: str | None) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
     """Records of local json/jsonl/parquet/arrow/csv files through ``datasets`` (memory-mapped
     Arrow), ``field`` of each a document."""
-    files = _files(path)
-    formats = {_FORMATS.get(f.suffix) for f in files}
-    if None in formats or len(formats) != 1:
-        raise ConfigError(f"data.path={path!r}: files of one format are needed, one of "
-                          f"{', '.join(sorted(_FORMATS))}; found {sorted({f.suffix for f in files})}.")
-    try:
-        import datasets
-    except ImportError as e:
-        raise ConfigError("data=hf needs datasets (not installed). Fix: pip install -e '.[hf]'.") from e
-    cache = str((Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "datasets")
-    ds = datasets.load_dataset(formats.pop(), data_files=[str(f) for f in files], split="train", cache_dir=cache)
-    if field not in ds.column_names:
-        raise ConfigError(f"data.field={field!r} is not a column of data.path={path!r} (columns: "
-                          f"{', '.join(ds.column_names)}). Fix: data.field=<the text column>.")
+    field = str(field)  # a column's name, even where YAML read a number
+    files, ds = load_records(path, field, str((Path(cache_dir).expanduser() if cache_dir else default_cache_dir())
+                                              / "datasets"))
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for batch in ds.iter(batch_size=1000):
