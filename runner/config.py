@@ -30,7 +30,7 @@ from runner.options import (
 )
 from runner.schedules import schedule_names
 
-__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "missing_keys"]
+__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "missing_keys", "check_model_vocab"]
 
 # A string option's accepted values are its field's choices (runner.options, or a registry):
 # the checks before launch (runner.validate) refuse any other value, naming key, value and fix.
@@ -73,6 +73,16 @@ def missing_keys(node: DictConfig | ListConfig, path: str = "") -> Iterator[str]
             yield f"{path}{key!s}"
         elif isinstance(child, (DictConfig, ListConfig)):
             yield from missing_keys(child, f"{path}{key!s}.")
+
+
+def check_model_vocab(cfg: DictConfig) -> None:
+    """A built-in model sizes its embedding by ``data.vocab_size``, which ``data=tokens`` cannot
+    know: null there, OmegaConf would refuse it inside the model's build with its own words."""
+    model = cfg.get("model")
+    if (isinstance(model, DictConfig) and "vocab_size" in model and OmegaConf.is_interpolation(model, "vocab_size")
+            and cfg.data.get("vocab_size") is None):
+        raise ConfigError("model.vocab_size follows data.vocab_size, which is null: the token ids' vocabulary is not "
+                          "known. Fix: data.vocab_size=<the vocabulary size of the tokenizer that wrote data.path>.")
 
 
 @dataclass

@@ -18,9 +18,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.data_files import find_files, text_files
 from runner.errors import ConfigError
+from runner.records import load_records, naming_bad_records
 from runner.token_files import as_stream, check_ids, open_tokens
-from runner.tokens import TokenStream, dataset_documents, text_documents, tokenize_to_cache
+from runner.tokens import TokenStream, dataset_documents, default_cache_dir, text_documents, tokenize_to_cache
 
 __all__ = ["SPLITS", "build_dataset", "get_batch", "check_vocab", "SyntheticData", "TextData", "HFData", "TokensData"]
 
@@ -103,7 +105,7 @@ class TextData(TokenStream):
                                   "Fix: 256, or data.tokenizer=<a tokenizer directory>.")
             tokens = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
         else:
-            files, pieces = text_documents(path)
+            files, pieces = text_documents(text_files(path))
             tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
                                               extra="text")
             _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
@@ -117,9 +119,13 @@ class HFData(TokenStream):
 
     def __init__(self, *, path: str, tokenizer: str, seed: int, field: str = "text", vocab_size: int | None = None,
                  val_fraction: float = 0.01, cache_dir: str | None = None):
-        files, pieces = dataset_documents(path, field, cache_dir)
-        tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
-                                          extra=f"hf/{field}")
+        field = str(field)  # a column's name, even where YAML read a number
+        cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "datasets"
+        files, ds = load_records(path, find_files(path)[0], field, str(cache))
+        pieces = dataset_documents(ds, field)
+        with naming_bad_records(path, files):
+            tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer_dir=tokenizer, cache_dir=cache_dir,
+                                              extra=f"hf/{field}")
         _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
         super().__init__(tokens, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size or vocab, source=path)
 
@@ -131,13 +137,14 @@ class TokensData(TokenStream):
 
     def __init__(self, *, path: str, seed: int, dtype: str = "uint16", vocab_size: int | None = None,
                  val_fraction: float = 0.01):
-        self.files, self.arrays = open_tokens(path, dtype)
+        self.files = find_files(path)[0]
+        self.arrays = open_tokens(path, self.files, dtype)
         super().__init__(as_stream(self.files, self.arrays), seed=seed, val_fraction=val_fraction,
                          vocab_size=vocab_size, source=path)
 
     def check_ids(self, limit: int, bound: str) -> None:
         """Every id in ``0 .. limit - 1``, read once per file (before launch; see ``check_vocab``)."""
-        check_ids(self.source, self.files, self.arrays, limit, bound)
+        check_ids(self.source, self.files, self.arrays, limit, bound, default_cache_dir())
 
 
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:

@@ -8,12 +8,13 @@ import json
 import logging
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from runner.data_files import find_files
 from runner.errors import ConfigError
 
-__all__ = ["FORMATS", "load_records"]
+__all__ = ["FORMATS", "load_records", "naming_bad_records"]
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,8 @@ _LINES = {"json", "csv", "text"}  # formats read as UTF-8 lines: a bad line can 
 _TEXT = ("string", "large_string")
 
 
-def _record_files(path: str) -> tuple[list[Path], str]:
-    """The files ``path`` names, all of one format, empty ones left out (logged)."""
-    files, _ = find_files(path)
+def _record_files(path: str, files: list[Path]) -> tuple[list[Path], str]:
+    """``files`` (what ``path`` names) all of one format, empty ones left out (logged)."""
     formats = {FORMATS.get(f.suffix.lower(), "") for f in files}
     if "" in formats or len(formats) != 1:
         raise ConfigError(f"data.path={path!r}: files of one format are needed, one of "
@@ -58,7 +58,7 @@ def _bad_line(file: Path, fmt: str) -> str | None:
             if fmt != "json" or whole_json is not None or not text.strip():
                 continue
             try:
-                record = json.loads(text)
+                record = json.loads(text.rstrip("\r\n"))
             except ValueError as e:
                 return f"line {number}: not JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})"
             if not isinstance(record, dict):
@@ -103,10 +103,11 @@ def _check_field(ds, path: str, field: str) -> None:
         raise ConfigError(f"data.path={path!r} holds no records. Fix: data.path=<files holding records>.")
 
 
-def load_records(path: str, field: str, cache_dir: str):
-    """The files ``path`` names and their records as a ``datasets.Dataset``, ``field`` checked to
-    be a text column; ``cache_dir``: ``datasets``' own cache."""
-    files, fmt = _record_files(path)
+def load_records(path: str, files: list[Path], field: str, cache_dir: str):
+    """The records of ``files`` (those ``path`` names; ``runner.data_files.find_files``) as a
+    ``datasets.Dataset``, ``field`` checked to be a text column; ``cache_dir``: ``datasets``' own
+    cache. Returns the files read (empty ones left out) and the dataset."""
+    files, fmt = _record_files(path, files)
     try:
         import datasets
     except ImportError as e:
@@ -119,3 +120,15 @@ def load_records(path: str, field: str, cache_dir: str):
         _stop_progress_monitors()
     _check_field(ds, path, str(field))
     return files, ds
+
+
+@contextmanager
+def naming_bad_records(path: str, files: list[Path]) -> Iterator[None]:
+    """Errors in reading the records later, as they are tokenized (Arrow holds a JSON string that is
+    not UTF-8 until then), named as ``load_records`` names them."""
+    import pyarrow  # type: ignore[import-untyped]  # (no type information)
+
+    try:
+        yield
+    except (UnicodeError, pyarrow.ArrowException) as e:
+        raise ConfigError(_unreadable(path, files, FORMATS[files[0].suffix.lower()], e)) from e

@@ -15,14 +15,13 @@ import json
 import logging
 import os
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from runner.data_files import find_files
 from runner.errors import ConfigError
-from runner.tokens import default_cache_dir
 
 __all__ = ["DTYPES", "Shards", "IdRange", "open_tokens", "as_stream", "id_range", "check_ids"]
 
@@ -73,19 +72,19 @@ def _open_one(file: Path, path: str, dtype: str) -> np.ndarray:
     return np.memmap(file, dtype=DTYPES[dtype], mode="r") if file.stat().st_size else np.zeros(0, DTYPES[dtype])
 
 
-def open_tokens(path: str, dtype: str) -> tuple[list[Path], list[np.ndarray]]:
-    """The token files ``path`` names and each one memory-mapped: ``.npy`` (its own dtype) or raw
-    ``dtype``."""
+def open_tokens(path: str, files: list[Path], dtype: str) -> list[np.ndarray]:
+    """Each of ``files`` (what ``path`` names: ``runner.data_files.find_files``) memory-mapped:
+    ``.npy`` (its own dtype) or raw ``dtype``."""
     if dtype not in DTYPES:
         raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(DTYPES)}. "
                           "Fix: data.dtype=uint16 (vocabularies up to 65536) or uint32.")
-    files, _ = find_files(path)
-    suffixes = sorted({f.suffix for f in files})
+    suffixes = Counter(f.suffix for f in files)
     if len(suffixes) > 1:
-        raise ConfigError(f"data.path={path!r} names files of several kinds ({', '.join(suffixes)}): token files "
-                          f"are one kind. Fix: a glob of the token files, e.g. data.path='{files[0].parent}/*"
-                          f"{files[0].suffix}'.")
-    return files, [_open_one(f, path, dtype) for f in files]
+        most = suffixes.most_common(1)[0][0]
+        raise ConfigError(f"data.path={path!r} names files of several kinds ({', '.join(sorted(suffixes))}): token "
+                          f"files are one kind. Fix: a glob of the token files, e.g. data.path='"
+                          f"{next(f.parent for f in files if f.suffix == most)}/*{most}'.")
+    return [_open_one(f, path, dtype) for f in files]
 
 
 def as_stream(files: list[Path], arrays: list[np.ndarray]) -> np.ndarray | Shards:
@@ -113,13 +112,13 @@ def _scan(tokens: np.ndarray) -> IdRange:
     return found
 
 
-def id_range(file: Path, tokens: np.ndarray) -> IdRange:
-    """The smallest and largest id of ``tokens`` (``file`` read as its dtype), from the cache when
-    the file is the one scanned before."""
+def id_range(file: Path, tokens: np.ndarray, cache: Path) -> IdRange:
+    """The smallest and largest id of ``tokens`` (``file`` read as its dtype), from a record in
+    ``cache`` when the file is the one scanned before."""
     st = file.stat()
     identity = {"path": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "dtype": str(tokens.dtype)}
-    record = default_cache_dir() / "id-ranges" / (
+    record = cache / "id-ranges" / (
         hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32] + ".json")
     try:
         cached = json.loads(record.read_text())
@@ -139,12 +138,13 @@ def id_range(file: Path, tokens: np.ndarray) -> IdRange:
     return found
 
 
-def check_ids(path: str, files: list[Path], arrays: list[np.ndarray], limit: int, bound: str) -> None:
-    """Every id of every file in ``0 .. limit - 1`` (``bound`` says where ``limit`` comes from)."""
+def check_ids(path: str, files: list[Path], arrays: list[np.ndarray], limit: int, bound: str, cache: Path) -> None:
+    """Every id of every file in ``0 .. limit - 1`` (``bound`` says where ``limit`` comes from);
+    ``cache``: where each file's range is kept."""
     for file, array in zip(files, arrays):
         if not len(array):
             continue
-        r = id_range(file, array)
+        r = id_range(file, array, cache)
         if r.low < 0 or r.high >= limit:
             bad, at = (r.low, r.low_at) if r.low < 0 else (r.high, r.high_at)
             raise ConfigError(

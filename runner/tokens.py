@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from runner.data_files import text_files
 from runner.errors import ConfigError
-from runner.records import load_records
 
 if TYPE_CHECKING:
     from runner.token_files import Shards
@@ -194,9 +192,11 @@ def _batched(items: Iterable, size: int) -> Iterator[list]:
 _CHUNK_END = re.compile(r"\n(?=\S)")
 
 
-def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
-    """Each file under ``path`` is a document, read in chunks (never a whole file at once)."""
-    files = text_files(path)
+def text_documents(files: str | Sequence[Path], chunk_chars: int = 1 << 20
+                   ) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
+    """Each of ``files`` (``runner.data_files.text_files`` chose them; or one file's path) is a
+    document, read in chunks (never a whole file at once)."""
+    files = [Path(files).expanduser()] if isinstance(files, str) else list(files)
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for file in files:
@@ -213,15 +213,12 @@ def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], I
     return files, pieces()
 
 
-def dataset_documents(path: str, field: str, cache_dir: str | None) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
-    """Records of local json/jsonl/parquet/arrow/csv files through ``datasets`` (memory-mapped
-    Arrow), ``field`` of each a document."""
-    field = str(field)  # a column's name, even where YAML read a number
-    files, ds = load_records(path, field, str((Path(cache_dir).expanduser() if cache_dir else default_cache_dir())
-                                              / "datasets"))
+def dataset_documents(ds, field: str) -> Iterator[tuple[str, bool]]:
+    """``field`` of each record of ``ds`` (``runner.records.load_records`` loaded and checked them),
+    a document."""
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for batch in ds.iter(batch_size=1000):
             yield from ((text, True) for text in batch[field] if text)
 
-    return files, pieces()
+    return pieces()

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.checkpoint_files import checkpoint_step, find_checkpoint
-from runner.config import missing_keys, parse_bytes
+from runner.config import check_model_vocab, missing_keys, parse_bytes
 from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size
@@ -325,6 +325,7 @@ def check_config(cfg: DictConfig) -> None:
     """The checks that need no torch: missing values, unknown keys, option values, numbers,
     loggers."""
     _check_missing(cfg)
+    check_model_vocab(cfg)
     _check_unknown_keys(cfg)
     _check_choices(cfg)
     _check_numbers(cfg)

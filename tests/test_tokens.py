@@ -118,7 +118,8 @@ def test_pre_tokenized_binaries_are_memory_mapped_and_checked(tmp_path):
     assert val.min() >= 800  # the held-out tail
     np.save(tmp_path / "train.npy", ids.astype(np.uint16))
     assert torch.equal(TokensData(path=str(tmp_path / "train.npy"), seed=3, val_fraction=0.2).batch(2, 8, 16)[0], x)
-    with pytest.raises(ConfigError, match=r"token id \d+ \(train batch of step 1\), outside 0..99 \(data.vocab_size=100"):
+    with pytest.raises(ConfigError, match=r"token id \d+ \(train batch of step 1\), outside 0..99 "
+                                          r"\(data.vocab_size=100"):
         TokensData(path=str(tmp_path / "train.bin"), seed=0, dtype="uint32", vocab_size=100).batch(1, 64, 8)
     with pytest.raises(ConfigError, match="not a whole number of uint32"):
         (tmp_path / "odd.bin").write_bytes(b"abc")
