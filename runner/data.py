@@ -96,10 +96,12 @@ class TextData(TokenStream):
     def __init__(self, *, path: str, vocab_size: int | None, seed: int, val_fraction: float = 0.1,
                  tokenizer: str | None = None, cache_dir: str | None = None):
         if tokenizer is None:
-            file = Path(path).expanduser()
-            if not file.is_file():
-                raise ConfigError(f"data.path={path!r}: no such file. Fix: data.path=<a local text file>, or "
-                                  "data.tokenizer=<dir> for a directory of files.")
+            files, kind = find_files(path)
+            if kind == "directory" or len(files) > 1:
+                raise ConfigError(f"data.path={path!r} names {len(files)} files ({kind}); text without "
+                                  "data.tokenizer is the bytes of one file. Fix: data.path=<a local text file>, or "
+                                  "data.tokenizer=<dir> for a directory or glob of files, each a document.")
+            file = files[0]
             if vocab_size != 256:
                 raise ConfigError(f"data.vocab_size={vocab_size}: text data without data.tokenizer is byte-level. "
                                   "Fix: 256, or data.tokenizer=<a tokenizer directory>.")

@@ -1,8 +1,8 @@
 """Token streams: every text dataset becomes one flat array of token ids on disk, read through a
 memory map, and batches are windows of it.
 
-* ``data=tokens``: a pre-tokenized flat binary (``uint16``/``uint32``, or ``.npy``), as large
-  corpora are kept;
+* ``data=tokens``: pre-tokenized flat binaries (``uint16``/``uint32``, or ``.npy``), as large
+  corpora are kept (``runner.token_files``);
 * ``data=text`` with ``data.tokenizer``, and ``data=hf`` (json/jsonl/parquet/arrow/csv through
   ``datasets``): documents are tokenized once, the tokenizer's EOS after each, into a cache file
   keyed by the sources and the tokenizer; later runs (and every rank) map the cached file.

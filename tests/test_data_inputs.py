@@ -85,6 +85,9 @@ def test_absolute_globs_and_home_paths_work_for_every_data_form(docs, tmp_path, 
     shutil.copytree(tokenizer, tmp_path / "tok")
     data = HFData(path="~/records/*.jsonl", tokenizer="~/tok", seed=0, cache_dir="~/cache")
     assert len(data.tokens) == 7 * (len(TEXT.split()) + 1) and (tmp_path / "cache" / "datasets").is_dir()
+    assert TextData(path="~/docs/*.md", vocab_size=256, seed=0).tokens.tobytes() == TEXT.encode()  # bytes of one
+    with pytest.raises(ConfigError, match=r"names 2 files \(glob\); text without data.tokenizer is the bytes of one"):
+        TextData(path=str(docs / "[Ri]*"), vocab_size=256, seed=0)
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "shard0.bin")
     assert TokensData(path="~/shard*.bin", seed=0, val_fraction=0.5).tokens.tolist() == list(range(10))
     assert TokensData(path=str(tmp_path / "shard?.bin"), seed=0, val_fraction=0.5).tokens.tolist() == list(range(10))
