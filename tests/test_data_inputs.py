@@ -194,11 +194,12 @@ def test_data_hf_without_a_tokenizer_names_it_and_tokens_for_a_built_in_model_ne
 
 
 def test_building_a_hf_dataset_leaves_the_launcher_able_to_fork(tmp_path, tokenizer):
-    assert threading.active_count() == 1, threading.enumerate()  # what the assertion below needs
+    before = threading.enumerate()
     (tmp_path / "corpus.jsonl").write_text("\n".join(json.dumps({"text": TEXT}) for _ in range(20)))
     HFData(path=str(tmp_path / "corpus.jsonl"), tokenizer=str(tokenizer), seed=0, cache_dir=str(tmp_path / "c"))
-    assert threading.enumerate() == [threading.main_thread()]  # datasets' tqdm monitor is gone
-    assert spawn_reason("cpu") == "" and start_method("auto", "cpu") == "fork"
+    assert threading.enumerate() == before  # datasets' tqdm monitor is gone
+    if before == [threading.main_thread()]:  # this process alone, as a launcher is (not after a test left a thread)
+        assert spawn_reason("cpu") == "" and start_method("auto", "cpu") == "fork"
 
 
 def test_a_user_dataset_is_asked_for_steps_numbered_from_1_and_a_resume_continues_them(tmp_path):
