@@ -3,11 +3,14 @@ batch without communicating, and a run can resume at any step.
 
 A dataset is any object with ``batch(step, batch_size, seq_len, *, split)`` (split "train" or "val",
 the held-out data) returning ``(inputs, targets)`` or ``(inputs, targets, keyword_inputs)``; keyword
-inputs are batch-first tensors that reach every model unit whose forward names them. Text, Hugging
-Face datasets and pre-tokenized corpora are token streams (``runner.tokens``)."""
+inputs are batch-first tensors that reach every model unit whose forward names them. ``step`` is
+numbered from 1, as everywhere steps are shown: optimizer step N trains on ``batch(N)``, and an
+evaluation reads ``batch(1..eval.steps, split="val")``. Text, Hugging Face datasets and pre-tokenized
+corpora are token streams (``runner.tokens``; ``runner.token_files``)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +19,15 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.cache_files import default_cache_dir, file_identity
+from runner.data_files import find_files, text_files
 from runner.errors import ConfigError
+from runner.records import load_records, naming_bad_records
 from runner.token_cache import tokenize_to_cache
-from runner.tokens import TokenStream, dataset_documents, load_tokenizer, open_tokens, text_documents
+from runner.token_files import as_stream, check_ids, open_tokens
+from runner.tokens import TokenStream, dataset_documents, load_tokenizer, text_documents
 
-__all__ = ["SPLITS", "build_dataset", "get_batch", "SyntheticData", "TextData", "HFData", "TokensData"]
+__all__ = ["SPLITS", "build_dataset", "get_batch", "check_vocab", "SyntheticData", "TextData", "HFData", "TokensData"]
 
 SPLITS = ("train", "val")
 
@@ -36,7 +43,8 @@ def build_dataset(data_cfg: DictConfig, *, seed: int):
 
 
 def get_batch(data, step: int, batch_size: int, seq_len: int, split: str = "train"):
-    """``(inputs, targets, keyword_inputs)`` whichever form the dataset returns."""
+    """``(inputs, targets, keyword_inputs)`` of step ``step`` (from 1), whichever form the dataset
+    returns."""
     batch = data.batch(step, batch_size, seq_len, split=split)
     return (*batch, {}) if len(batch) == 2 else tuple(batch)
 
@@ -65,7 +73,9 @@ class SyntheticData:
         self.rule = torch.randperm(vocab_size, generator=_generator(seed, -1))
 
     def batch(self, step: int, batch_size: int, seq_len: int, *, split: str = "train"):
-        g = _generator(self.seed, step, split)
+        if step < 1:
+            raise ValueError(f"step {step}: steps are numbered from 1")
+        g = _generator(self.seed, step - 1, split)  # (step - 1: the streams of the 0-based numbering before)
         tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=g)
         noise = torch.randint(self.vocab_size, (batch_size, seq_len), generator=g)
@@ -89,16 +99,18 @@ class TextData(TokenStream):
     def __init__(self, *, path: str, vocab_size: int | None, seed: int, val_fraction: float = 0.1,
                  tokenizer: str | None = None, cache_dir: str | None = None, cache_by_content: bool = False):
         if tokenizer is None:
-            file = Path(path).expanduser()
-            if not file.is_file():
-                raise ConfigError(f"data.path={path!r}: no such file. Fix: data.path=<a local text file>, or "
-                                  "data.tokenizer=<dir> for a directory of files.")
+            files, kind = find_files(path)
+            if kind == "directory" or len(files) > 1:
+                raise ConfigError(f"data.path={path!r} names {len(files)} files ({kind}); text without "
+                                  "data.tokenizer is the bytes of one file. Fix: data.path=<a local text file>, or "
+                                  "data.tokenizer=<dir> for a directory or glob of files, each a document.")
+            file = files[0]
             if vocab_size != 256:
                 raise ConfigError(f"data.vocab_size={vocab_size}: text data without data.tokenizer is byte-level. "
                                   "Fix: 256, or data.tokenizer=<a tokenizer directory>.")
             tokens = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
         else:
-            files, pieces = text_documents(path)
+            files, pieces = text_documents(text_files(path))
             tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer),
                                               tokenizer_dir=tokenizer, cache_dir=cache_dir, extra="text",
                                               by_content=cache_by_content)
@@ -113,21 +125,49 @@ class HFData(TokenStream):
 
     def __init__(self, *, path: str, tokenizer: str, seed: int, field: str = "text", vocab_size: int | None = None,
                  val_fraction: float = 0.01, cache_dir: str | None = None, cache_by_content: bool = False):
-        files, pieces = dataset_documents(path, field, cache_dir)
-        tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer),
-                                          tokenizer_dir=tokenizer, cache_dir=cache_dir, extra=f"hf/{field}",
-                                          by_content=cache_by_content)
+        field = str(field)  # a column's name, even where YAML read a number
+        files = find_files(path)[0]
+        # datasets keys its Arrow copy by path and modification time: one directory per identity of the sources.
+        identity = hashlib.sha256("\n".join(file_identity(f) for f in files).encode()).hexdigest()[:16]
+        cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "datasets" / identity
+        files, ds = load_records(path, files, field, str(cache))
+        pieces = dataset_documents(ds, field)
+        with naming_bad_records(path, files):
+            tokens, vocab = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer),
+                                              tokenizer_dir=tokenizer, cache_dir=cache_dir, extra=f"hf/{field}",
+                                              by_content=cache_by_content)
         _check_tokenizer_vocab(vocab_size, vocab, tokenizer)
         super().__init__(tokens, seed=seed, val_fraction=val_fraction, vocab_size=vocab_size or vocab, source=path)
 
 
 class TokensData(TokenStream):
-    """A pre-tokenized corpus: a flat binary of ``data.dtype`` token ids (or ``.npy``), memory-mapped."""
+    """A pre-tokenized corpus: flat binaries of ``data.dtype`` token ids (or ``.npy`` arrays of an
+    integer dtype), memory-mapped; a directory or glob of them is read as one stream, in name order
+    (``runner.token_files``)."""
 
     def __init__(self, *, path: str, seed: int, dtype: str = "uint16", vocab_size: int | None = None,
                  val_fraction: float = 0.01):
-        super().__init__(open_tokens(path, dtype), seed=seed, val_fraction=val_fraction, vocab_size=vocab_size,
-                         source=path)
+        self.files = find_files(path)[0]
+        self.arrays = open_tokens(path, self.files, dtype)
+        super().__init__(as_stream(self.files, self.arrays), seed=seed, val_fraction=val_fraction,
+                         vocab_size=vocab_size, source=path)
+
+    def check_ids(self, limit: int, bound: str) -> None:
+        """Every id in ``0 .. limit - 1``, read once per file (before launch; see ``check_vocab``)."""
+        check_ids(self.source, self.files, self.arrays, limit, bound, default_cache_dir())
+
+
+def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:
+    """Token ids index the embedding: the data's vocabulary must fit the model's (``model_vocab``:
+    the width of its logits), and a dataset that can check its ids (``TokensData``) checks them,
+    all of them, before any rank starts."""
+    if data_vocab is not None and data_vocab > model_vocab:
+        raise ConfigError(f"data.vocab_size={data_vocab} is larger than the model's vocabulary ({model_vocab}): "
+                          "token ids would fall outside its embedding. Fix: a tokenizer or data of the model's "
+                          "vocabulary, or a model with a larger one.")
+    if isinstance(data, TokensData):
+        limit = min(model_vocab, data_vocab or model_vocab)
+        data.check_ids(limit, "data.vocab_size" if limit < model_vocab else "the model's vocabulary")
 
 
 def _check_tokenizer_vocab(vocab_size: int | None, tokenizer_vocab: int, tokenizer: str) -> None:

@@ -25,7 +25,7 @@ from runner.console import console_for_run, console_listener, rank_logging, torc
 from runner.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.errors import ConfigError
 from runner.layout import RunPlan
-from runner.processes import spawn, start_method
+from runner.processes import spawn, spawn_reason, start_method
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.supervise import forward_signals, wait_for_ranks
 from runner.train import train
@@ -54,7 +54,8 @@ def _train_rank(env: DistEnv, plan: RunPlan, cfg_dict: dict, results, *, clock: 
 def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
     timeout_s, grace_s = cfg.launch.timeout_s, cfg.launch.grace_s
     method = start_method(cfg.launch.start_method, plan.device)
-    log.info("starting %d rank processes (%s)", plan.world_size, method)
+    why = spawn_reason(plan.device) if method != "fork" and cfg.launch.start_method == "auto" else ""
+    log.info("starting %d rank processes (%s%s)", plan.world_size, method, f": {why}" if why else "")
     ctx = mp.get_context(method)
     heartbeats = watchdog.Heartbeats(ctx, plan.world_size)
     console_queue = ctx.Queue()  # the ranks' console lines, printed here

@@ -38,19 +38,30 @@ from runner.clock import StartupClock
 from runner.dist import cleanup, init_distributed, pick_device
 from runner.errors import ConfigError, interrupted_exit_code
 
-__all__ = ["start_method", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
+__all__ = ["start_method", "spawn_reason", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop",
+           "raise_if_stopped"]
 
 log = logging.getLogger(__name__)
 
 
+def spawn_reason(device: str) -> str:
+    """Why ranks cannot be forked from this process ("" where they can): CUDA state and macOS
+    frameworks do not survive a fork, nor does a lock another thread holds (it would stay held in
+    the child: joblib's loky workers, for one, run helper threads; tqdm's monitor is stopped
+    where ``datasets`` starts it, ``runner.records``)."""
+    if device != "cpu":
+        return f"device {device}: its state does not survive a fork"
+    if not sys.platform.startswith("linux"):
+        return f"{sys.platform}: only Linux forks safely"
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    return f"threads run in the launcher ({', '.join(others)}): a fork would copy the locks they hold" if others else ""
+
+
 def start_method(requested: str, device: str) -> str:
-    """fork where it is safe: a CPU run on Linux (CUDA state and macOS frameworks do not survive a
-    fork) from a single-threaded launcher (a lock another thread holds would stay held in the
-    child: joblib's loky workers, for one, run helper threads)."""
+    """``requested``, or for ``auto`` fork where it is safe (``spawn_reason``), spawn elsewhere."""
     if requested != "auto":
         return requested
-    safe = device == "cpu" and sys.platform.startswith("linux") and threading.active_count() == 1
-    return "fork" if safe else "spawn"
+    return "spawn" if spawn_reason(device) else "fork"
 
 
 # -- meeting: a file, or a TCP store on loopback ----------------------------------------------

@@ -1,8 +1,8 @@
 """Token streams: every text dataset becomes one flat array of token ids on disk, read through a
 memory map, and batches are windows of it.
 
-* ``data=tokens``: a pre-tokenized flat binary (``uint16``/``uint32``, or ``.npy``), as large
-  corpora are kept;
+* ``data=tokens``: pre-tokenized flat binaries (``uint16``/``uint32``, or ``.npy``), as large
+  corpora are kept (``runner.token_files``);
 * ``data=text`` with ``data.tokenizer``, and ``data=hf`` (json/jsonl/parquet/arrow/csv through
   ``datasets``): documents are tokenized once, the tokenizer's EOS after each, into a cache file
   keyed by the sources and the tokenizer (``runner.token_cache``); later runs (and every rank) map
@@ -21,22 +21,22 @@ import hashlib
 import logging
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from runner.cache_files import default_cache_dir, file_identity
+from runner.cache_files import default_cache_dir
 from runner.errors import ConfigError
 from runner.remote_code import remote_code_problem
 
-__all__ = ["TokenStream", "window_index", "open_tokens", "load_tokenizer", "tokenizer_vocab",
-           "text_documents", "dataset_documents", "default_cache_dir"]
+if TYPE_CHECKING:
+    from runner.token_files import Shards
+
+__all__ = ["TokenStream", "window_index", "load_tokenizer", "tokenizer_vocab", "text_documents",
+           "dataset_documents", "default_cache_dir"]
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
-_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
 
 
 def window_index(n: int, windows: int, seed: int, split: str) -> int:
@@ -54,7 +54,7 @@ def window_index(n: int, windows: int, seed: int, split: str) -> int:
 class TokenStream:
     """Batches of windows of a flat token array (see the module docstring)."""
 
-    def __init__(self, tokens: np.ndarray, *, seed: int, val_fraction: float, vocab_size: int | None,
+    def __init__(self, tokens: np.ndarray | Shards, *, seed: int, val_fraction: float, vocab_size: int | None,
                  source: str, key: str = "data.path"):
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1. Fix: e.g. 0.01.")
@@ -67,6 +67,9 @@ class TokenStream:
         self.splits = {"train": (0, cut), "val": (cut, len(tokens))}
 
     def batch(self, step: int, batch_size: int, seq_len: int, *, split: str = "train"):
+        """Step ``step``'s batch (steps are numbered from 1): samples ``(step - 1) * batch_size`` on."""
+        if step < 1:
+            raise ValueError(f"step {step}: steps are numbered from 1")
         start, end = self.splits[split]
         window = seq_len + 1
         windows = (end - start) // window
@@ -74,33 +77,17 @@ class TokenStream:
             raise ConfigError(
                 f"{self.key}={self.source!r}: its {split} split holds {end - start} tokens, fewer than "
                 f"train.seq_len + 1 = {window}. Fix: more data, a smaller train.seq_len or another data.val_fraction.")
-        first = step * batch_size
+        first = (step - 1) * batch_size
         offsets = [start + window * window_index(n, windows, self.seed, split)
                    for n in range(first, first + batch_size)]
         rows = torch.from_numpy(np.stack([self.tokens[o:o + window] for o in offsets]).astype(np.int64))
-        if self.vocab_size is not None and int(rows.max()) >= self.vocab_size:
-            raise ConfigError(f"{self.key}={self.source!r} holds token id {int(rows.max())}, outside data.vocab_size="
-                              f"{self.vocab_size}. Fix: the data's real vocabulary size (data.vocab_size), or the "
-                              "right data.dtype.")
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            ids = f"0..{self.vocab_size - 1} (data.vocab_size={self.vocab_size})" if self.vocab_size else "ids >= 0"
+            raise ConfigError(f"{self.key}={self.source!r} holds token id {low if low < 0 else high} ({split} batch of "
+                              f"step {step}), outside {ids}. Fix: the data's real vocabulary size (data.vocab_size), "
+                              "or the right data.dtype.")
         return rows[:, :-1], rows[:, 1:]
-
-
-def open_tokens(path: str, dtype: str) -> np.ndarray:
-    """A pre-tokenized file as a read-only memory map: ``.npy`` (its own dtype) or raw ``dtype``."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"data.path={path!r}: no such file. "
-                          "Fix: data.path=<a flat binary of token ids (.bin) or .npy>.")
-    if file.suffix == ".npy":
-        return np.load(file, mmap_mode="r").reshape(-1)
-    if dtype not in DTYPES:
-        raise ConfigError(f"data.dtype={dtype!r} is not one of {', '.join(DTYPES)}. "
-                          "Fix: data.dtype=uint16 (vocabularies up to 65536) or uint32.")
-    size = np.dtype(DTYPES[dtype]).itemsize
-    if file.stat().st_size % size:
-        raise ConfigError(f"data.path={path!r}: {file.stat().st_size} bytes is not a whole number of {dtype} tokens. "
-                          "Fix: the data.dtype it was written with.")
-    return np.memmap(file, dtype=DTYPES[dtype], mode="r")
 
 
 def load_tokenizer(path: str):
@@ -118,8 +105,10 @@ def load_tokenizer(path: str):
         raise ConfigError(problem)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer={path!r} cannot be loaded: {e}") from e
+    except Exception as e:  # OSError, ValueError, and the tokenizers library's plain Exception for a damaged file
+        raise ConfigError(f"data.tokenizer={path!r} cannot be loaded as a tokenizer: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())} Fix: a directory save_pretrained wrote a tokenizer to "
+                          "(tokenizer.json, or a SentencePiece model with tokenizer_config.json).") from e
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"data.tokenizer={path!r} has no EOS token to put between documents. Fix: a tokenizer "
                           "with an eos_token.")
@@ -143,19 +132,12 @@ def tokenizer_vocab(path: str | None, default: int | None) -> int | None:
             return None
 
 
-def _files(path: str, key: str = "data.path") -> list[Path]:
-    p = Path(path).expanduser()
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")) if p.is_dir() else (
-        [p] if p.is_file() else sorted(Path().glob(path)))
-    if not files:
-        raise ConfigError(f"{key}={path!r}: no such file or directory. Fix: a local file, directory or glob.")
-    return files
-
-
-def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
-    """Each file under ``path`` is a document, read in blocks of ``chunk_chars`` characters (never a
-    whole file at once; ``runner.token_cache`` cuts the pieces it tokenizes)."""
-    files = _files(path)
+def text_documents(files: str | Sequence[Path], chunk_chars: int = 1 << 20
+                   ) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
+    """Each of ``files`` (``runner.data_files.text_files`` chose them; or one file's path) is a
+    document, read in blocks of ``chunk_chars`` characters (never a whole file at once;
+    ``runner.token_cache`` cuts the pieces it tokenizes)."""
+    files = [Path(files).expanduser()] if isinstance(files, str) else list(files)
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for file in files:
@@ -167,28 +149,12 @@ def text_documents(path: str, chunk_chars: int = 1 << 20) -> tuple[list[Path], I
     return files, pieces()
 
 
-def dataset_documents(path: str, field: str, cache_dir: str | None) -> tuple[list[Path], Iterator[tuple[str, bool]]]:
-    """Records of local json/jsonl/parquet/arrow/csv files through ``datasets`` (memory-mapped
-    Arrow), ``field`` of each a document."""
-    files = _files(path)
-    formats = {_FORMATS.get(f.suffix) for f in files}
-    if None in formats or len(formats) != 1:
-        raise ConfigError(f"data.path={path!r}: files of one format are needed, one of "
-                          f"{', '.join(sorted(_FORMATS))}; found {sorted({f.suffix for f in files})}.")
-    try:
-        import datasets
-    except ImportError as e:
-        raise ConfigError("data=hf needs datasets (not installed). Fix: pip install -e '.[hf]'.") from e
-    # datasets keys its Arrow copy by path and modification time: one directory per identity of the sources.
-    identity = hashlib.sha256("\n".join(file_identity(f) for f in files).encode()).hexdigest()[:16]
-    cache = str((Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "datasets" / identity)
-    ds = datasets.load_dataset(formats.pop(), data_files=[str(f) for f in files], split="train", cache_dir=cache)
-    if field not in ds.column_names:
-        raise ConfigError(f"data.field={field!r} is not a column of data.path={path!r} (columns: "
-                          f"{', '.join(ds.column_names)}). Fix: data.field=<the text column>.")
+def dataset_documents(ds, field: str) -> Iterator[tuple[str, bool]]:
+    """``field`` of each record of ``ds`` (``runner.records.load_records`` loaded and checked them),
+    a document."""
 
     def pieces() -> Iterator[tuple[str, bool]]:
         for batch in ds.iter(batch_size=1000):
             yield from ((text, True) for text in batch[field] if text)
 
-    return files, pieces()
+    return pieces()

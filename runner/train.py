@@ -153,12 +153,12 @@ class Trainer:
             getattr(hook, point)(self, state)
 
     def step(self, index: int) -> dict:
-        """Optimizer step ``index + 1`` (``index``, from 0, is the position in the data and the LR
-        schedule); returns its record for metrics.jsonl."""
+        """Optimizer step ``index + 1`` (``index``, from 0, is the position in the LR schedule; the
+        dataset is asked for step ``index + 1``'s batch); returns its record for metrics.jsonl."""
         plan, env = self.plan, self.env
         beat(f"began step {index + 1}")
         state = StepState(step=index + 1, first=index == self.first_step,
-                          batch=get_batch(self.data, index, plan.batch_size, plan.seq_len))
+                          batch=get_batch(self.data, index + 1, plan.batch_size, plan.seq_len))
         inputs, targets, kwargs = _replica_share(state.batch, self.mesh, env.device)
         self.profiler.begin_step(index - self.first_step)
         start = time.perf_counter()
@@ -202,7 +202,7 @@ class Trainer:
         plan, env = self.plan, self.env
         losses = []
         with self.profiler.recorder.paused():  # not part of the training schedule's timeline
-            for i in range(self.cfg.eval.steps):
+            for i in range(1, self.cfg.eval.steps + 1):
                 batch = get_batch(self.data, i, plan.batch_size, plan.seq_len, "val")
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)
                 losses.append(self.step_fn.evaluate(inputs, targets, **kwargs))

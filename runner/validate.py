@@ -13,12 +13,12 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config import parse_bytes
+from runner.config import check_model_vocab, missing_keys, parse_bytes
 from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def _check_missing(cfg: DictConfig) -> None:
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    missing = sorted(missing_keys(cfg))
     if missing:
         raise ConfigError(
             f"Required value(s) missing: {', '.join(missing)}. Fix: set them on the command line, "
@@ -163,8 +163,8 @@ def _check_host(cfg: DictConfig, device: str, ranks: int) -> None:
                           "(g++, clang++ or $CXX). Fix: install one, or train.compile=false.")
 
 
-def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
-    """Draw the first batch of each split the run uses; returns one microbatch's keyword inputs."""
+def _check_batches(cfg: DictConfig) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Draw the first batch of each split the run uses; returns the dataset, one microbatch's keyword inputs."""
     import torch
 
     from runner.data import build_dataset, get_batch
@@ -174,7 +174,7 @@ def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
     kwargs = {}
     for split in ("train", "val") if cfg.eval.every else ("train",):
         try:
-            inputs, targets, kwargs = get_batch(data, 0, t.batch_size, t.seq_len, split)
+            inputs, targets, kwargs = get_batch(data, 1, t.batch_size, t.seq_len, split)
         except (TypeError, ValueError) as e:
             raise ConfigError(
                 f"data._target_={cfg.data.get('_target_')!r}: batch(step, batch_size, seq_len, split={split!r}) "
@@ -188,7 +188,7 @@ def _check_batches(cfg: DictConfig) -> dict[str, torch.Tensor]:
                 f"{(t.batch_size, t.seq_len)} and batch-first tensors. Fix: the dataset's batch()."
             )
     microbatch = microbatch_size(t.batch_size, dp=p.dp, microbatches=p.microbatches)
-    return {k: v[:microbatch] for k, v in kwargs.items()}
+    return data, {k: v[:microbatch] for k, v in kwargs.items()}
 
 
 def _check_loss(cfg: DictConfig) -> None:
@@ -216,15 +216,6 @@ def _check_keyword_inputs(meta, kwargs: dict[str, torch.Tensor]) -> None:
     if unused:
         raise ConfigError(f"The dataset returns keyword inputs {unused}, which the {meta.spec.family} model does not "
                           f"take (it takes {sorted(consumed)}). Fix: a dataset that returns only those.")
-
-
-def _check_vocab(cfg: DictConfig, model_vocab: int) -> None:
-    """Token ids index the embedding: the data's vocabulary must fit the model's."""
-    data_vocab = cfg.data.get("vocab_size")
-    if data_vocab is not None and data_vocab > model_vocab:
-        raise ConfigError(f"data.vocab_size={data_vocab} is larger than the model's vocabulary ({model_vocab}): "
-                          "token ids would fall outside its embedding. Fix: a tokenizer or data of the model's "
-                          "vocabulary, or a model with a larger one.")
 
 
 def _log_tied(meta, stages) -> None:
@@ -334,6 +325,7 @@ def check_config(cfg: DictConfig) -> None:
     """The checks that need no torch: missing values, unknown keys, option values, numbers,
     loggers."""
     _check_missing(cfg)
+    check_model_vocab(cfg)
     _check_unknown_keys(cfg)
     _check_choices(cfg)
     _check_numbers(cfg)
@@ -343,11 +335,12 @@ def check_config(cfg: DictConfig) -> None:
 
 def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
+    from runner.data import check_vocab
     from runner.split import build_meta_model, check_init, check_shapes, plan_split
 
     p = cfg.parallel
     num_stages, stage_to_rank = _schedule_layout(cfg, csv)
-    kwargs = _check_batches(cfg)
+    data, kwargs = _check_batches(cfg)
     _check_loss(cfg)
     stage_modules = p.get("stage_modules")
     meta = build_meta_model(cfg.model, stage_modules)
@@ -359,7 +352,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     vocab = check_shapes(meta, stages, microbatch=microbatch_size(cfg.train.batch_size, dp=p.dp,
                                                                   microbatches=p.microbatches),
                          seq_len=cfg.train.seq_len, kwargs=kwargs)
-    _check_vocab(cfg, vocab)
+    check_vocab(data, cfg.data.get("vocab_size"), vocab)  # every id of a token file, read once
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (units per stage): %s", sizes)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from runner import token_cache
+from runner.data_files import text_files
 from runner.errors import ConfigError
 from runner.token_cache import chunks, tokenize_to_cache, tokenizer_digest
 from runner.tokens import load_tokenizer, text_documents
@@ -55,7 +56,7 @@ def corpus(tmp_path, documents=DOCUMENTS):
 
 
 def cached(path, tokenizer_dir, cache, *, chunk_chars=token_cache.CHUNK_CHARS, by_content=False, block=64):
-    files, pieces = text_documents(str(path), chunk_chars=block)
+    files, pieces = text_documents(text_files(str(path)), chunk_chars=block)
     tokens, _ = tokenize_to_cache(pieces, files=files, tokenizer=load_tokenizer(tokenizer_dir),
                                   tokenizer_dir=tokenizer_dir, cache_dir=str(cache),
                                   extra="text", by_content=by_content, chunk_chars=chunk_chars)

@@ -58,16 +58,16 @@ def test_text_is_tokenized_once_with_eos_between_documents_and_batches_are_step_
                      cache_dir=str(cache))
     assert cached.stat().st_mtime_ns == stamp  # reused, not rewritten
     assert sorted(cache.glob("*")) == [cached, cached.with_name(f"{cached.name}.json")]  # and its manifest
-    for step in (0, 5, 123):  # a fresh reader (a resumed run) draws the same batch at the same step
+    for step in (1, 5, 123):  # a fresh reader (a resumed run) draws the same batch at the same step
         for split in ("train", "val"):
             x1, y1 = data.batch(step, 4, 8, split=split)
             x2, y2 = again.batch(step, 4, 8, split=split)
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
-    x, y = data.batch(0, 4, 8)
+    x, y = data.batch(1, 4, 8)
     assert torch.equal(x[:, 1:], y[:, :-1]) and x.dtype == torch.long
     n = len(data.tokens)
     assert data.splits == {"train": (0, n - int(n * 0.2)), "val": (n - int(n * 0.2), n)}  # the tail held out
-    assert data.batch(0, 4, 8)[0].tolist() != data.batch(1, 4, 8)[0].tolist()
+    assert data.batch(1, 4, 8)[0].tolist() != data.batch(2, 4, 8)[0].tolist()
 
 
 def test_text_files_are_read_in_blocks_never_whole(tmp_path):
@@ -113,12 +113,13 @@ def test_pre_tokenized_binaries_are_memory_mapped_and_checked(tmp_path):
     x, y = data.batch(2, 8, 16)
     assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(x[:, 1:] - x[:, :-1], torch.ones(8, 15, dtype=torch.long))
     assert (x % 17 == 0)[:, 0].all() and y.max() < 800  # whole windows of 17, from the training part
-    val = data.batch(0, 8, 16, split="val")[0]
+    val = data.batch(1, 8, 16, split="val")[0]
     assert val.min() >= 800  # the held-out tail
     np.save(tmp_path / "train.npy", ids.astype(np.uint16))
     assert torch.equal(TokensData(path=str(tmp_path / "train.npy"), seed=3, val_fraction=0.2).batch(2, 8, 16)[0], x)
-    with pytest.raises(ConfigError, match="token id .*, outside data.vocab_size=100"):
-        TokensData(path=str(tmp_path / "train.bin"), seed=0, dtype="uint32", vocab_size=100).batch(0, 64, 8)
+    with pytest.raises(ConfigError, match=r"token id \d+ \(train batch of step 1\), outside 0..99 "
+                                          r"\(data.vocab_size=100"):
+        TokensData(path=str(tmp_path / "train.bin"), seed=0, dtype="uint32", vocab_size=100).batch(1, 64, 8)
     with pytest.raises(ConfigError, match="not a whole number of uint32"):
         (tmp_path / "odd.bin").write_bytes(b"abc")
         TokensData(path=str(tmp_path / "odd.bin"), seed=0, dtype="uint32")

@@ -39,7 +39,7 @@ def rank(r: int, cfg: dict, store: str, out: str) -> None:
     data = SyntheticData(vocab_size=cfg.data.vocab_size, signal=cfg.data.signal, seed=t.seed)
     times = []
     for step in range(t.steps):
-        x, y = (b.to(device) for b in data.batch(step, t.batch_size, t.seq_len))
+        x, y = (b.to(device) for b in data.batch(step + 1, t.batch_size, t.seq_len))  # steps from 1
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         if r == 0:

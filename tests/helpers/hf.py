@@ -124,7 +124,7 @@ def hf_training(cfg: DictConfig, steps: int) -> dict:
     data = build_dataset(cfg.data, seed=t.seed)
     out = {"losses": []}
     for i in range(steps):
-        inputs, targets, kwargs = get_batch(data, i, t.batch_size, t.seq_len)
+        inputs, targets, kwargs = get_batch(data, i + 1, t.batch_size, t.seq_len)  # steps from 1
         optimizer.zero_grad(set_to_none=True)
         out["losses"].append(step(inputs, targets, **kwargs).item())
         if i == 0:
