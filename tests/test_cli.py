@@ -187,15 +187,20 @@ def test_cuda_run_matches_cpu(tmp_path):
 
 
 def test_ranks_are_forked_only_where_forking_is_safe(monkeypatch):
+    import threading
+
     import runner.processes as launch_module
 
-    monkeypatch.setattr(launch_module.threading, "active_count", lambda: 1)
+    alone = [threading.current_thread()]
+    monkeypatch.setattr(launch_module.threading, "enumerate", lambda: alone)
     monkeypatch.setattr(launch_module.sys, "platform", "linux")
     assert launch_module.start_method("auto", "cpu") == "fork"
     assert launch_module.start_method("auto", "cuda") == "spawn"  # CUDA state does not survive a fork
     assert launch_module.start_method("spawn", "cpu") == "spawn"
-    monkeypatch.setattr(launch_module.threading, "active_count", lambda: 3)  # e.g. inside a joblib worker
+    helper = threading.Thread(name="loky-helper")  # e.g. inside a joblib worker
+    monkeypatch.setattr(launch_module.threading, "enumerate", lambda: [*alone, helper])
     assert launch_module.start_method("auto", "cpu") == "spawn"
+    assert "loky-helper" in launch_module.spawn_reason("cpu")
     monkeypatch.setattr(launch_module.sys, "platform", "darwin")
-    monkeypatch.setattr(launch_module.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(launch_module.threading, "enumerate", lambda: alone)
     assert launch_module.start_method("auto", "cpu") == "spawn"
