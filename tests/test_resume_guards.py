@@ -92,7 +92,7 @@ def test_resuming_into_a_model_with_fewer_layers_is_refused_before_launch(saved,
 def test_verify_on_a_resumed_run_compares_against_the_checkpoints_weights(model, tmp_path):
     base = ONE if model == "tiny" else [  # GPT-2: its head tied to the embedding, stored once
         "device=cpu", "model=hf", f"model.path={write_model(tmp_path / 'gpt2', 'gpt2', weights=False)}",
-        "data.vocab_size=64", "train.seq_len=16", "profile.enabled=false", *ONE[-3:]]
+        "model.pretrained=false", "data.vocab_size=64", "train.seq_len=16", "profile.enabled=false", *ONE[-3:]]
     _train(tmp_path / "first", "train.steps=2", "checkpoint.every=2", base=base)
     summary = _train(tmp_path / "resumed", "train.steps=3", "verify=true", f"checkpoint.resume={tmp_path / 'first'}",
                      base=base)
