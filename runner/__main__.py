@@ -23,19 +23,17 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint_files import RunDirInUseError
 from runner.clock import StartupClock
 from runner.config import config_dir  # also registers the config schemas
-from runner.errors import EXIT_CONFIG, EXIT_FAILED, RunnerError, exit_code
+from runner.errors import EXIT_CONFIG, EXIT_FAILED
+from runner.exits import expand_home, run_entry
 from runner.outputs import format_table
 from runner.provenance import versions
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.report import ERROR_FILE, write_report
-from runner.rundir import Rejected
 from runner.validate import check_config
 
 
@@ -103,58 +101,39 @@ def _end_of_search() -> None:
         sys.exit(EXIT_FAILED)
 
 
-def _run_dir_unwritable(e: BaseException) -> bool:
-    """Hydra creates the run directory, saves ``.hydra/`` and opens ``runner.log`` before the job
-    starts: an ``OSError`` then, or logging's ``ValueError`` wrapping one (an existing directory
-    that cannot be written), means the run directory. Not after a job has launched."""
-    if not _FIRST_LAUNCH:
-        return False
-    cause = e.__cause__ or e.__context__
-    return isinstance(e, OSError) or (isinstance(e, ValueError) and str(e).startswith("Unable to configure")
-                                      and isinstance(cause, OSError))
-
-
-def _outcome(e: BaseException) -> tuple[int, str] | None:
-    """(exit code, message) for an error that ended the command; None for one to re-raise (a
-    bug in the runner: Python's traceback and status 1). Codes: runner.errors."""
-    if isinstance(e, (HydraException, OmegaConfBaseException)):  # a typo, a wrong type, an unknown option
-        # (Hydra's MissingConfigException is also an OSError: checked first.)
-        cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
-        return EXIT_CONFIG, f"{e}{cause}"
-    if isinstance(e, RunnerError):
-        return exit_code(e), _failed_jobs() or f"error: {e}"
-    if isinstance(e, KeyboardInterrupt):  # SIGINT before the launcher's own handler was set
-        return exit_code(e), "interrupted"
-    if _run_dir_unwritable(e):
-        error = e if isinstance(e, OSError) else (e.__cause__ or e.__context__)
-        return EXIT_CONFIG, (f"error: cannot write the run directory: {error}\n"
-                             "Fix: hydra.run.dir=<a writable directory>.")
-    return None
+def _shadowed() -> str | None:
+    """Why ``import runner`` found no package, or None. ``python -m runner`` puts the current
+    directory first on ``sys.path``: a folder there named ``runner`` (without ``__init__.py``)
+    becomes a namespace package merged with ours, whose ``runner/__init__.py`` then never runs."""
+    package = sys.modules["runner"]
+    if getattr(package, "__file__", None) is not None:
+        return None
+    others = [p for p in package.__path__ if Path(p).resolve() != Path(__file__).resolve().parent]
+    return (f"error: the folder {others[0] if others else Path.cwd() / 'runner'} shadows the runner package: "
+            "`python -m runner` imports from the current directory first, so the runner would run without its "
+            "own package (runner/__init__.py). Fix: run from another directory, or use the `runner` command.")
 
 
 def cli() -> None:
+    shadowed = _shadowed()
+    if shadowed:  # before any work: the summary would need runner.__version__
+        print(shadowed, file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     if "--version" in sys.argv[1:]:  # Hydra's own --version names only Hydra's
         print(_version())
         return
+    sys.argv[1:] = expand_home(sys.argv[1:])
     adopt_slurm_ranks()  # `srun python -m runner`: one task per rank
     if under_torchrun() and os.environ["RANK"] != "0":
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
                      "hydra.job_logging.root.level=WARNING"]
-    # Let our errors reach the handler below instead of Hydra's traceback printer; Hydra's own
-    # config errors stay compact.
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    try:
-        main()
-        _end_of_search()
-    except (Exception, KeyboardInterrupt, Rejected) as caught:
-        e = caught.error if isinstance(caught, Rejected) else caught  # refused before Hydra's run directory
-        outcome = _outcome(e)
-        if outcome is None:  # a crash: its traceback, after the sweep's list of failed jobs if any
-            print(_failed_jobs(), file=sys.stderr)
-            raise
-        print(outcome[1], file=sys.stderr)
-        sys.exit(outcome[0])
+    run_entry(_main_then_search_end, started=lambda: not _FIRST_LAUNCH, failed_jobs=_failed_jobs)
+
+
+def _main_then_search_end() -> None:
+    main()
+    _end_of_search()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ already read with ``weights_only=True`` by DCP itself.)
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -49,10 +50,22 @@ class UnsafeCheckpointError(Exception):
     """A checkpoint file holds something other than checkpoint data; it was not loaded."""
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as some Pythons (3.11.2, 3.12+) pickle an enum member, ``getattr(cls, name)``:
+    admitted for the metadata's enums only, never as ``getattr`` itself."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or name not in cls.__members__:
+        raise UnsafeCheckpointError(f".metadata asks for {getattr(cls, '__name__', cls)!r}.{name}, which is not a "
+                                    "member of a checkpoint metadata enum; loading it could run code, so it was "
+                                    "not loaded")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_CLASSES:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(

@@ -49,15 +49,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _gloo_on_loopback() -> None:
+    """Ranks spawned on one host: gloo binds to loopback and talks to nobody else, whatever
+    ``GLOO_SOCKET_IFNAME`` the launching shell set (that value names the interface for jobs across
+    hosts; here it would only expose the ranks' sockets and could fail where it does not route
+    back). torchrun's and SLURM's ranks keep the variable: across nodes it is how they find each
+    other."""
+    interface = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
 def init_distributed(
     *, rank: int, world_size: int, device: torch.device, timeout_s: float, store: dist.Store | None = None
 ) -> DistEnv:
     """Join the process group: ``store`` for ranks spawned on this host, else torchrun's env://."""
     if world_size > 1:
-        if store is not None:  # one host: gloo binds to loopback and talks to nobody else
-            interface = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
-            if interface:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        if store is not None:
+            _gloo_on_loopback()
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             store=store,

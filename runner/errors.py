@@ -5,7 +5,7 @@ import signal
 
 __all__ = ["RunnerError", "ConfigError", "RankFailedError", "StalledRankError", "VerifyError",
            "NonFiniteLossError", "CheckpointError", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED",
-           "exit_code", "interrupted_exit_code"]
+           "Rejected", "exit_code", "interrupted_exit_code"]
 
 # Exit codes: distinct from each other and from 1, Python's own status for an uncaught exception
 # (a bug in the runner, shown with its traceback).
@@ -42,6 +42,15 @@ class NonFiniteLossError(RunnerError):
 
 class CheckpointError(RunnerError):
     """A checkpoint cannot be saved or loaded; the message names the file and the reason."""
+
+
+class Rejected(BaseException):
+    """Carries a ``RunnerError`` out of a Hydra callback (there a plain exception would become a
+    warning): ``runner.exits.run_entry`` unwraps it."""
+
+    def __init__(self, error: RunnerError):
+        super().__init__(str(error))
+        self.error = error
 
 
 def exit_code(error: BaseException) -> int:

@@ -9,6 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +72,37 @@ def plan_window(wait: int, warmup: int, active: int, steps: int) -> tuple[Window
     return window, window != Window(wait, warmup, active)
 
 
+class _NativeLines:
+    """What torch's profiler library (kineto) prints while the profiler starts, steps and stops,
+    routed into the log: its ``USDT: ... profiler_start/stop`` and ``STAGE:`` markers at debug
+    level (once per rank and run they are noise on the console), anything else, an error, as a
+    warning. Kineto writes to file descriptor 2 from C++, past ``sys.stderr``; its own log level
+    cannot drop the markers without dropping its errors (it ranks them above errors)."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile()
+
+    @contextmanager
+    def routed(self) -> Iterator[None]:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            self._file.seek(0)
+            text = self._file.read().decode(errors="replace")
+            self._file.seek(0)
+            self._file.truncate()
+            for line in text.splitlines():
+                (log.debug if line.startswith(("USDT:", "STAGE:")) else log.warning)("torch profiler: %s", line)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class RunProfiler:
     def __init__(self, profile_cfg: DictConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1):
         """``steps`` this run trains, numbered from ``first_step`` (1, or N + 1 after resuming
@@ -85,17 +121,19 @@ class RunProfiler:
             activities = [ProfilerActivity.CPU]
             if env.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
-            self.torch_profiler = torch.profiler.profile(
-                activities=activities,
-                schedule=torch.profiler.schedule(wait=self.window.wait, warmup=self.window.warmup,
-                                                 active=self.window.active, repeat=1, skip_first=first_step),
-                on_trace_ready=self._export,
-            )
-            self.torch_profiler.start()
-            # The profiler counts its steps from 0; advanced to the run's first step (outside its
-            # window: nothing recorded), its "ProfilerStep#N" is the run's step N.
-            for _ in range(first_step):
-                self.torch_profiler.step()
+            with warnings.catch_warnings():  # a short run's window has no warm-up: the log line above says so
+                warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+                schedule = torch.profiler.schedule(wait=self.window.wait, warmup=self.window.warmup,
+                                                   active=self.window.active, repeat=1, skip_first=first_step)
+            self.torch_profiler = torch.profiler.profile(activities=activities, schedule=schedule,
+                                                         on_trace_ready=self._export)
+            self.native = _NativeLines()
+            with self.native.routed():
+                self.torch_profiler.start()
+                # The profiler counts its steps from 0; advanced to the run's first step (outside its
+                # window: nothing recorded), its "ProfilerStep#N" is the run's step N.
+                for _ in range(first_step):
+                    self.torch_profiler.step()
 
     def _export(self, prof) -> None:
         traces = self.run_dir / "traces"
@@ -109,13 +147,16 @@ class RunProfiler:
 
     def end_step(self) -> None:
         if self.torch_profiler is not None:
-            self.torch_profiler.step()
+            with self.native.routed():
+                self.torch_profiler.step()
 
     def finish(self, layout: Layout) -> dict | None:
         """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
         the first data-parallel replica (ranks 0..pp-1: its pipeline ranks)."""
         if self.torch_profiler is not None:
-            self.torch_profiler.stop()
+            with self.native.routed():
+                self.torch_profiler.stop()
+            self.native.close()
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock), self.env)
         if gathered is None:  # not rank 0
             return None

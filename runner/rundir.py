@@ -5,7 +5,7 @@ before the task function runs, so the run's own lock check (``runner.checkpoint_
 taken by the launcher) comes too late to keep a rejected command out of a live run's directory.
 ``RunDirGuard`` (a Hydra callback, registered in ``conf/config.yaml``) checks the lock in
 ``on_run_start``, before any of that. Hydra turns an exception a callback raises into a warning,
-so the refusal travels as ``Rejected``, which ``runner.__main__.cli`` unwraps."""
+so the refusal travels as ``Rejected``, which ``runner.exits.run_entry`` unwraps."""
 
 from __future__ import annotations
 
@@ -18,18 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint_files import in_use_error, run_in_progress
-from runner.errors import RunnerError
+from runner.errors import Rejected
 from runner.rank_env import under_torchrun
 
-__all__ = ["Rejected", "RunDirGuard"]
-
-
-class Rejected(BaseException):
-    """Carries a ``RunnerError`` out of a Hydra callback (a plain exception would be a warning)."""
-
-    def __init__(self, error: RunnerError):
-        super().__init__(str(error))
-        self.error = error
+__all__ = ["RunDirGuard"]
 
 
 class RunDirGuard(Callback):

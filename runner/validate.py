@@ -218,14 +218,15 @@ def _check_keyword_inputs(meta, kwargs: dict[str, torch.Tensor]) -> None:
                           f"take (it takes {sorted(consumed)}). Fix: a dataset that returns only those.")
 
 
-def _log_tied(meta, stages) -> None:
+def _log_tied(meta, stages, stage_to_rank: dict[int, int], per_stage: bool) -> None:
     stage_of = {u: i for i, units in enumerate(stages) for u in units}
     for names in meta.tied:
         owners = sorted({stage_of[u] for n in names for u in meta.unit_names
                          if any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
-        if len(owners) > 1:
-            log.info("Tied weight %s spans stages %s: each holds a copy, gradients summed every step",
-                     " = ".join(names), owners)
+        ranks = sorted({stage_to_rank[s] for s in owners})
+        if len(owners) > 1:  # one rank (V placements) shares one parameter, unless dp wraps each stage (tied.py)
+            log.info("Tied weight %s spans stages %s on ranks %s: %s", " = ".join(names), owners, ranks,
+                     "one parameter" if len(ranks) == 1 and not per_stage else "a copy each, gradients summed")
 
 
 def _schedule_layout(cfg: DictConfig, csv: str | None) -> tuple[int, dict[int, int]]:
@@ -356,7 +357,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (units per stage): %s", sizes)
-    _log_tied(meta, stages)
+    _log_tied(meta, stages, stage_to_rank, DP_MODES[p.dp_mode].per_stage)
     layout = Layout(schedule=cfg.schedule.name, csv=csv, pp=p.pp, microbatches=p.microbatches, stages=stages,
                     stage_to_rank=stage_to_rank)
     if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and _splits_backward(layout):

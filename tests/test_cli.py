@@ -107,12 +107,12 @@ def test_an_unknown_config_name_is_a_configuration_error():
     # `schedule=nope` above: exit 2 with Hydra's message, not "cannot write the run directory".
     from hydra.errors import MissingConfigException
 
-    from runner.__main__ import _outcome
+    from runner.exits import outcome
 
     with pytest.raises(MissingConfigException) as info:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             hydra_compose(config_name="nope")
-    code, message = _outcome(info.value)
+    code, message = outcome(info.value, started=False)
     assert code == 2 and "Cannot find primary config 'nope'" in message
 
 

@@ -1,12 +1,16 @@
 """The runner as users install it: a wheel built from this tree, installed (not editable) into a
 fresh environment, and its ``runner`` console script run from a directory that is not a checkout.
-The environment sees this one's packages (torch, Hydra) so that nothing is downloaded."""
+The environment sees this one's packages (torch, Hydra) so that nothing is downloaded: whatever
+this interpreter is (a system Python, or itself a virtual environment, whose base Python has no
+Hydra: ``--system-site-packages`` would not see them), its site directories are added to the new
+environment's, ``.pth`` files (editable installs) included."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import site
 import sys
 from pathlib import Path
 
@@ -16,6 +20,16 @@ from helpers.cli import run_cli
 from helpers.config import ROOT
 
 pytestmark = pytest.mark.multiprocess
+
+
+def _see_this_environment(venv: Path) -> None:
+    """``venv`` sees this interpreter's packages after its own (its own wheel of the runner
+    first): a ``.pth`` file adding this interpreter's site directories as Python's ``site`` adds
+    them, so their ``.pth`` files run too. This checkout is not among them."""
+    dirs = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    [own] = venv.glob("lib/python*/site-packages")
+    (own / "zz_parent_environment.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs if Path(d).is_dir()))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +47,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
             cwd=tmp, checkout=False, check=True)
     [wheel] = (tmp / "dist").glob("runner-*.whl")
     venv = tmp / "venv"
-    run_cli("--system-site-packages", "--without-pip", str(venv), module="venv", cwd=tmp, checkout=False, check=True)
+    run_cli("--without-pip", str(venv), module="venv", cwd=tmp, checkout=False, check=True)
+    _see_this_environment(venv)
     bin_dir = venv / "bin"
     run_cli("install", "--no-deps", "--no-index", str(wheel), program=[str(bin_dir / "python"), "-m", "pip"], cwd=tmp,
             checkout=False, check=True)

@@ -17,8 +17,8 @@ import torch
 from runner._torch_dcp import SafeReader, read_model_tensors
 from runner.checkpoint_files import find_checkpoint, hold_run_lock
 from runner.dist import DistEnv
-from runner.errors import CheckpointError, ConfigError
-from runner.rundir import Rejected, RunDirGuard
+from runner.errors import CheckpointError, ConfigError, Rejected
+from runner.rundir import RunDirGuard
 from runner.train import train
 from runner.validate import validate
 

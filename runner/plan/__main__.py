@@ -8,6 +8,10 @@ recommended candidate; writes ``plan.json`` (every candidate, fastest first),
 ``calibration.json``, ``fit.json`` (the cost model fitted to the probe runs, which are kept under
 ``probes/``) and ``plan_timeline.json`` (the recommended candidate's predicted timeline) into the
 Hydra run directory.
+
+Exit codes as ``python -m runner``'s (``runner.errors``): 2 a configuration no candidate can run
+(reported once, before anything is timed), 3 no valid candidate fits ``plan.memory_limit``,
+130/143 stopped; Hydra's own config errors (a misspelt key) are 2 as well.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import signal
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,18 +30,25 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.config import config_dir  # also registers the schemas
+from runner.errors import ConfigError, RunnerError, interrupted_exit_code
+from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes
-from runner.plan.planner import plan
+from runner.plan.planner import Candidate, plan
 from runner.plan.report import fit_line, label, search_report, table
 from runner.timeline import simulated_slices, write_chrome_trace
+
+_STARTED: list[bool] = []
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    _STARTED.append(True)  # past Hydra's run directory: an OSError from here on is no config error
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
     out = Path(HydraConfig.get().runtime.output_dir)
     candidates, timelines, calibration, model = plan(cfg, out, launch)
+    if not any(c.valid for c in candidates):
+        raise ConfigError(_no_valid_candidate(candidates))
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     if calibration is not None:
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
@@ -52,8 +65,11 @@ def main(cfg: DictConfig) -> None:
         print(line)
     best = next((c for c in candidates if c.recommended), None)
     if best is None:
-        print("no valid candidate fits; see the reasons above")
-        return
+        least = min((c for c in candidates if c.valid), key=lambda c: max(c.peak_activation_bytes))
+        raise RunnerError(f"no valid candidate keeps its in-flight activations within plan.memory_limit="
+                          f"{cfg.plan.memory_limit}: the least is {label(least)}'s, "
+                          f"{max(least.peak_activation_bytes) / 2**20:.2f} MiB on one rank (table above; "
+                          f"plan.json in {out}). Fix: a larger plan.memory_limit, or a smaller train.batch_size.")
     timeline = timelines[id(best)]
     write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
     tied = [c for c in candidates if c.tie]
@@ -71,5 +87,27 @@ def main(cfg: DictConfig) -> None:
     print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
 
 
+def _no_valid_candidate(candidates: list[Candidate]) -> str:
+    """Why no candidate can run: the reason that rejected most of them (a config error rejects
+    every layout alike), once, then how many were rejected for their own layout instead."""
+    reasons: dict[str, int] = {}
+    for c in candidates:
+        reasons[c.reason] = reasons.get(c.reason, 0) + 1
+    [(common, n), *others] = sorted(reasons.items(), key=lambda item: -item[1])
+    text = f"no candidate layout can run: {common} ({n} of {len(candidates)} candidates)"
+    if others:
+        text += (f"\nThe other {len(candidates) - n} are layouts with reasons of their own, e.g. "
+                 f"{others[0][0]}")
+    return text
+
+
+def cli() -> None:
+    # SIGTERM ends the planner as SIGINT does (KeyboardInterrupt: 130): through the cleanup of
+    # whatever it runs (calibration ranks, probe runs), with the shell's 143.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(interrupted_exit_code(signum)))
+    sys.argv[1:] = expand_home(sys.argv[1:])
+    run_entry(main, started=lambda: bool(_STARTED))
+
+
 if __name__ == "__main__":
-    main()
+    cli()

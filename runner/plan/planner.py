@@ -31,7 +31,7 @@ from runner.layout import Layout
 from runner.ops import Op
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
-from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, rest_s, sent_bytes
+from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
@@ -39,7 +39,7 @@ from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
 from runner.validate import usable_cpus, validate
 
-__all__ = ["Candidate", "PlanResult", "plan"]
+__all__ = ["Candidate", "PlanResult", "check_plan_keys", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
     update: what ``summary.json``'s ``step_time_s`` measures."""
+    check_plan_keys(cfg)
     if out is None and (launch is not None or cfg.plan.synthesize):
         raise ValueError("plan(): probe runs and synthesized schedules are written into a directory: pass out=")
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
@@ -254,6 +255,23 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     _mark_ties(ranked, cfg.plan.tie_tolerance)
     return PlanResult(ranked, timelines, calibration, model)
+
+
+def check_plan_keys(cfg: DictConfig) -> None:
+    """The planner's own keys, once and before anything is timed (every candidate would
+    otherwise fail alike, or the calibration run first)."""
+    parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
+    if not cfg.plan.microbatches or min(cfg.plan.microbatches) < 1:
+        raise ConfigError(f"plan.microbatches={list(cfg.plan.microbatches)}: the planner needs microbatch counts "
+                          "of at least 1 to try. Fix: e.g. plan.microbatches=[2,4,8].")
+    replica_batch = cfg.train.batch_size // max(1, cfg.parallel.dp)
+    if cfg.schedule.name != "csv" and not any(replica_batch % m == 0 for m in cfg.plan.microbatches):
+        raise ConfigError(f"plan.microbatches={list(cfg.plan.microbatches)}: none divides a replica's batch "
+                          f"(train.batch_size={cfg.train.batch_size} / parallel.dp={cfg.parallel.dp}), so there is "
+                          "no candidate to plan. Fix: a train.batch_size that one of them divides, or "
+                          "plan.microbatches=[<divisors of it>].")
+    if cfg.plan.costs:
+        read_run(cfg.plan.costs)
 
 
 def _child_costs(cfg: DictConfig, child_costs: dict[int, dict[str, ChildCost]], microbatches: int,

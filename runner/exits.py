@@ -1,0 +1,78 @@
+"""What the command lines (``python -m runner``, ``python -m runner.plan``) share: their arguments
+as the user meant them (``~`` in a value), and their end: an error becomes one message and its exit
+code (``runner.errors``: 2 the configuration cannot run, 3 it failed, 130/143 stopped); a bug in
+the runner keeps Python's traceback and status 1."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import EXIT_CONFIG, Rejected, RunnerError, exit_code
+
+__all__ = ["expand_home", "outcome", "run_entry"]
+
+# An unquoted `~` opening an override's value (or an element of a sweep or list): Hydra's grammar
+# rejects it, and shells expand `~` only at the start of a word, not after `key=`.
+_HOME = re.compile(r"(?<=[=,\[])~(?=[/,\]]|$)")
+
+
+def expand_home(args: list[str]) -> list[str]:
+    """``model.path=~/models/x`` as the user meant it: ``~`` replaced by the home directory in the
+    values of ``key=value`` overrides (``~key`` alone is Hydra's deletion, left as it is)."""
+    home = os.path.expanduser("~")
+    return [_HOME.sub(lambda _: home, a) if "=" in a and not a.startswith("-") else a for a in args]
+
+
+def _run_dir_unwritable(e: BaseException, started: bool) -> bool:
+    """Hydra creates the run directory, saves ``.hydra/`` and opens the log before the task
+    starts: an ``OSError`` then, or logging's ``ValueError`` wrapping one (an existing directory
+    that cannot be written), means the run directory. Not once the task has ``started``."""
+    if started:
+        return False
+    cause = e.__cause__ or e.__context__
+    return isinstance(e, OSError) or (isinstance(e, ValueError) and str(e).startswith("Unable to configure")
+                                      and isinstance(cause, OSError))
+
+
+def outcome(e: BaseException, *, started: bool, failed_jobs: str = "") -> tuple[int, str] | None:
+    """(exit code, message) for an error that ended the command; None for one to re-raise.
+    ``started``: the Hydra task had begun; ``failed_jobs``: a sweep's failed jobs, shown instead
+    of the error that ended it."""
+    if isinstance(e, (HydraException, OmegaConfBaseException)):  # a typo, a wrong type, an unknown option
+        # (Hydra's MissingConfigException is also an OSError: checked first.)
+        cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
+        return EXIT_CONFIG, f"{e}{cause}"
+    if isinstance(e, RunnerError):
+        return exit_code(e), failed_jobs or f"error: {e}"
+    if isinstance(e, KeyboardInterrupt):  # SIGINT before a launcher's own handler was set
+        return exit_code(e), "interrupted"
+    if _run_dir_unwritable(e, started):
+        error = e if isinstance(e, OSError) else (e.__cause__ or e.__context__)
+        return EXIT_CONFIG, (f"error: cannot write the run directory: {error}\n"
+                             "Fix: hydra.run.dir=<a writable directory>.")
+    return None
+
+
+def run_entry(entry: Callable[[], object], *, started: Callable[[], bool],
+              failed_jobs: Callable[[], str] = lambda: "") -> None:
+    """Run a Hydra entry point; an error that ends it exits with its code and one message."""
+    # Let our errors reach the handler below instead of Hydra's traceback printer; Hydra's own
+    # config errors stay compact.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        entry()
+    except (Exception, KeyboardInterrupt, Rejected) as caught:
+        e = caught.error if isinstance(caught, Rejected) else caught  # refused before Hydra's run directory
+        jobs = failed_jobs()
+        ended = outcome(e, started=started(), failed_jobs=jobs)
+        if ended is None:  # a crash: its traceback, after the sweep's list of failed jobs if any
+            print(jobs, file=sys.stderr)
+            raise
+        print(ended[1], file=sys.stderr)
+        sys.exit(ended[0])
