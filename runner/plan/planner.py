@@ -25,6 +25,7 @@ from typing import Mapping, NamedTuple, Sequence
 from omegaconf import DictConfig
 
 from runner.config import CsvScheduleConfig, parse_bytes  # also registers the schemas
+from runner.dims import ParallelDims
 from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.layout import Layout
@@ -178,7 +179,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     if out is None and (launch is not None or cfg.plan.synthesize):
         raise ValueError("plan(): probe runs and synthesized schedules are written into a directory: pass out=")
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
-    ranks = cfg.parallel.pp * cfg.parallel.dp
+    ranks = ParallelDims.from_config(cfg.parallel).world_size
     kind = resolve_device(cfg.device, ranks)
     device = pick_device(kind, 0)
     cores = len(usable_cpus())  # this process's share of the host (taskset, a container's cpuset)

@@ -1,0 +1,64 @@
+"""The one owner of the parallel layout (``runner.dims.ParallelDims``): each rank's coordinates,
+the groups along each dimension, the one check of the degrees against the ranks a job has, and the
+resolver the SLURM launcher config counts its tasks with. In-process: pure arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import runner.config  # noqa: F401  registers the world_size resolver
+from runner.dims import Coords, ParallelDims
+from runner.dist import DistEnv
+from runner.errors import ConfigError
+from runner.mesh import build_mesh
+
+DIMS = ParallelDims(pp=2, dp=3, dp_mode="ddp")
+
+
+def test_rank_r_is_pipeline_rank_r_mod_pp_of_replica_r_div_pp():
+    assert DIMS.world_size == 6 and DIMS.degrees == {"dp": 3, "pp": 2, "tp": 1}
+    assert [DIMS.coords(r) for r in range(6)] == [Coords(dp=r // 2, pp=r % 2, tp=0) for r in range(6)]
+    assert [DIMS.rank_of(DIMS.coords(r)) for r in range(6)] == list(range(6))
+    with pytest.raises(ValueError, match=r"rank 6 outside 0\.\.5"):
+        DIMS.coords(6)
+
+
+def test_groups_along_each_dimension():
+    assert DIMS.ranks_of("pp", 4) == [4, 5]  # replica 2's pipeline, by pipeline rank
+    assert DIMS.ranks_of("dp", 3) == [1, 3, 5]  # pipeline rank 1 in every replica
+    assert DIMS.ranks_of("tp", 3) == [3]
+    assert DIMS.groups_of("pp") == [[0, 1], [2, 3], [4, 5]]
+    assert DIMS.groups_of("dp") == [[0, 2, 4], [1, 3, 5]]
+    # The mesh has dp and pp (even at degree 1), not tp while it is 1: no process groups for it.
+    assert DIMS.mesh_dims == {"dp": 3, "pp": 2}
+    assert ParallelDims(pp=4, dp=1).mesh_dims == {"dp": 1, "pp": 4}
+
+
+def test_built_once_from_the_config_and_counted_by_the_slurm_resolver():
+    cfg = OmegaConf.create({"parallel": {"pp": 2, "dp": 3, "dp_mode": "ddp", "microbatches": 4},
+                            "tasks": "${world_size:${parallel}}"})
+    assert ParallelDims.from_config(cfg.parallel) == DIMS
+    assert cfg.tasks == 6
+
+
+def test_the_product_check_names_the_keys_the_values_and_the_fix():
+    DIMS.check(6)
+    with pytest.raises(ConfigError) as info:
+        DIMS.check(9, started_by="torchrun", restart="--nproc-per-node 6")
+    assert str(info.value) == ("torchrun started 9 ranks but parallel.dp=3 x parallel.pp=2 = 6. "
+                               "Fix: --nproc-per-node 6, or parallel.pp=3.")
+    with pytest.raises(ConfigError) as info:
+        DIMS.check(4)
+    assert str(info.value) == ("the launcher started 4 ranks but parallel.dp=3 x parallel.pp=2 = 6. "
+                               "Fix: start 6 ranks, or parallel.pp and parallel.dp whose product is 4.")
+
+
+def test_the_mesh_reads_its_coordinates_from_the_owner_and_checks_the_ranks():
+    env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    mesh = build_mesh(env, ParallelDims(pp=1, dp=1))
+    assert (mesh.pp, mesh.dp, mesh.pp_rank, mesh.dp_rank) == (1, 1, 0, 0)
+    assert mesh.pp_group is None and mesh.dp_mesh is None and mesh.group("dp") is None
+    with pytest.raises(ConfigError, match=r"the launcher started 1 ranks but parallel.dp=1 x parallel.pp=2 = 2"):
+        build_mesh(env, ParallelDims(pp=2, dp=1))
