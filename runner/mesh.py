@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runner.dims import Coords, ParallelDims
 from runner.dist import DistEnv
+
+if TYPE_CHECKING:  # the owner's instances arrive built (RunPlan.dims): no import chain through here
+    from runner.dims import Coords, ParallelDims
 
 __all__ = ["Mesh", "build_mesh"]
 
