@@ -4,6 +4,8 @@ resolver the SLURM launcher config counts its tasks with. In-process: pure arith
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -62,3 +64,16 @@ def test_the_mesh_reads_its_coordinates_from_the_owner_and_checks_the_ranks():
     assert mesh.pp_group is None and mesh.dp_mesh is None and mesh.group("dp") is None
     with pytest.raises(ConfigError, match=r"the launcher started 1 ranks but parallel.dp=1 x parallel.pp=2 = 2"):
         build_mesh(env, ParallelDims(pp=2, dp=1))
+
+
+def test_the_planner_calibrates_on_the_cores_of_two_ranks_of_one_pipeline():
+    from runner.layout import Layout, RunPlan
+    from runner.plan.planner import _neighbour_cpus
+
+    layout = Layout(schedule="1f1b", csv=None, pp=2, microbatches=2, stages=(("a",), ("b",)),
+                    stage_to_rank={0: 0, 1: 1})
+    cpus = tuple((c,) for c in range(6))
+    plan = RunPlan(layout=layout, dims=DIMS, batch_size=12, seq_len=4, steps=1, device="cpu", threads_per_rank=1,
+                   rank_cpus=cpus, run_dir=None, resume=None, verify=False)
+    assert _neighbour_cpus(plan) == [(0,), (1,)]  # pipeline ranks 0 and 1 of replica 0
+    assert _neighbour_cpus(dataclasses.replace(plan, rank_cpus=None)) is None
