@@ -3,8 +3,10 @@ ranks, and the arithmetic between a rank and its coordinates. ``runner.mesh`` bu
 ``DeviceMesh`` from it; validation, the launcher, the planner, the config's resolvers and the
 ranks read it. Nothing else multiplies degrees or divides ranks.
 
-Rank order, outermost first: ``dp``, ``pp``, ``tp``. Rank ``r`` is pipeline rank ``r % pp`` of
-data-parallel replica ``r // pp`` (``tp``, innermost, is 1 until tensor parallelism is built).
+Rank order, outermost first: ``pp``, ``dp``, ``tp``, as torchtitan and Megatron-LM order them: a
+tensor-parallel group (the most communication) on consecutive ranks, one node's fast links, then
+the replicas, the pipeline outermost (a message per microbatch, between nodes). With ``tp`` = 1
+(until tensor parallelism is built), rank ``r`` is replica ``r % dp`` of pipeline rank ``r // dp``.
 Changing the order is a change of ``ParallelDims.ORDER`` alone: every group below is derived.
 
 Pure arithmetic, no ``torch.distributed``: cheap for the modules that run before any rank starts."""
@@ -24,8 +26,8 @@ __all__ = ["Coords", "ParallelDims"]
 class Coords:
     """One rank's coordinate along each parallel dimension."""
 
-    dp: int  # which replica of the whole pipeline
     pp: int  # which pipeline rank (its stages: ``Layout.stages_on(pp)``)
+    dp: int  # which replica of the whole pipeline
     tp: int  # which shard of a tensor-parallel group
 
 
@@ -39,7 +41,7 @@ class ParallelDims:
     tp: int = 1  # tensor parallelism (issue #25) is not built: fixed at 1, not a config key
 
     # Outermost first: consecutive ranks differ in the last one.
-    ORDER: ClassVar[tuple[str, ...]] = ("dp", "pp", "tp")
+    ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")  # the DeviceMesh's dimensions, in this order
     # The config key of each configurable degree, for messages.
     KEYS: ClassVar[dict[str, str]] = {"pp": "parallel.pp", "dp": "parallel.dp"}
 

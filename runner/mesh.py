@@ -1,5 +1,5 @@
 """The ranks' ``DeviceMesh``, built from the one owner of the layout (``runner.dims``): its named
-dimensions in the owner's rank order (today ``dp``, ``pp``), and the sub-meshes and groups each
+dimensions in the owner's rank order (``pp``, ``dp``), and the sub-meshes and groups each
 rank uses. Nothing else creates meshes.
 
 Each replica is a whole pipeline, and the ranks holding the same stage in every replica form a dp
