@@ -49,7 +49,7 @@ class Layout:
         from runner.units import describe_names
 
         for s, names in enumerate(self.stages):
-            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
+            lines.append(f"  stage {s} on pipeline rank {self.stage_to_rank[s]}: {describe_names(names)}")
         return "\n".join(lines)
 
 
