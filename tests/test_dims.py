@@ -84,3 +84,21 @@ def test_the_planner_calibrates_on_the_cores_of_two_ranks_of_one_pipeline():
                    rank_cpus=cpus, run_dir=None, resume=None, verify=False)
     assert _neighbour_cpus(plan) == [(0,), (3,)]  # pipeline ranks 0 and 1 of replica 0: ranks 0 and 3
     assert _neighbour_cpus(dataclasses.replace(plan, rank_cpus=None)) is None
+
+
+def test_torchrun_with_other_ranks_than_the_degrees_is_a_config_error_before_the_process_group(monkeypatch):
+    from runner.clock import StartupClock
+    from runner.launch import _join_torchrun
+    from runner.validate import validate
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "parallel.dp=3", "parallel.dp_mode=ddp", "parallel.microbatches=2",
+                  "train.batch_size=12")
+    plan = validate(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "9")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError) as info:
+        _join_torchrun(plan, cfg, StartupClock())  # raises before init_distributed: no process group
+    assert str(info.value) == ("torchrun started 9 ranks but parallel.pp=2 x parallel.dp=3 = 6. "
+                               "Fix: --nproc-per-node 6, or parallel.pp=3.")
