@@ -7,7 +7,6 @@ anything is launched.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 
+from runner.dims import ParallelDims
 from runner.dp import DP_MODES
 from runner.errors import ConfigError
 from runner.options import (
@@ -102,7 +102,7 @@ class CsvScheduleConfig(ScheduleConfig):
 @dataclass
 class ParallelConfig:
     pp: int = 2  # pipeline ranks; 1 = the unsplit model in one process (the reference)
-    dp: int = 1  # data-parallel replicas of the whole pipeline (ranks = pp * dp)
+    dp: int = 1  # data-parallel replicas of the whole pipeline (ranks: runner.dims)
     # How each stage is replicated over dp: none (dp must be 1), ddp (torch's FSDP-based
     # replicate: gradients all-reduced, correct for every schedule), fsdp (FSDP2 fully_shard).
     dp_mode: str = field(default="none", metadata=choices(DP_MODES))  # runner.dp
@@ -379,8 +379,8 @@ def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
 
 
 def register_configs() -> None:
-    if not OmegaConf.has_resolver("mul"):  # ${mul:${parallel.pp},${parallel.dp}}: ranks per job
-        OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(int(x) for x in xs))
+    if not OmegaConf.has_resolver("world_size"):  # ${world_size:${parallel}}: ranks per job (runner.dims)
+        OmegaConf.register_new_resolver("world_size", lambda parallel: ParallelDims.from_config(parallel).world_size)
     if not OmegaConf.has_resolver("runner_vocab"):  # ${runner_vocab:<tokenizer dir or null>,<default>}
         OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)
     cs = ConfigStore.instance()

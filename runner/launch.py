@@ -1,5 +1,5 @@
 """Launching a run: the config is validated into its ``RunPlan`` (``runner.validate``), then the
-ranks start one of three ways: ``pp * dp`` processes spawned on this host (``runner.processes``,
+ranks start one of three ways: ``plan.world_size`` processes spawned on this host (``runner.processes``,
 watched by ``runner.supervise``), the ranks ``torchrun`` (or SLURM) started, or, for one rank,
 right here. The run directory is locked while the run is in progress."""
 
@@ -73,11 +73,7 @@ def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO 
 
 def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if world != plan.world_size:
-        raise ConfigError(
-            f"torchrun started {world} ranks but parallel.pp x parallel.dp = {plan.world_size}. "
-            f"Fix: --nproc-per-node {plan.world_size}, or parallel.pp={world}."
-        )
+    plan.dims.check(world, started_by="torchrun", restart=f"--nproc-per-node {plan.world_size}")
     device = pick_device(plan.device, local_rank=local_rank_from_env())
     torch.set_num_threads(plan.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)

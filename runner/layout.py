@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.dims import ParallelDims
+
 __all__ = ["Layout", "RunPlan", "microbatch_size"]
 
 
@@ -47,7 +49,7 @@ class Layout:
         from runner.units import describe_names
 
         for s, names in enumerate(self.stages):
-            lines.append(f"  stage {s} on rank {self.stage_to_rank[s]}: {describe_names(names)}")
+            lines.append(f"  stage {s} on pipeline rank {self.stage_to_rank[s]}: {describe_names(names)}")
         return "\n".join(lines)
 
 
@@ -57,8 +59,7 @@ class RunPlan:
     (``auto``, ``null``, ``latest``); the plan holds what those became here."""
 
     layout: Layout
-    dp: int  # replicas of the whole pipeline
-    dp_mode: str  # a runner.dp name
+    dims: ParallelDims  # the parallel degrees and the ranks' order (runner.dims)
     batch_size: int  # global samples per optimizer step
     seq_len: int
     steps: int  # the last step (numbered from 1) of the run
@@ -69,14 +70,26 @@ class RunPlan:
     resume: Path | None  # the checkpoint directory checkpoint.resume named (a run directory, latest: found)
     verify: bool
 
+    def __post_init__(self) -> None:
+        assert self.dims.pp == self.layout.pp, (self.dims, self.layout.pp)
+
     @property
     def pp(self) -> int:
         return self.layout.pp
 
     @property
+    def dp(self) -> int:
+        """Replicas of the whole pipeline."""
+        return self.dims.dp
+
+    @property
+    def dp_mode(self) -> str:
+        return self.dims.dp_mode
+
+    @property
     def world_size(self) -> int:
-        """Ranks of the job: pp x dp."""
-        return self.layout.pp * self.dp
+        """Ranks of the job, as the layout's owner counts them."""
+        return self.dims.world_size
 
     @property
     def microbatch_size(self) -> int:

@@ -1,48 +1,78 @@
-"""The one place that knows the ranks' 2D layout: a ``DeviceMesh`` of (dp, pp).
+"""The ranks' ``DeviceMesh``, built from the one owner of the layout (``runner.dims``): its named
+dimensions in the owner's rank order (``pp``, ``dp``), and the sub-meshes and groups each
+rank uses. Nothing else creates meshes.
 
-Rank ``r`` is pipeline rank ``r % pp`` of data-parallel replica ``r // pp``: each replica is a
-whole pipeline, and the ranks holding the same stage in every replica form a dp group.
-"""
+Each replica is a whole pipeline, and the ranks holding the same stage in every replica form a dp
+group; which rank is where is ``ParallelDims``'s arithmetic, never repeated here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runner.dist import DistEnv
 
+if TYPE_CHECKING:  # the owner's instances arrive built (RunPlan.dims): no import chain through here
+    from runner.dims import Coords, ParallelDims
+
 __all__ = ["Mesh", "build_mesh"]
 
 
 @dataclass(frozen=True)
 class Mesh:
-    pp: int
-    dp: int
-    pp_rank: int
-    dp_rank: int
+    dims: ParallelDims
+    rank: int
     device_mesh: DeviceMesh | None  # None for a single process
 
     @property
+    def coords(self) -> Coords:
+        return self.dims.coords(self.rank)
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    def submesh(self, dim: str) -> DeviceMesh | None:
+        """This rank's 1-D mesh along ``dim`` (None for a single process)."""
+        return self.device_mesh[dim] if self.device_mesh is not None else None
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """This rank's process group along ``dim`` (None for a single process)."""
+        sub = self.submesh(dim)
+        return sub.get_group() if sub is not None else None
+
+    @property
     def pp_group(self) -> dist.ProcessGroup | None:
-        return self.device_mesh["pp"].get_group() if self.device_mesh is not None else None
+        return self.group("pp")
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        return self.device_mesh["dp"] if self.device_mesh is not None else None
+        return self.submesh("dp")
 
 
-def build_mesh(env: DistEnv, *, pp: int, dp: int) -> Mesh:
-    if pp * dp != env.world_size:
-        raise ValueError(f"parallel.pp={pp} x parallel.dp={dp} != {env.world_size} ranks")
-    return _cached_mesh(env, pp, dp)
+def build_mesh(env: DistEnv, dims: ParallelDims) -> Mesh:
+    dims.check(env.world_size)
+    return Mesh(dims=dims, rank=env.rank, device_mesh=_cached_device_mesh(env, tuple(dims.mesh_dims.items())))
 
 
-@lru_cache(maxsize=None)  # groups are collective to create: once per layout per process
-def _cached_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
-    device_mesh = None
-    if env.world_size > 1:
-        device_mesh = init_device_mesh(env.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    return Mesh(pp=pp, dp=dp, pp_rank=env.rank % pp, dp_rank=env.rank // pp, device_mesh=device_mesh)
+@lru_cache(maxsize=None)  # groups are collective to create: once per mesh shape per process
+def _cached_device_mesh(env: DistEnv, shape: tuple[tuple[str, int], ...]) -> DeviceMesh | None:
+    if env.world_size == 1:
+        return None
+    return init_device_mesh(env.device.type, tuple(d for _, d in shape), mesh_dim_names=tuple(n for n, _ in shape))

@@ -12,7 +12,7 @@ import statistics
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,9 +150,9 @@ class RunProfiler:
             with self.native.routed():
                 self.torch_profiler.step()
 
-    def finish(self, layout: Layout) -> dict | None:
+    def finish(self, layout: Layout, pipeline_ranks: Sequence[int]) -> dict | None:
         """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
-        the first data-parallel replica (ranks 0..pp-1: its pipeline ranks)."""
+        the first data-parallel replica (``pipeline_ranks``: its ranks, by pipeline rank)."""
         if self.torch_profiler is not None:
             with self.native.routed():
                 self.torch_profiler.stop()
@@ -160,9 +160,10 @@ class RunProfiler:
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock), self.env)
         if gathered is None:  # not rank 0
             return None
-        offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock) in enumerate(gathered[:layout.pp])})
-        actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _) in enumerate(gathered[:layout.pp])}
-        spans = {rank: shift_spans(steps, offsets[rank]) for rank, (_, steps, _) in enumerate(gathered[:layout.pp])}
+        first = [gathered[r] for r in pipeline_ranks]  # indexed by pipeline rank
+        offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock) in enumerate(first)})
+        actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _) in enumerate(first)}
+        spans = {rank: shift_spans(steps, offsets[rank]) for rank, (_, steps, _) in enumerate(first)}
         order = executed_order(actions)
         write_schedule_csv(self.run_dir / "schedule.csv", order)
         costs = mean_costs(actions)

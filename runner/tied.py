@@ -80,12 +80,13 @@ class TiedWeights:
             ranks = tuple(sorted({rank_of[n] for n in names}))
             group = TiedGroup(names[0], _local(modules, names), ranks)
             self.groups.append(group)
-            # Every rank creates every group (a collective), one per data-parallel replica.
+            # Every rank creates every group (a collective), one per pipeline (data-parallel replica).
             pg = None
             if len(ranks) > 1 and mesh.device_mesh is not None:
-                for replica in range(mesh.dp):
-                    created = dist.new_group([replica * mesh.pp + r for r in ranks])
-                    if replica == mesh.dp_rank and mesh.pp_rank in ranks:
+                for pipeline in mesh.dims.groups_of("pp"):
+                    members = [pipeline[r] for r in ranks]
+                    created = dist.new_group(members)
+                    if mesh.rank in members:
                         pg = created
             self._process_groups.append(pg)
 

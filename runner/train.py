@@ -122,7 +122,7 @@ class Trainer:
     def setup(self) -> None:
         plan, cfg, env, t = self.plan, self.cfg, self.env, self.cfg.train
         self.data = build_dataset(cfg.data, seed=t.seed)
-        self.mesh = build_mesh(env, pp=plan.pp, dp=plan.dp)
+        self.mesh = build_mesh(env, plan.dims)
         self.step_fn, self.tied = build_step(plan, cfg, env, self.mesh)
         self.clock.mark("build")
         self.modules = _stage_modules(self.step_fn.modules)
@@ -249,7 +249,7 @@ class Trainer:
     def finish(self) -> dict | None:
         """The profile files and, on rank 0, the summary (written, and returned)."""
         busy("writing the profile and summary")
-        bubble = self.profiler.finish(self.plan.layout)
+        bubble = self.profiler.finish(self.plan.layout, self.mesh.dims.ranks_of("pp", 0))
         # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
         per_rank = gather_to_main((peak_memory_bytes(self.env.device), device_name(self.env.device),
                                    getattr(self.modules[0].spec, "bytes_read", 0)), self.env)

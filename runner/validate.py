@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.config import check_model_vocab, missing_keys, parse_bytes
+from runner.dims import ParallelDims
 from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size
@@ -380,14 +381,14 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
 
     check_config(cfg)
     csv = _schedule_file(cfg)
-    world = cfg.parallel.pp * cfg.parallel.dp
-    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    dims = ParallelDims.from_config(cfg.parallel)
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     device = resolve_device(cfg.device, ranks_on_host)
     _check_host(cfg, device, ranks_on_host)
     layout = _layout(cfg, csv)
     resume = _resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
     threads = _threads_per_rank(cfg, ranks_on_host)
-    return RunPlan(layout=layout, dp=cfg.parallel.dp, dp_mode=cfg.parallel.dp_mode, batch_size=cfg.train.batch_size,
+    return RunPlan(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=_rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
                    verify=resolve_verify(cfg))

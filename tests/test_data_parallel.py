@@ -15,6 +15,7 @@ import torch
 from runner.checkpoint_files import find_checkpoint
 from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError
+from runner.schedule import schedule_order
 from runner.train import train
 from runner.validate import validate
 
@@ -85,6 +86,15 @@ def test_pp2_dp2_matches_the_unsplit_model(dp, ref, mode, name):
     got = dp[1][f"{mode}-{name}"]
     assert_matches(got, ref, f"{mode}-{name}")
     assert got["summary"]["dp"] == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_the_executed_schedule_is_one_pipeline_of_the_first_replica(dp):
+    # pp=2 x dp=2: replica 0's pipeline is ranks 0 and 2 (runner.dims); ranks 0 and 1 hold stage 0 twice.
+    rows = (dp[0] / "ddp-1f1b" / "schedule.csv").read_text().splitlines()
+    order = schedule_order("1f1b", 2, 4, 1)
+    assert rows == [",".join(op.name for op in order[r]) for r in range(2)]
 
 
 @pytest.mark.multiprocess

@@ -10,6 +10,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from runner.dims import ParallelDims
 from runner.errors import ConfigError
 from runner.validate import validate
 
@@ -119,6 +120,7 @@ def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(t
     plan = validate(cfg, tmp_path)
     assert plan.device == ("cuda" if torch.cuda.device_count() >= 4 else "cpu")  # auto, resolved for this host
     assert plan.world_size == 4 and plan.layout.microbatches == 4 and plan.microbatch_size == 2
+    assert plan.dims == ParallelDims(pp=2, dp=2, dp_mode="ddp") and (plan.dp, plan.dp_mode) == (2, "ddp")
     assert plan.threads_per_rank >= 1 and plan.run_dir == tmp_path and plan.resume is None
     assert OmegaConf.to_yaml(cfg) == composed  # device: auto, launch.threads_per_rank: null
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -25,9 +25,10 @@ from typing import Mapping, NamedTuple, Sequence
 from omegaconf import DictConfig
 
 from runner.config import CsvScheduleConfig, parse_bytes  # also registers the schemas
+from runner.dims import ParallelDims
 from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
-from runner.layout import Layout
+from runner.layout import Layout, RunPlan
 from runner.ops import Op
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
@@ -113,14 +114,23 @@ def _overrides(name: str, m: int, spr: int | None, csv: str | None, split_points
     return out + ([f"parallel.split_points=[{','.join(split_points)}]"] if split_points else [])
 
 
+def _neighbour_cpus(plan: RunPlan) -> list[tuple[int, ...]] | None:
+    """The cores two neighbouring ranks of the run's first pipeline are pinned to (its first two
+    ranks where pp is 1), or None where the run pins no ranks."""
+    if plan.rank_cpus is None:
+        return None
+    pair = plan.dims.ranks_of("pp", 0)[:2] if plan.pp > 1 else [0, 1]
+    return [plan.rank_cpus[r] for r in pair]
+
+
 def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str,
-                 rank_cpus: Sequence[Sequence[int]] | None) -> Calibration:
+                 cpus: Sequence[Sequence[int]] | None) -> Calibration:
     """The configured message and action costs; whatever is null is measured on two ranks (on
-    the cores the run's first two ranks are pinned to)."""
+    ``cpus``: the cores of the run's first two pipeline ranks)."""
     fields = ("latency_s", "bandwidth", "action_overhead_s", "corunning_slowdown", "busy_delay_s", "action_jitter")
     given = (plan_cfg.comm_latency_s, plan_cfg.comm_bandwidth, plan_cfg.action_overhead_s,
              plan_cfg.corunning_slowdown, plan_cfg.comm_busy_delay_s, plan_cfg.action_jitter)
-    measured = calibrate(message_bytes, device=device, cpus=rank_cpus[:2] if rank_cpus else None) \
+    measured = calibrate(message_bytes, device=device, cpus=cpus) \
         if None in given else None
     return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
 
@@ -178,7 +188,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     if out is None and (launch is not None or cfg.plan.synthesize):
         raise ValueError("plan(): probe runs and synthesized schedules are written into a directory: pass out=")
     # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
-    ranks = cfg.parallel.pp * cfg.parallel.dp
+    ranks = ParallelDims.from_config(cfg.parallel).world_size
     kind = resolve_device(cfg.device, ranks)
     device = pick_device(kind, 0)
     cores = len(usable_cpus())  # this process's share of the host (taskset, a container's cpuset)
@@ -220,7 +230,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
             order = schedule_order(name, layout.pp, m, spr)
         child = _child_costs(cfg, child_costs, m, device)
         if calibration is None or model is None:  # both at the first layout (set together)
-            calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, resolved.rank_cpus)
+            calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, _neighbour_cpus(resolved))
             model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
         splits = [(own, layout)]
         # The run's split balances parameter counts; the one balancing measured time may differ
