@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runner.dist import DistEnv
+from runner.dist import DistEnv, release_at_cleanup
 
 __all__ = ["Mesh", "build_mesh"]
 
@@ -46,3 +46,7 @@ def _cached_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
     if env.world_size > 1:
         device_mesh = init_device_mesh(env.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     return Mesh(pp=pp, dp=dp, pp_rank=env.rank % pp, dp_rank=env.rank // pp, device_mesh=device_mesh)
+
+
+# The cached meshes hold their process groups: they go with them (runner.dist.cleanup).
+release_at_cleanup(_cached_mesh.cache_clear)

@@ -182,6 +182,7 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
         setup.clock.mark("spawn")  # fork: milliseconds; spawn: a fresh interpreter and imports
     if setup.threads:
         torch.set_num_threads(setup.threads)
+    done = False
     try:
         env = init_distributed(rank=rank, world_size=setup.world, device=pick_device(setup.device, local_rank=rank),
                                timeout_s=setup.timeout_s, store=connect(setup.where, setup.world, setup.timeout_s))
@@ -190,13 +191,15 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
             fn(env, *args, clock=setup.clock)
         else:
             fn(env, *args)
+        done = True
     except Exception:
         # Also in memory (a supervised run's heartbeats): torch's error file cannot be written
         # when the disk is full.
         watchdog.leave_error(traceback.format_exc())
         raise
     finally:
-        cleanup()
+        # Done: every group's threads end here, before the interpreter's exit (see ``cleanup``).
+        cleanup(end_threads=done)
 
 
 class Ranks:

@@ -3,14 +3,11 @@ theirs); the tests put many cases into one spawn (``run_cases``) and assert each
 
 from __future__ import annotations
 
-import shutil
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.multiprocessing import ProcessExitedException
 
 from runner.errors import RunnerError
 from runner.hooks import Hook
@@ -21,23 +18,8 @@ from runner.verify import gather_grads
 
 
 def spawn(world: int, fn, *args) -> None:
+    """``fn(env, *args)`` on ``world`` ranks; ``args[0]`` is the cases' directory (made here)."""
     Path(args[0]).mkdir(parents=True, exist_ok=True)
-    try:
-        _spawn_once(world, fn, *args)
-    except ProcessExitedException as e:
-        # Once in several full-suite runs on 2 cores a rank of the 2-rank parity spawn has aborted in
-        # native code ("terminate called without an active exception", never reproduced alone).
-        # Its stacks are on the captured stderr (ranks enable faulthandler); the spawn runs again
-        # once and must then pass every assertion. Any other failure, or a second abort, fails.
-        if e.signal_name != "SIGABRT":
-            raise
-        warnings.warn(f"rank {e.error_index} aborted ({e}); the spawn runs once more", stacklevel=2)
-        shutil.rmtree(args[0])  # the cases' run directories (later cases read earlier ones' files)
-        Path(args[0]).mkdir(parents=True)
-        _spawn_once(world, fn, *args)
-
-
-def _spawn_once(world: int, fn, *args) -> None:
     with spawn_ranks(world, fn, *args, directory=Path(args[0]), timeout_s=120, method="spawn", threads=1) as ranks:
         ranks.join()
 
