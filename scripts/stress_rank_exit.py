@@ -23,6 +23,9 @@ from runner.processes import spawn  # noqa: E402
 from helpers.config import TINY, resolved  # noqa: E402
 from helpers.ranks import train_cases  # noqa: E402
 
+# What a rank that exits uncleanly prints, even when its exit status is 0.
+_UNCLEAN = ("terminate called", "still running after destroy_process_group", "Fatal Python error")
+
 
 def _burn(stop_at: float) -> None:
     while time.time() < stop_at:
@@ -64,6 +67,8 @@ def main() -> None:
                 problem = _one(out / f"run-{n}", cases, "fork" if args.fork else "spawn")
                 os.dup2(err_fd, 2)
             shutil.rmtree(out / f"run-{n}", ignore_errors=True)
+            if problem is None and any(sign in log.read_text() for sign in _UNCLEAN):
+                problem = "a rank's stderr shows an unclean exit"
             if problem is None:
                 log.unlink()
             else:
