@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from runner._torch_dist import drop_dtensor_caches
+
 __all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
            "release_at_cleanup", "live_group_threads", "all_reduce_sum", "gather_to_main"]
 
@@ -115,6 +117,7 @@ def cleanup(*, end_threads: bool = True) -> None:
         return
     for release in _releases:
         release()
+    drop_dtensor_caches()
     gc.collect()
     left = live_group_threads()
     if left:

@@ -3,6 +3,8 @@ theirs); the tests put many cases into one spawn (``run_cases``) and assert each
 
 from __future__ import annotations
 
+import functools
+import logging
 import traceback
 from pathlib import Path
 
@@ -18,10 +20,23 @@ from runner.verify import gather_grads
 
 
 def spawn(world: int, fn, *args) -> None:
-    """``fn(env, *args)`` on ``world`` ranks; ``args[0]`` is the cases' directory (made here)."""
-    Path(args[0]).mkdir(parents=True, exist_ok=True)
-    with spawn_ranks(world, fn, *args, directory=Path(args[0]), timeout_s=120, method="spawn", threads=1) as ranks:
+    """``fn(env, *args)`` on ``world`` ranks; ``args[0]`` is the cases' directory (made here). Every
+    rank must also end cleanly: no process-group thread left running into its interpreter's exit
+    (``runner.dist.cleanup`` warns; a rank with such threads could abort after all its work)."""
+    directory = Path(args[0])
+    directory.mkdir(parents=True, exist_ok=True)
+    with spawn_ranks(world, fn, *args, directory=directory, timeout_s=120, method="spawn", threads=1,
+                     prelude=functools.partial(_keep_exit_warnings, str(directory))) as ranks:
         ranks.join()
+    warned = sorted(directory.glob("exit-warnings-rank*.log"))
+    assert not warned, "\n".join(f"{f.name}: {f.read_text()}" for f in warned)
+
+
+def _keep_exit_warnings(directory: str, rank: int) -> None:
+    """In each rank: ``runner.dist``'s warnings (its cleanup's) go to a file the spawn looks for."""
+    handler = logging.FileHandler(Path(directory) / f"exit-warnings-rank{rank}.log", delay=True)  # made if used
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("runner.dist").addHandler(handler)
 
 
 class FirstGrads(Hook):
