@@ -14,8 +14,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from runner._torch_dist import drop_dtensor_caches
-
 __all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
            "release_at_cleanup", "live_group_threads", "all_reduce_sum", "gather_to_main"]
 
@@ -76,14 +74,14 @@ def init_distributed(
     return DistEnv(rank=rank, world_size=world_size, device=device)
 
 
-# What modules keep that references process groups (a cache of meshes): dropped by ``cleanup``.
+# What keeps references to process groups (the cached meshes, DTensor's caches): dropped by ``cleanup``.
 _releases: list[Callable[[], None]] = []
 # Native threads of process groups (gloo's workers and transport loop; NCCL's watchdog, heartbeat).
 _GROUP_THREADS = ("gloo", "pt_gloo", "pt_nccl")
 
 
 def release_at_cleanup(release: Callable[[], None]) -> None:
-    """Have ``cleanup`` call ``release()``: it drops this module's references to process groups."""
+    """Have ``cleanup`` call ``release()``, which drops references to process groups kept elsewhere."""
     _releases.append(release)
 
 
@@ -117,7 +115,6 @@ def cleanup(*, end_threads: bool = True) -> None:
         return
     for release in _releases:
         release()
-    drop_dtensor_caches()
     gc.collect()
     left = live_group_threads()
     if left:

@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from runner._torch_dist import drop_dtensor_caches
 from runner.dist import DistEnv, release_at_cleanup
 
 __all__ = ["Mesh", "build_mesh"]
@@ -48,5 +49,7 @@ def _cached_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
     return Mesh(pp=pp, dp=dp, pp_rank=env.rank % pp, dp_rank=env.rank // pp, device_mesh=device_mesh)
 
 
-# The cached meshes hold their process groups: they go with them (runner.dist.cleanup).
+# The cached meshes hold their process groups, and DTensor's caches hold the meshes (FSDP's and
+# replicate's parameters are DTensors on them): both go with the groups (runner.dist.cleanup).
 release_at_cleanup(_cached_mesh.cache_clear)
+release_at_cleanup(drop_dtensor_caches)
