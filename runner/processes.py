@@ -8,6 +8,8 @@ calibration and the tests start their ranks with it, so every one of them gets w
 * ranks that die with their launcher, however it dies (a parent-death signal), and end through
   Python on SIGINT/SIGTERM;
 * fork where it is safe (``start_method``), spawn elsewhere.
+* ranks that, once done, end their process groups' threads before their interpreter exits
+  (``runner.dist.cleanup``: a gloo thread that outlives it may abort the rank at exit).
 """
 
 from __future__ import annotations
