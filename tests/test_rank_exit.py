@@ -30,6 +30,8 @@ def _collective_finishing_at_exit(env: DistEnv) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_collective_finishing_as_a_rank_ends_does_not_abort_it(tmp_path, capfd):
+    # spawn, as the tests' ranks and CUDA runs start: a forked rank leaves through os._exit, without
+    # the interpreter's finalization (where the abort happens).
     with spawn(2, _collective_finishing_at_exit, directory=tmp_path, method="spawn", timeout_s=30) as ranks:
         ranks.join()  # raised ProcessExitedException (SIGABRT) while the cached mesh kept its groups
     assert "terminate called" not in capfd.readouterr().err
