@@ -27,9 +27,12 @@ from helpers.ranks import train_cases  # noqa: E402
 _UNCLEAN = ("terminate called", "still running after destroy_process_group", "Fatal Python error")
 
 
-def _burn(stop_at: float) -> None:
-    while time.time() < stop_at:
-        pass
+def _burn(parent: int) -> None:
+    """Keep a core busy for as long as the stress run lives (however it ends)."""
+    while os.getppid() == parent:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            pass
 
 
 def _one(out: Path, cases: dict, method: str) -> str | None:
@@ -55,7 +58,7 @@ def main() -> None:
     cases = {"tiny": resolved(*TINY, "parallel.pp=2", "schedule=1f1b", "train.steps=2")}
     burner = None
     if args.load:
-        burner = multiprocessing.Process(target=_burn, args=(time.time() + 24 * 3600,), daemon=True)
+        burner = multiprocessing.Process(target=_burn, args=(os.getpid(),), daemon=True)
         burner.start()
     failures = 0
     err_fd = os.dup(2)
