@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import datetime
+import gc
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
-           "all_reduce_sum", "gather_to_main"]
+           "release_at_cleanup", "live_group_threads", "all_reduce_sum", "gather_to_main"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,9 +83,52 @@ def init_distributed(
     return DistEnv(rank=rank, world_size=world_size, device=device)
 
 
-def cleanup() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# What keeps references to process groups (the cached meshes, DTensor's caches): dropped by ``cleanup``.
+_releases: list[Callable[[], None]] = []
+# Native threads of process groups (gloo's workers and transport loop; NCCL's watchdog, heartbeat).
+_GROUP_THREADS = ("gloo", "pt_gloo", "pt_nccl")
+
+
+def release_at_cleanup(release: Callable[[], None]) -> None:
+    """Have ``cleanup`` call ``release()``, which drops references to process groups kept elsewhere."""
+    _releases.append(release)
+
+
+def live_group_threads() -> list[str]:
+    """The names of this process's process-group threads still running (Linux; elsewhere none)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(n for n in names if n.startswith(_GROUP_THREADS))
+
+
+def cleanup(*, end_threads: bool = True) -> None:
+    """Leave the process group, and with ``end_threads`` end its threads before this process exits.
+    ``destroy_process_group`` only unregisters the groups: a group's threads stop when its last
+    reference goes (a cached ``DeviceMesh`` keeps its groups, in reference cycles too). A thread
+    still running while the interpreter finalizes that then asks for the GIL (a work's callback,
+    the release of a tensor Python also held) is ended by ``pthread_exit`` in Python 3.11, which
+    aborts the process: "terminate called without an active exception", after all its work was
+    done. A rank that is failing passes ``end_threads=False``: a peer may still be inside a
+    collective with it, and joining a thread that waits for that peer would hang its exit."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    if not end_threads:
+        return
+    for release in _releases:
+        release()
+    gc.collect()
+    left = live_group_threads()
+    if left:
+        log.warning("process-group threads still running after destroy_process_group (%s): something still "
+                    "references a process group; this process may abort at exit", ", ".join(left))
 
 
 def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -78,6 +78,7 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
     torch.set_num_threads(plan.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
     clock.mark("process_group")
+    done = False
     try:
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
         box = [str(plan.run_dir)]
@@ -85,9 +86,11 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
         run_dir = Path(box[0])
         plan = dataclasses.replace(plan, run_dir=run_dir)
         with torchrun_rank_log(rank, run_dir), console_for_run():
-            return train(plan, cfg, env, clock=clock).summary
+            summary = train(plan, cfg, env, clock=clock).summary
+        done = True
+        return summary
     finally:
-        cleanup()
+        cleanup(end_threads=done)  # done: the groups' threads end before the interpreter exits
 
 
 def _train_here(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | None:

@@ -8,6 +8,8 @@ calibration and the tests start their ranks with it, so every one of them gets w
 * ranks that die with their launcher, however it dies (a parent-death signal), and end through
   Python on SIGINT/SIGTERM;
 * fork where it is safe (``start_method``), spawn elsewhere.
+* ranks that, once done, end their process groups' threads before their interpreter exits
+  (``runner.dist.cleanup``: a gloo thread that outlives it may abort the rank at exit).
 """
 
 from __future__ import annotations
@@ -193,6 +195,7 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
         setup.clock.mark("spawn")  # fork: milliseconds; spawn: a fresh interpreter and imports
     if setup.threads:
         torch.set_num_threads(setup.threads)
+    done = False
     try:
         env = init_distributed(rank=rank, world_size=setup.world, device=pick_device(setup.device, local_rank=rank),
                                timeout_s=setup.timeout_s, store=connect(setup.where, setup.world, setup.timeout_s))
@@ -201,13 +204,15 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
             fn(env, *args, clock=setup.clock)
         else:
             fn(env, *args)
+        done = True
     except Exception:
         # Also in memory (a supervised run's heartbeats): torch's error file cannot be written
         # when the disk is full.
         watchdog.leave_error(traceback.format_exc())
         raise
     finally:
-        cleanup()
+        # Done: every group's threads end here, before the interpreter's exit (see ``cleanup``).
+        cleanup(end_threads=done)
 
 
 class Ranks:

@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import math
+import os
 import pickle
 import re
 import shutil
@@ -140,17 +141,27 @@ def test_a_garbage_train_state_names_its_file(run_copy):
         find_checkpoint(str(step), run_copy)
 
 
+def _saved_at(checkpoint: Path, when: float) -> None:
+    """Date every file of ``checkpoint`` as if it was saved at ``when`` (copies keep the original's)."""
+    for f in checkpoint.rglob("*"):
+        os.utime(f, (when, when))
+
+
 def test_latest_looks_only_under_its_root_and_skips_runs_in_progress(saved, tmp_path, caplog):
     root = tmp_path / "outputs"
-    older, newer = root / "day" / "older", root / "day" / "newer"
+    # The newest checkpoint is neither the first (as ties would give), the last name, nor the highest step.
+    older, newer = root / "day" / "a-older", root / "day" / "b-newer"
     shutil.copytree(saved, older)
-    time.sleep(0.01)
     shutil.copytree(saved, newer)
     planted = tmp_path / "planted" / "checkpoints"  # outside the root, and the newest of all
     shutil.copytree(saved / "checkpoints", planted)
+    now = time.time()
+    for age, step in enumerate([planted / "step-2", newer / "checkpoints" / "step-1", older / "checkpoints" / "step-2",
+                                newer / "checkpoints" / "step-2", older / "checkpoints" / "step-1"]):
+        _saved_at(step, now - 100 * age)
     custom_run = tmp_path / "x" / "run"  # a custom hydra.run.dir: its parents are not searched
     custom_run.mkdir(parents=True)
-    assert find_checkpoint("latest", custom_run, root) == newer / "checkpoints" / "step-2"
+    assert find_checkpoint("latest", custom_run, root) == newer / "checkpoints" / "step-1"
     with pytest.raises(ConfigError, match=f"no complete checkpoint in the runs under {custom_run.parent}"):
         find_checkpoint("latest", custom_run, custom_run.parent)
     with hold_run_lock(newer), caplog.at_level(logging.WARNING, logger="runner.checkpoint"):

@@ -141,8 +141,8 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_torchrun_ranks_share_one_run_directory(tmp_path):
-    run_cli("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke", cwd=tmp_path,
-            module="torch.distributed.run", timeout=110, check=True)
+    done = run_cli("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke", cwd=tmp_path,
+                   module="torch.distributed.run", timeout=110, check=True)
     run_dirs = list(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 1
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
@@ -151,6 +151,8 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
     log = (run_dirs[0] / "runner.log").read_text()
     assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log
     assert not _cores_of_each_rank(log)  # torchrun placed its ranks: the runner pins none
+    for out in (log, done.stdout, done.stderr):  # each rank ended its groups' threads before exiting
+        assert "still running after destroy_process_group" not in out and "terminate called" not in out
 
 
 def _cores_given(log: str) -> list[str]:

@@ -3,14 +3,13 @@ theirs); the tests put many cases into one spawn (``run_cases``) and assert each
 
 from __future__ import annotations
 
-import shutil
+import functools
+import logging
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from torch.multiprocessing import ProcessExitedException
 
 from runner.errors import RunnerError
 from runner.hooks import Hook
@@ -21,25 +20,23 @@ from runner.verify import gather_grads
 
 
 def spawn(world: int, fn, *args) -> None:
-    Path(args[0]).mkdir(parents=True, exist_ok=True)
-    try:
-        _spawn_once(world, fn, *args)
-    except ProcessExitedException as e:
-        # Once in several full-suite runs on 2 cores a rank of the 2-rank parity spawn has aborted in
-        # native code ("terminate called without an active exception", never reproduced alone).
-        # Its stacks are on the captured stderr (ranks enable faulthandler); the spawn runs again
-        # once and must then pass every assertion. Any other failure, or a second abort, fails.
-        if e.signal_name != "SIGABRT":
-            raise
-        warnings.warn(f"rank {e.error_index} aborted ({e}); the spawn runs once more", stacklevel=2)
-        shutil.rmtree(args[0])  # the cases' run directories (later cases read earlier ones' files)
-        Path(args[0]).mkdir(parents=True)
-        _spawn_once(world, fn, *args)
-
-
-def _spawn_once(world: int, fn, *args) -> None:
-    with spawn_ranks(world, fn, *args, directory=Path(args[0]), timeout_s=120, method="spawn", threads=1) as ranks:
+    """``fn(env, *args)`` on ``world`` ranks; ``args[0]`` is the cases' directory (made here). Every
+    rank must also end cleanly: no process-group thread left running into its interpreter's exit
+    (``runner.dist.cleanup`` warns; a rank with such threads could abort after all its work)."""
+    directory = Path(args[0])
+    directory.mkdir(parents=True, exist_ok=True)
+    with spawn_ranks(world, fn, *args, directory=directory, timeout_s=120, method="spawn", threads=1,
+                     prelude=functools.partial(_keep_exit_warnings, str(directory))) as ranks:
         ranks.join()
+    warned = sorted(directory.glob("exit-warnings-rank*.log"))
+    assert not warned, "\n".join(f"{f.name}: {f.read_text()}" for f in warned)
+
+
+def _keep_exit_warnings(directory: str, rank: int) -> None:
+    """In each rank: ``runner.dist``'s warnings (its cleanup's) go to a file the spawn looks for."""
+    handler = logging.FileHandler(Path(directory) / f"exit-warnings-rank{rank}.log", delay=True)  # made if used
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("runner.dist").addHandler(handler)
 
 
 class FirstGrads(Hook):

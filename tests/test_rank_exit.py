@@ -1,0 +1,63 @@
+"""How a rank ends: ``runner.dist.cleanup`` leaves no process-group thread behind, so no C++
+thread of torch's can touch Python while the interpreter finalizes (in Python 3.11 such a thread,
+asking for the GIL, is ended by ``pthread_exit``: "terminate called without an active exception",
+SIGABRT, a run or test failing at random after its work was done)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from runner.dims import ParallelDims
+from runner.dist import DistEnv, cleanup, live_group_threads
+from runner.mesh import _cached_device_mesh, build_mesh
+from runner.processes import spawn
+
+
+def _collective_finishing_at_exit(env: DistEnv) -> None:
+    """Rank 1's last collective, on the pipeline group of the cached mesh (as training leaves it),
+    completes only after rank 1 returned: its callback then runs on a gloo thread and needs the
+    GIL. With the group still alive when the interpreter finalizes, rank 1 aborts."""
+    group = build_mesh(env, ParallelDims(pp=2, dp=1)).pp_group
+    if env.rank == 0:
+        time.sleep(1.0)  # rank 1 is in its cleanup by then
+    work = dist.all_reduce(torch.ones(4), group=group, async_op=True)
+    work.get_future().then(lambda fut: fut.value())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_collective_finishing_as_a_rank_ends_does_not_abort_it(tmp_path, capfd):
+    # spawn, as the tests' ranks and CUDA runs start: a forked rank leaves through os._exit, without
+    # the interpreter's finalization (where the abort happens).
+    with spawn(2, _collective_finishing_at_exit, directory=tmp_path, method="spawn", timeout_s=30) as ranks:
+        ranks.join()  # raised ProcessExitedException (SIGABRT) while the cached mesh kept its groups
+    assert "terminate called" not in capfd.readouterr().err
+
+
+def test_cleanup_ends_the_threads_of_the_groups_a_cached_mesh_holds(tmp_path, caplog):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        # build_mesh caches the mesh of a multi-rank layout (its groups are collective to create); a
+        # (1, 1) mesh on this one-rank group stands for it (build_mesh makes none for one rank).
+        mesh = _cached_device_mesh(DistEnv(0, 2, torch.device("cpu")), (("pp", 1), ("dp", 1)))
+        assert mesh is not None and mesh["pp"].get_group() is not None and live_group_threads()
+        del mesh
+    finally:
+        cleanup()
+    assert live_group_threads() == []  # before: gloo_tcp_loop and pt_gloo_runloop, the cache's group's
+    assert "still running" not in caplog.text
+    assert _cached_device_mesh.cache_info().currsize == 0
+
+
+def test_cleanup_names_the_threads_of_a_group_something_still_holds(tmp_path, caplog):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    held = dist.new_group([0])
+    cleanup()
+    assert "process-group threads still running after destroy_process_group (gloo_tcp_loop, pt_gloo_runloop" \
+        in caplog.text
+    del held
+    assert live_group_threads() == []
