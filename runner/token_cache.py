@@ -50,6 +50,7 @@ _PARTIAL = re.compile(r"~(?P<host>[^~]+)~(?P<pid>\d+)~[0-9a-f]+\.partial$")
 # CJK and an emoji: tokenized whole and cut before each space, the ids must be the same.
 _PROBE = ("The  pipeline\n stage   runs\n\nevery it's 12 345.6 café  naïve\tand  backward ( x ) "
           "— 東京 の 駅 🙂 end.  \n  Next line:  a-b,  c;d  ")
+_LISTED_DOCUMENTS = 100_000  # documents whose token counts a manifest lists (data=text: one per file)
 _WEIGHTS = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt"}
 
 
@@ -79,6 +80,7 @@ def tokenize_to_cache(pieces: Iterable[tuple[str, bool]], *, files: Sequence[Pat
                                  "num_sources": len(files)})
         _remember(file_identity(target), manifest["sha256"])
         log.info("%d tokens", manifest["tokens"])
+    _log_tokens_by_type(files, target)
     if target.stat().st_size == 0:  # no documents (a memory map cannot be empty)
         return np.zeros(0, dtype), vocab
     return np.memmap(target, dtype=dtype, mode="r"), vocab
@@ -176,6 +178,7 @@ def _build(pieces: Iterable[tuple[str, bool]], tokenizer, target: Path, dtype: n
     _remove_stale_partials(target.parent)
     partial = _partial(target)
     digest, tokens, lo, hi, cuts = hashlib.sha256(), 0, 1 << 32, -1, Counter[str]()
+    documents: list[int] = [0]  # tokens of each document, the last one open
     try:
         with open(partial, "wb") as out:
             for group in _batched(chunks(pieces, cap), cap):
@@ -184,6 +187,9 @@ def _build(pieces: Iterable[tuple[str, bool]], tokenizer, target: Path, dtype: n
                     out.write(array.tobytes())
                     digest.update(array.tobytes())
                     tokens, cuts[cut] = tokens + array.size, cuts[cut] + 1
+                    documents[-1] += array.size
+                    if ends:
+                        documents.append(0)
                     if array.size:
                         lo, hi = min(int(array.min()), lo), max(int(array.max()), hi)
         os.replace(partial, target)
@@ -196,7 +202,23 @@ def _build(pieces: Iterable[tuple[str, bool]], tokenizer, target: Path, dtype: n
         partial.unlink(missing_ok=True)
     _warn_cuts(cuts, tokenizer, tokenizer_dir, cap)
     return {"tokens": tokens, "bytes": tokens * dtype.itemsize, "sha256": digest.hexdigest(),
-            "min_id": lo if tokens else None, "max_id": hi if tokens else None}
+            "min_id": lo if tokens else None, "max_id": hi if tokens else None,
+            "document_tokens": documents[:-1] if len(documents) <= _LISTED_DOCUMENTS else None}
+
+
+def _log_tokens_by_type(files: Sequence[Path], target: Path) -> None:
+    """Tokens per file type where each file is one document (``data=text``): what the corpus the
+    model sees is made of (a directory's skipped files are logged by ``runner.data_files``)."""
+    try:
+        counts = json.loads(target.with_name(target.name + ".json").read_text()).get("document_tokens")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(counts, list) or len(counts) != len(files) or len(files) < 2:
+        return
+    by_type: Counter[str] = Counter()
+    for file, count in zip(files, counts):
+        by_type[file.suffix.lower() or "(no suffix)"] += count
+    log.info("tokens per file type: %s", ", ".join(f"{suffix} {count}" for suffix, count in by_type.most_common()))
 
 
 def _warn_cuts(cuts: Counter, tokenizer, tokenizer_dir: str, cap: int) -> None:

@@ -20,6 +20,7 @@ from runner.data import HFData, TextData, TokensData, check_vocab
 from runner.data_files import text_files
 from runner.errors import ConfigError
 from runner.processes import spawn_reason, start_method
+from runner.tokens import load_tokenizer
 from runner.validate import check_config, validate
 
 from helpers import datasets
@@ -61,9 +62,16 @@ def test_a_directory_takes_its_text_files_only_and_logs_what_it_skipped(docs, to
     assert skipped.startswith(f"data.path={docs}: skipped 5 files that are not text: 3 .png (30.8 KB), "
                               "1 .txt (0.1 KB), 1 .dat (0.1 KB) (e.g. ")
     assert "figure0.png: not a text suffix (.png)" in skipped
-    data = TextData(path=str(docs), vocab_size=None, seed=0, tokenizer=str(tokenizer), cache_dir=str(docs.parent / "c"))
-    words = len(TEXT.split())
-    assert len(data.tokens) == 4 * words + 3  # the three documents and an EOS after each: no image bytes
+    for built in ("tokenized", "from the cache"):  # the tokens per type are logged on every run
+        with caplog.at_level(logging.INFO, logger="runner.token_cache"):
+            caplog.clear()
+            data = TextData(path=str(docs), vocab_size=None, seed=0, tokenizer=str(tokenizer),
+                            cache_dir=str(docs.parent / "c"))
+        words = len(TEXT.split())
+        assert len(data.tokens) == 4 * words + 3, built  # the three documents and an EOS after each: no image bytes
+        per_file = [len(load_tokenizer(str(tokenizer))(f.read_text())["input_ids"]) + 1 for f in files]
+        assert f"tokens per file type: .rst {per_file[1]}, (no suffix) {per_file[0]}, .md {per_file[2]}" \
+            in caplog.text, built
     # A glob takes what it matches that is text, whatever the suffix; the images still fail the check.
     assert text_files(str(docs / "*")) == [docs / "README", docs / "guide" / "usage.rst", docs / "index.md",
                                            docs / "notes.dat"]
