@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runner.cache_files import file_identity
 from runner.errors import ConfigError
 
 __all__ = ["DTYPES", "Shards", "IdRange", "open_tokens", "as_stream", "id_range", "check_ids"]
@@ -115,11 +116,8 @@ def _scan(tokens: np.ndarray) -> IdRange:
 def id_range(file: Path, tokens: np.ndarray, cache: Path) -> IdRange:
     """The smallest and largest id of ``tokens`` (``file`` read as its dtype), from a record in
     ``cache`` when the file is the one scanned before."""
-    st = file.stat()
-    identity = {"path": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "dtype": str(tokens.dtype)}
-    record = cache / "id-ranges" / (
-        hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32] + ".json")
+    identity = f"{file_identity(file)}|{tokens.dtype}"
+    record = cache / "id-ranges" / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".json")
     try:
         cached = json.loads(record.read_text())
         if cached["identity"] == identity:
