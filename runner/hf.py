@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from runner.checkpoint_files import TOKENIZER_FILES as _TOKENIZER
 from runner.errors import ConfigError
 from runner.hf_weights import Stored, Weights, header_dtype, read_weights
 from runner.remote_code import remote_code_problem, remote_override_problem
@@ -81,8 +82,8 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family(embed=("wte", "wpe", "drop"), layers="h", norm="ln_f", rotary=None, positions="wpe",
                    dropout="drop"),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+# A model directory's files besides config and weights: its tokenizer's and its generation config.
+TOKENIZER_FILES = (*_TOKENIZER, "generation_config.json")
 
 
 def _import_transformers():

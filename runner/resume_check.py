@@ -15,18 +15,12 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from runner.checkpoint_files import TOKENIZER_DIR, find_checkpoint, read_train_state
+from runner.checkpoint_files import TOKENIZER_DIR, TOKENIZER_FILES, find_checkpoint, read_train_state
 from runner.errors import CheckpointError, ConfigError
 
-__all__ = ["TOKENIZER_FILES", "tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_checkpoint"]
+__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_checkpoint"]
 
 log = logging.getLogger("runner.checkpoint")
-
-# The files of a tokenizer as transformers saves them: runner.hf.TOKENIZER_FILES without the model's
-# generation config (a test holds the two lists together; importing runner.hf here would make the
-# planner's import chain too long).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
 def tokenizer_files(directory: Path) -> list[Path]:
