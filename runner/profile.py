@@ -115,6 +115,7 @@ class RunProfiler:
             log.info("profile window clamped to %d steps: wait=%d warmup=%d active=%d", steps,
                      self.window.wait, self.window.warmup, self.window.active)
         self.recorder = Recorder()
+        self._step = 0  # the step begin_step last saw
         self.clock = host_clock()  # to place this host's clock next to rank 0's
         self.torch_profiler = None
         if self.enabled:
@@ -144,11 +145,18 @@ class RunProfiler:
 
     def begin_step(self, step: int) -> None:
         self.recorder.active = self.window.first <= step <= self.window.last
+        self._step = step
 
     def end_step(self) -> None:
-        if self.torch_profiler is not None:
+        if self.torch_profiler is None:
+            return
+        # kineto prints as its collection starts (entering warm-up) and ends (after the window):
+        # only those steps are routed, so nothing else a rank writes to stderr is ever taken.
+        if self.window.wait - 1 <= self._step <= self.window.last + 1:
             with self.native.routed():
                 self.torch_profiler.step()
+        else:
+            self.torch_profiler.step()
 
     def finish(self, layout: Layout, pipeline_ranks: Sequence[int]) -> dict | None:
         """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
