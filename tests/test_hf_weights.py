@@ -90,6 +90,30 @@ def test_without_a_dtype_in_config_json_the_stored_dtype_is_recorded(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_a_sharded_bf16_checkpoint_is_read_per_stage_into_fp32_exactly(tmp_path):
+    """As real checkpoints come: bf16, several files and an index; each stage reads its own tensors
+    (not every file's), each equal to transformers' own load cast to fp32."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_model(tmp_path / "m", "llama", weights=True, dtype=torch.bfloat16, max_shard_size="20KB")
+    assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").is_file()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    meta = build_meta_model(_cfg(path).model)
+    names = meta.unit_names
+    first = materialize(meta, names[:2], seed=0, device=CPU)
+    read_by_first = meta.spec.bytes_read
+    last = materialize(meta, names[2:], seed=0, device=CPU)
+    read = {}
+    for stage in (first, last):
+        for name, param in stage.named_parameters():
+            assert param.dtype == torch.float32 and torch.equal(param, reference[name]), name
+            read[name] = param
+    assert set(read) == {n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
+    on_disk = sum(t.numel() * t.element_size() for f in path.glob("*.safetensors") for t in load_file(f).values())
+    assert 0 < read_by_first < on_disk / 2  # the embedding and one layer, not the files' whole
+    assert meta.spec.bytes_read == on_disk  # both stages together: every tensor once, in its stored bf16
+
+
 def test_a_tied_embedding_on_one_rank_is_read_and_counted_once(tmp_path):
     path = write_model(tmp_path / "gpt2", "gpt2", weights=True)
     meta = build_meta_model(_cfg(path).model)

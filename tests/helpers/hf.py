@@ -31,9 +31,10 @@ def family_configs() -> dict:
 
 
 def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0,
-                dtype: torch.dtype | None = None, **config_changes) -> Path:
+                dtype: torch.dtype | None = None, max_shard_size: str | None = None, **config_changes) -> Path:
     """``save_pretrained`` of a tiny model of ``family``: with random weights, or its config only.
-    ``dtype``: stored in it, and named in config.json (as real bf16 checkpoints are)."""
+    ``dtype``: stored in it, and named in config.json (as real bf16 checkpoints are);
+    ``max_shard_size``: several safetensors files and their index, as large checkpoints come."""
     from transformers import AutoModelForCausalLM
 
     config = family_configs()[family]
@@ -47,7 +48,7 @@ def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0,
             if dtype is not None:
                 model.to(dtype)
                 model.config.dtype = dtype
-            model.save_pretrained(directory)
+            model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     else:
         config.save_pretrained(directory)
     return directory
