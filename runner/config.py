@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import II, MISSING, OmegaConf
 
 from runner.dims import ParallelDims
 from runner.dp import DP_MODES
@@ -30,7 +30,7 @@ from runner.options import (
 )
 from runner.schedules import schedule_names
 
-__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "missing_keys", "check_model_vocab"]
+__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
 
 # A string option's accepted values are its field's choices (runner.options, or a registry):
 # the checks before launch (runner.validate) refuse any other value, naming key, value and fix.
@@ -59,30 +59,6 @@ def parse_bytes(key: str, value: Any) -> int | None:
         raise ConfigError(f"{key}={value!r} is not a memory size. Fix: bytes as a number (2000000000, 2e9) "
                           "or with a unit (2GB, 1.5GiB, 512MiB).")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-
-def missing_keys(node: DictConfig | ListConfig, path: str = "") -> Iterator[str]:
-    """Keys left ``???``, found without resolving anything: ``OmegaConf.missing_keys`` resolves
-    interpolations, and one that reads a missing key (``data.vocab_size`` reads ``data.tokenizer``)
-    fails there with OmegaConf's own message instead."""
-    keys: list[Any] = list(range(len(node))) if isinstance(node, ListConfig) else list(node.keys())
-    for key in keys:
-        child = node._get_node(key)
-        if OmegaConf.is_missing(node, key):
-            yield f"{path}{key!s}"
-        elif isinstance(child, (DictConfig, ListConfig)):
-            yield from missing_keys(child, f"{path}{key!s}.")
-
-
-def check_model_vocab(cfg: DictConfig) -> None:
-    """A built-in model sizes its embedding by ``data.vocab_size``, which ``data=tokens`` cannot
-    know: null there, OmegaConf would refuse it inside the model's build with its own words."""
-    model = cfg.get("model")
-    if (isinstance(model, DictConfig) and "vocab_size" in model and OmegaConf.is_interpolation(model, "vocab_size")
-            and cfg.data.get("vocab_size") is None):
-        raise ConfigError("model.vocab_size follows data.vocab_size, which is null: the token ids' vocabulary is not "
-                          "known. Fix: data.vocab_size=<the vocabulary size of the tokenizer that wrote data.path>.")
 
 
 @dataclass

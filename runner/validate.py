@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config import check_model_vocab, missing_keys, parse_bytes
+from runner.config import parse_bytes
+from runner.config_nodes import check_model_vocab, missing_keys
 from runner.dims import ParallelDims
 from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
