@@ -82,6 +82,11 @@ class ParallelConfig:
     # How each stage is replicated over dp: none (dp must be 1), ddp (torch's FSDP-based
     # replicate: gradients all-reduced, correct for every schedule), fsdp (FSDP2 fully_shard).
     dp_mode: str = field(default="none", metadata=choices(DP_MODES))  # runner.dp
+    # Tensor parallelism inside each stage (runner.tp): the model's own tp_plan shards its layers
+    # over tp consecutive ranks (one node's fast links); parallel.pp x dp x tp = the ranks.
+    tp: int = 1
+    sequence_parallel: bool = False  # with tp: norms and the activations between blocks sharded on the sequence
+    loss_parallel: bool = False  # with tp: the vocabulary-sharded logits go into the loss without a gather
     microbatches: int = 4  # microbatches per step, per pipeline
     # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
     stages_per_rank: Optional[int] = None

@@ -97,7 +97,7 @@ def _check_choices(cfg: DictConfig) -> None:
 
 def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
-    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp),
+    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
                        ("parallel.microbatches", p.microbatches), ("train.steps", t.steps),
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
@@ -340,6 +340,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
     from runner.data import check_vocab
     from runner.split import build_meta_model, check_init, check_shapes, plan_split
+    from runner.tp import check_tp
 
     p = cfg.parallel
     num_stages, stage_to_rank = _schedule_layout(cfg, csv)
@@ -347,6 +348,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     _check_loss(cfg)
     stage_modules = p.get("stage_modules")
     meta = build_meta_model(cfg.model, stage_modules)
+    check_tp(meta, p, cfg.train.seq_len, cfg.loss)
     pipelined = p.pp > 1
     stages = plan_split(meta, num_stages, p.split_points if pipelined else None,
                         stage_modules if pipelined else None)
