@@ -29,8 +29,8 @@ from runner.console import step_record
 from runner.data import build_dataset, get_batch
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.errors import NonFiniteLossError
-from runner.faults import fault_hooks
-from runner.hooks import Hook, StepState
+from runner.faults import commit_fault, fault_hooks
+from runner.hooks import Hook, StepContext, StepState
 from runner.layout import RunPlan
 from runner.mesh import Mesh, build_mesh
 from runner.optim import build_optimizer
@@ -159,7 +159,7 @@ class Trainer:
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, env, self.modules, self.optimizer,
-                                         self.scheduler, tied=self.tied, run_config=cfg)
+                                         self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
         self.first_step = self.checkpointer.load(plan.resume) if plan.resume else 0
@@ -169,12 +169,14 @@ class Trainer:
         self.config = as_ran(cfg, plan)
         self.metrics = (MetricsWriter(self.run_dir, cfg.logging, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
+        self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
+                                   not_counted=frozenset(self.tied.not_counted()), plan=plan, cfg=cfg)
         self.clock.mark("setup")  # optimizer, checkpoint, profiler, loggers
 
     # -- step ------------------------------------------------------------------------------------
     def _call(self, point: str, state: StepState) -> None:
         for hook in self.hooks:
-            getattr(hook, point)(self, state)
+            getattr(hook, point)(self.context, state)
 
     def step(self, index: int) -> dict:
         """Optimizer step ``index + 1`` (``index``, from 0, is the position in the LR schedule; the
