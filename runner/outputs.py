@@ -154,6 +154,7 @@ def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses:
         "schedule": layout.schedule,
         "pp": layout.pp,
         "dp": plan.dp,
+        "tp": plan.dims.tp,
         "microbatches": layout.microbatches,
         "num_stages": layout.num_stages,
         "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
