@@ -162,3 +162,24 @@ def test_the_degrees_multiply_into_the_world_size_with_tp_innermost():
     assert dims.world_size == 8 and dims.stage_ranks == 4
     assert dims.ranks_of("tp", 5) == [4, 5] and dims.ranks_of("dp", 5) == [5, 7] and dims.ranks_of("pp", 5) == [1, 5]
     assert torch.Size([dims.pp, dims.dp, dims.tp]) == torch.Size([2, 2, 2])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_verify(models, tmp_path):
+    """The issue's command, as a user types it: 4 ranks, verify passes, and the tensor-parallel
+    all-reduces are in every rank's trace."""
+    import json
+
+    from helpers.cli import run_cli
+
+    done = run_cli("model=hf", f"model.path={models['llama']}", "parallel.pp=2", "parallel.tp=2", "schedule=zbv",
+                   "verify=true", "train.steps=2", "train.seq_len=16", "data.vocab_size=64", "profile.enabled=true",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["pp"], summary["tp"], summary["steps"]) == (2, 2, 2) and summary["verify"]["passed"]
+    assert "tp=2" in done.stdout
+    for rank in range(4):
+        trace = json.loads((tmp_path / "run" / "traces" / f"rank{rank}.json").read_text())
+        assert sum(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"]) >= 2 * 6, rank  # 2 per layer
