@@ -35,6 +35,9 @@ __all__ = ["STYLE_NAMES", "REPLICATED_WITH_GRAD_SUM", "model_plan", "stage_plan"
 REPLICATED_WITH_GRAD_SUM = "replicated_with_grad_allreduce"
 # transformers' style names the runner translates (torch's class, and its layouts).
 STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", REPLICATED_WITH_GRAD_SUM)
+# The dimension of a module's weight each style shards (a Linear's [out, in], an Embedding's [vocab,
+# dim]): one weight tied between two modules must be sharded alike in both.
+WEIGHT_SHARD_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise": 0, "rowwise": 1}
 
 
 def _style(name: str) -> Any:
@@ -103,6 +106,13 @@ def check_tp(meta: MetaModel, parallel: Any, seq_len: int, loss: Any) -> None:
     if not stage_plan(meta.module, plan):
         raise ConfigError(f"parallel.tp={tp}: the model's tp_plan {sorted(plan)} names none of its modules. "
                           "Fix: patterns of module names (model.layers.*.mlp.up_proj), or parallel.tp=1.")
+    for names in meta.tied:
+        owners = {name.rpartition(".")[0] for name in names}
+        dims = {o: WEIGHT_SHARD_DIM.get(_style_of(o, plan) or "") for o in owners}
+        if len(set(dims.values())) > 1:
+            raise ConfigError(f"parallel.tp={tp}: the tied weight {names} would be sharded differently in "
+                              f"{', '.join(f'{o} ({_style_of(o, plan)})' for o in sorted(owners))}. Fix: a tp_plan "
+                              "that shards both alike (embedding_rowwise with colwise_gather_output), or untie them.")
     for key, n in _heads(meta):
         if n % tp:
             fits = [d for d in range(2, n + 1) if n % d == 0 and all(m % d == 0 for _, m in _heads(meta))]

@@ -154,6 +154,10 @@ def test_a_plan_with_a_style_the_runner_does_not_translate_is_refused(monkeypatc
     monkeypatch.setattr(models, "TP_PLAN", {"blocks.*.mlp": "colwise"})
     with pytest.raises(ConfigError, match=r"names none of its modules"):
         validate(compose(*TINY, *TP2))
+    monkeypatch.setattr(models, "TP_PLAN", {"embed.tok": "embedding_rowwise", "head": "rowwise"})
+    with pytest.raises(ConfigError, match=r"the tied weight \['embed.tok.weight', 'head.weight'\] would be sharded "
+                                          r"differently in embed.tok \(embedding_rowwise\), head \(rowwise\)"):
+        validate(compose(*TINY, *TP2, "model.tie_embeddings=true"))
 
 
 def test_the_degrees_multiply_into_the_world_size_with_tp_innermost():
