@@ -11,7 +11,7 @@ from typing import Callable
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from runner import _torch_pp
+from runner import _torch_pp, zb_orders
 from runner.errors import ConfigError
 from runner.ops import Op
 from runner.schedule_file import CELL_FORMS, ScheduleFileError, read_schedule_file
@@ -38,6 +38,12 @@ def _schedule_class(name: str):
     torch_class = _kind(name).torch_class
     assert torch_class is not None, f"{name} is a generated order, not a torch class"
     return get_schedule_class(torch_class)
+
+
+def _generated(name: str) -> Callable[[int, int], dict[int, list[Op]]] | None:
+    """The function generating the schedule's order (``runner.zb_orders``); None for torch's classes."""
+    order = _kind(name).order
+    return None if order is None else getattr(zb_orders, order)
 
 
 def is_single_stage(name: str) -> bool:
@@ -102,8 +108,8 @@ def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: in
 def _check_generated(name: str, *, pp: int, stages_per_rank: int, microbatches: int, compiled: bool) -> None:
     """A generated order: one stage per rank, the microbatches its shape needs, no compiled modules
     where backward is split, and torch's validator and dry run on the order itself."""
-    kind = _kind(name)
-    assert kind.order is not None and kind.min_microbatches is not None, name
+    kind, generate = _kind(name), _generated(name)
+    assert generate is not None and kind.min_microbatches is not None, name
     if stages_per_rank != 1:
         raise ConfigError(
             f"schedule={name} runs one stage per rank, but parallel.stages_per_rank={stages_per_rank}. Fix: "
@@ -126,7 +132,7 @@ def _check_generated(name: str, *, pp: int, stages_per_rank: int, microbatches: 
             f"parts, which torch does not support for compiled stage modules. {COMPILE_FIX}"
         )
     try:
-        _torch_pp.check_actions(_torch_pp.to_actions(kind.order(pp, microbatches)), pp, microbatches)
+        _torch_pp.check_actions(_torch_pp.to_actions(generate(pp, microbatches)), pp, microbatches)
     except (AssertionError, ValueError, RuntimeError, KeyError) as e:  # a bug of ours: say so before launch
         raise ConfigError(f"schedule={name} with parallel.pp={pp}, parallel.microbatches={microbatches}: torch's "
                           f"validator rejects the generated order: {e}") from e
@@ -186,7 +192,7 @@ def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable
     the mean over microbatches, the same quantity as the unsplit model's."""
     if csv is not None:  # the file's action order, whatever the name
         return _torch_pp.csv_schedule(stages, microbatches, loss_fn, csv_order(csv))
-    generate = _kind(name).order
+    generate = _generated(name)
     if generate is not None:  # ours, run as a schedule file's order is (one stage per rank: pp ranks)
         return _torch_pp.csv_schedule(stages, microbatches, loss_fn, generate(stages[0].group_size, microbatches))
     cls = _schedule_class(name)
@@ -200,7 +206,7 @@ def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) 
     forwards numbered 1..m instead of 0..m-1 (it runs 0..m-1): renumbered here, and the test
     suite compares every schedule's order with what a real run recorded. A generated order is
     returned as generated."""
-    generate = _kind(name).order
+    generate = _generated(name)
     if generate is not None:
         if stages_per_rank != 1:
             raise ValueError(f"schedule={name} runs one stage per rank, not {stages_per_rank}")

@@ -6,22 +6,20 @@ Every list of schedule names reads this registry: the config's choices, the erro
 planner's candidates, ``scripts/schedule_csv.py``.
 
 Adding a schedule that torch provides: one entry here and ``conf/schedule/<name>.yaml``
-(``defaults: [base_schedule]`` and ``name: <name>``); one we generate: the same, with a function
-(pp, microbatches) -> per-rank order as ``order`` and the fewest microbatches it takes.
+(``defaults: [base_schedule]`` and ``name: <name>``); one we generate: the same, with its
+function's name in ``runner.zb_orders`` as ``order`` and the fewest microbatches it takes.
 ``schedule=csv`` is no entry: a run whose ``schedule.csv`` names a file runs that file's action
 order (``runner.schedule_file``); internally that is the layout's ``csv`` being set, not a schedule
 name.
 
-Imports nothing heavy (the checks before launch read it before torch is imported); the torch class
-is looked up by name where a schedule is checked or built (``runner.schedule``)."""
+Imports nothing heavy (the checks before launch read it before torch is imported); the torch class,
+and the function generating an order, are looked up by name where a schedule is checked or built
+(``runner.schedule``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
-
-from runner.ops import Op
-from runner.zb_orders import zbh1_min_microbatches, zbh1_order, zbh2_min_microbatches, zbh2_order
 
 __all__ = ["ScheduleKind", "SCHEDULES", "CSV", "schedule_names", "theoretical_bubble"]
 
@@ -40,10 +38,10 @@ class ScheduleKind:
     # The closed-form idle fraction of a step, (pp, microbatches, stages per rank) -> fraction,
     # assuming equal stages; None where the ideal depends on the F/B/W cost ratio (simulated then).
     bubble: Callable[[int, int, int], float] | None = None
-    # A generated order, (pp, microbatches) -> rank -> its actions, one stage per rank (stage r on
-    # rank r), run by torch's schedule runtime as a schedule file is; and the fewest microbatches
-    # its shape takes at a pp.
-    order: Callable[[int, int], dict[int, list[Op]]] | None = None
+    # A generated order: the name of its function in ``runner.zb_orders``, (pp, microbatches) ->
+    # rank -> its actions, one stage per rank (stage r on rank r), run by torch's schedule runtime as
+    # a schedule file is; and the fewest microbatches its shape takes, pp -> microbatches.
+    order: str | None = None
     min_microbatches: Callable[[int], int] | None = None
 
 
@@ -60,6 +58,17 @@ def _interleaved(pp: int, m: int, v: int) -> float:
     return (pp - 1) / (v * m + pp - 1)
 
 
+def _zbh1_microbatches(pp: int) -> int:
+    """ZB-H1's shape (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B's warm-up, pp forwards
+    on the first rank."""
+    return pp
+
+
+def _zbh2_microbatches(pp: int) -> int:
+    """ZB-H2's shape: 2pp - 1 forwards on the first rank before its first input gradient comes back."""
+    return 2 * pp - 1
+
+
 SCHEDULES: dict[str, ScheduleKind] = {kind.name: kind for kind in (
     ScheduleKind("gpipe", "GPipe", bubble=_fill_drain),
     ScheduleKind("1f1b", "1F1B", bubble=_fill_drain),
@@ -68,8 +77,8 @@ SCHEDULES: dict[str, ScheduleKind] = {kind.name: kind for kind in (
     ScheduleKind("interleaved_zb", "InterleavedZeroBubble", splits_backward=True),
     ScheduleKind("zbv", "ZBVZeroBubble", v_shape=True, splits_backward=True),
     ScheduleKind("dualpipev", "DualPipeV", v_shape=True, splits_backward=True),
-    ScheduleKind("zbh1", None, splits_backward=True, order=zbh1_order, min_microbatches=zbh1_min_microbatches),
-    ScheduleKind("zbh2", None, splits_backward=True, order=zbh2_order, min_microbatches=zbh2_min_microbatches),
+    ScheduleKind("zbh1", None, splits_backward=True, order="zbh1_order", min_microbatches=_zbh1_microbatches),
+    ScheduleKind("zbh2", None, splits_backward=True, order="zbh2_order", min_microbatches=_zbh2_microbatches),
 )}
 
 CSV = "csv"  # schedule=csv: the action order of the file schedule.csv names

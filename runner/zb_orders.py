@@ -21,17 +21,17 @@ the W's still owed close the step.
   post-validation), whereas the runner clips and checks for non-finite values over all ranks before
   the optimizer steps, so its step keeps that bubble.
 
-Their full shapes need m >= p (ZB-H1) and m >= 2p - 1 (ZB-H2) microbatches
-(``zbh1_min_microbatches``, ``zbh2_min_microbatches``).
-With fewer, the warm-up is cut to the m forwards there are: still a valid order (the synthesizer may
-seed from it), no longer the paper's, and the runner refuses those before launch. Imports no torch.
+Their full shapes need m >= p (ZB-H1) and m >= 2p - 1 (ZB-H2) microbatches. With fewer, the
+warm-up is cut to the m forwards there are: still a valid order (the synthesizer may seed from it),
+no longer the paper's, and the runner refuses those before launch (``runner.schedules`` holds the
+counts). Imports no torch.
 """
 
 from __future__ import annotations
 
 from runner.ops import Op
 
-__all__ = ["zbh1_order", "zbh2_order", "zbh1_min_microbatches", "zbh2_min_microbatches"]
+__all__ = ["zbh1_order", "zbh2_order"]
 
 
 def _order(pp: int, microbatches: int, *, warmup: int, delay: int, rank: int) -> list[Op]:
@@ -68,12 +68,3 @@ def zbh2_order(pp: int, microbatches: int) -> dict[int, list[Op]]:
     _check(pp, microbatches)
     return {r: _order(pp, microbatches, warmup=2 * (pp - r) - 1, delay=2 * r, rank=r) for r in range(pp)}
 
-
-def zbh1_min_microbatches(pp: int) -> int:
-    """The fewest microbatches ZB-H1's full shape needs: 1F1B's warm-up, p forwards on rank 0."""
-    return pp
-
-
-def zbh2_min_microbatches(pp: int) -> int:
-    """The fewest microbatches ZB-H2's full shape needs: 2p - 1 forwards of warm-up on rank 0."""
-    return 2 * pp - 1

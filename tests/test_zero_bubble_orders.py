@@ -92,7 +92,7 @@ def test_simulated_steps_are_the_papers_zbh1_and_zbh2_fills_its_bubble(pp, m):
 def test_the_registry_runs_them_one_stage_per_rank_with_split_backward_and_no_closed_form():
     for name, generate in (("zbh1", zbh1_order), ("zbh2", zbh2_order)):
         kind = SCHEDULES[name]
-        assert kind.splits_backward and not kind.v_shape and kind.torch_class is None
+        assert kind.splits_backward and not kind.v_shape and kind.torch_class is None and kind.order == f"{name}_order"
         assert schedule_order(name, 4, 8, 1) == generate(4, 8)
         assert placement(name, 4, 4) == {r: r for r in range(4)}
         assert theoretical_bubble(name, pp=4, microbatches=8, stages_per_rank=1) is None  # simulated
