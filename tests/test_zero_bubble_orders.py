@@ -109,6 +109,13 @@ def test_zbh_schedules_validate_to_one_stage_per_rank(name):
     assert pp4.stage_to_rank == {r: r for r in range(4)}
 
 
+def test_zbh1_runs_at_microbatch_counts_torchs_class_refuses():
+    assert _torch_zb_order(2, 5) is None  # torch: m a multiple of max(1, m // pp)
+    layout = validate(compose(*TINY, "parallel.pp=2", "parallel.microbatches=5", "train.batch_size=10",
+                              "schedule=zbh1")).layout
+    assert layout.microbatches == 5 and schedule_order("zbh1", 2, 5, 1) == zbh1_order(2, 5)
+
+
 BAD = [
     (["schedule=zbh1", "parallel.stages_per_rank=2"],
      ["schedule=zbh1 runs one stage per rank", "parallel.stages_per_rank=2", "Fix: parallel.stages_per_rank=1"]),
