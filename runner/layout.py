@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner.dims import ParallelDims
+
+if TYPE_CHECKING:  # the schemas' objects arrive built (validate): no import of Hydra's config store here
+    from runner.config import CheckpointConfig, EvalConfig, ProfileConfig, TrainConfig
 
 __all__ = ["Layout", "RunPlan", "microbatch_size"]
 
@@ -56,7 +60,9 @@ class Layout:
 @dataclass(frozen=True)
 class RunPlan:
     """Everything a run resolved before its ranks start. The config keeps what the user composed
-    (``auto``, ``null``, ``latest``); the plan holds what those became here."""
+    (``auto``, ``null``, ``latest``); the plan holds what those became here, and the options the
+    ranks read, as their schemas' typed objects with every interpolation resolved once (the ranks
+    take only the factories' keys, ``model``, ``data`` and ``loss``, from the composed config)."""
 
     layout: Layout
     dims: ParallelDims  # the parallel degrees and the ranks' order (runner.dims)
@@ -69,6 +75,10 @@ class RunPlan:
     run_dir: Path | None  # None where nothing runs (the planner's candidates)
     resume: Path | None  # the checkpoint directory checkpoint.resume named (a run directory, latest: found)
     verify: bool
+    train: TrainConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    profile: ProfileConfig
 
     def __post_init__(self) -> None:
         assert self.dims.pp == self.layout.pp, (self.dims, self.layout.pp)

@@ -4,13 +4,15 @@ schedule."""
 from __future__ import annotations
 
 import math
-from typing import AbstractSet, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Sequence
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from runner.options import LRSchedule, NoDecay
+
+if TYPE_CHECKING:
+    from runner.config import TrainConfig
 
 __all__ = ["NO_DECAY_KINDS", "lr_factor", "param_groups", "build_optimizer"]
 
@@ -56,10 +58,10 @@ def param_groups(modules: Sequence[nn.Module], weight_decay: float, no_decay: li
             {"params": list(exempt.values()), "weight_decay": 0.0}]
 
 
-def build_optimizer(modules: Sequence[nn.Module], train: DictConfig, *, embeddings: AbstractSet[int] = frozenset()):
+def build_optimizer(modules: Sequence[nn.Module], train: TrainConfig, *, embeddings: AbstractSet[int] = frozenset()):
     """AdamW over this rank's stage modules and its LambdaLR schedule."""
     optimizer = torch.optim.AdamW(param_groups(modules, train.weight_decay, list(train.no_decay), embeddings),
-                                  lr=train.lr, betas=tuple(train.betas))
+                                  lr=train.lr, betas=(train.betas[0], train.betas[1]))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, steps=train.steps, warmup_steps=train.warmup_steps, min_lr_ratio=train.min_lr_ratio,
         schedule=train.lr_schedule))

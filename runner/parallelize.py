@@ -10,7 +10,6 @@ import functools
 from typing import TYPE_CHECKING, Mapping
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -20,6 +19,7 @@ from runner.options import ActivationCheckpointing, Precision
 from runner.tp import apply_tp
 
 if TYPE_CHECKING:
+    from runner.config import TrainConfig
     from runner.split import StageModule
 
 __all__ = ["PRECISIONS", "checkpointed_blocks", "parallelize"]
@@ -51,7 +51,7 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = recomputed
 
 
-def parallelize(module: StageModule, train: DictConfig, dp_mode: str, mesh: Mesh,
+def parallelize(module: StageModule, train: TrainConfig, dp_mode: str, mesh: Mesh,
                 tp_plan: Mapping[str, str] | None = None) -> StageModule:
     """Tensor parallelism (the model's ``tp_plan``, where the mesh has a tp dimension), activation
     checkpointing, compile, precision and dp (``runner.dp``) for one stage module (in place:

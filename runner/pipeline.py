@@ -136,13 +136,13 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
     them for the schedule. Also returns what keeps weights tied across stages equal."""
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
-    seed, loss_fn = cfg.train.seed, build_loss(cfg.loss)
+    seed, loss_fn = plan.train.seed, build_loss(cfg.loss)
     layout, dp_mode = plan.layout, plan.dp_mode
     tp_plan = model_plan(meta.module) if plan.dims.tp > 1 else None
 
     if layout.pp == 1:
         module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
-        unsplit = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh, tp_plan), layout.microbatches, loss_fn,
+        unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp_plan), layout.microbatches, loss_fn,
                               mesh=mesh)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
@@ -151,7 +151,7 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, cfg.train, dp_mode, mesh, tp_plan)
+        module = parallelize(module, plan.train, dp_mode, mesh, tp_plan)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)

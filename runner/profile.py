@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity
 
 from runner.dist import DistEnv, gather_to_main
@@ -41,6 +41,9 @@ from runner.timeline import (
     write_chrome_trace,
     write_schedule_csv,
 )
+
+if TYPE_CHECKING:
+    from runner.config import ProfileConfig
 
 __all__ = ["Window", "plan_window", "RunProfiler"]
 
@@ -104,7 +107,7 @@ class _NativeLines:
 
 
 class RunProfiler:
-    def __init__(self, profile_cfg: DictConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1):
+    def __init__(self, profile_cfg: ProfileConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1):
         """``steps`` this run trains, numbered from ``first_step`` (1, or N + 1 after resuming
         from step N)."""
         self.enabled = profile_cfg.enabled

@@ -144,7 +144,7 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
-        plan, cfg, env, t = self.plan, self.cfg, self.env, self.cfg.train
+        plan, cfg, env, t = self.plan, self.cfg, self.env, self.plan.train
         self.data = build_dataset(cfg.data, seed=t.seed)
         self.mesh = build_mesh(env, plan.dims)
         self.step_fn, self.tied = build_step(plan, cfg, env, self.mesh)
@@ -158,12 +158,12 @@ class Trainer:
         # A head tied to the embedding is an embedding wherever it sits (no weight decay).
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, env, self.modules, self.optimizer,
+        self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, env, self.modules, self.optimizer,
                                          self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
         self.first_step = self.checkpointer.load(plan.resume) if plan.resume else 0
-        self.profiler = RunProfiler(cfg.profile, steps=plan.steps - self.first_step, env=env, run_dir=self.run_dir,
+        self.profiler = RunProfiler(plan.profile, steps=plan.steps - self.first_step, env=env, run_dir=self.run_dir,
                                     first_step=self.first_step + 1)
         self.step_fn.attach(self.profiler.recorder)
         self.config = as_ran(cfg, plan)
@@ -201,7 +201,7 @@ class Trainer:
             raise NonFiniteLossError(_non_finite_message(state.step, state.loss, state.grad_norm,
                                                          self.checkpointer.last_good))
         self._call("after_reduce", state)
-        grad_clip = self.cfg.train.grad_clip
+        grad_clip = self.plan.train.grad_clip
         if grad_clip > 0:
             norm = torch.tensor(state.grad_norm)
             for group in _by_kind(self.params):  # torch's foreach ops take DTensors or tensors, not both
@@ -221,7 +221,7 @@ class Trainer:
 
     # -- evaluate --------------------------------------------------------------------------------
     def evaluation_due(self, step: int) -> bool:
-        every = self.cfg.eval.every
+        every = self.plan.eval.every
         return bool(every) and (step % every == 0 or step == self.plan.steps)
 
     def evaluate(self) -> float:
@@ -230,7 +230,7 @@ class Trainer:
         plan, env = self.plan, self.env
         losses = []
         with self.profiler.recorder.paused():  # not part of the training schedule's timeline
-            for i in range(1, self.cfg.eval.steps + 1):
+            for i in range(1, self.plan.eval.steps + 1):
                 batch = get_batch(self.data, i, plan.batch_size, plan.seq_len, "val")
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)
                 losses.append(self.step_fn.evaluate(inputs, targets, **kwargs))
