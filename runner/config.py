@@ -28,6 +28,7 @@ from runner.options import (
     WandbMode,
     choices,
 )
+from runner.plan.target_config import TargetPlanConfig  # plan.target's keys
 from runner.schedules import schedule_names
 
 __all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "missing_keys", "check_model_vocab"]
@@ -59,7 +60,6 @@ def parse_bytes(key: str, value: Any) -> int | None:
         raise ConfigError(f"{key}={value!r} is not a memory size. Fix: bytes as a number (2000000000, 2e9) "
                           "or with a unit (2GB, 1.5GiB, 512MiB).")
     return int(float(match.group(1)) * _UNITS[unit])
-
 
 
 def missing_keys(node: DictConfig | ListConfig, path: str = "") -> Iterator[str]:
@@ -223,7 +223,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig(TargetPlanConfig):
     """``python -m runner.plan``: candidates, costs and limits (ignored by training runs)."""
 
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
