@@ -32,6 +32,10 @@ _ATTENTION: dict[Any, Callable[..., int]] = {
         lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
 }
 
+# Entries of torch 2.13's table that disagree with the vendor's datasheet, corrected here (and said
+# in the plan's header): the L4's bandwidth is an H100's, and its bf16/fp16 figures include
+# sparsity without a sparsity factor (datasheet: 300 GB/s; 121 dense bf16 TFLOPS).
+_CORRECTIONS = {"NVIDIA L4": {"bandwidth": 300e9, "torch.bfloat16": 121e12, "torch.float16": 121e12}}
 _METADATA = {torch.ops.aten._unsafe_view.default}
 
 
@@ -47,6 +51,7 @@ class DevicePeaks:
     flops: dict[str, float]  # dense FLOP/s per dtype name ("torch.bfloat16", "torch.float32")
     bandwidth: float  # memory bytes/s
     memory_bytes: int  # the device's memory
+    corrected: tuple[str, ...] = ()  # the table's figures replaced by the datasheet's (_CORRECTIONS)
 
     def peak(self, dtype: torch.dtype) -> float:
         """FLOP/s for matmuls in ``dtype`` (fp32 runs as fp32: the runner does not enable TF32)."""
@@ -64,7 +69,10 @@ def device_peaks(name: str) -> DevicePeaks:
                           f"Fix: plan.target=<one of {', '.join(repr(n) for n in known_devices())}>.")
     flops = {str(dtype): tops * 1e12 / (info.tops_sparsity_factor if dtype in _TENSOR_CORE else 1)
              for dtype, tops in info.tops.items() if dtype in (torch.float32, torch.bfloat16, torch.float16)}
-    return DevicePeaks(name.upper(), flops, info.dram_bw_gbs * 1e9, int(info.dram_gb * 2**30))
+    fixes = _CORRECTIONS.get(name.upper(), {})
+    flops.update({k: v for k, v in fixes.items() if k != "bandwidth"})
+    return DevicePeaks(name.upper(), flops, fixes.get("bandwidth", info.dram_bw_gbs * 1e9), int(info.dram_gb * 2**30),
+                       tuple(fixes))
 
 
 def _nbytes(tensors: list[Any]) -> int:

@@ -29,7 +29,9 @@ def header(p: TargetPlan, cfg: DictConfig) -> list[str]:
     peaks = p.peaks
     flops = ", ".join(f"{v / 1e12:.1f} {k.removeprefix('torch.')}" for k, v in sorted(peaks.flops.items()))
     return [f"target: {p.world_size} x {peaks.name} (torch's datasheet table, dense): {flops} TFLOP/s, "
-            f"{peaks.bandwidth / 1e9:.0f} GB/s, {peaks.memory_bytes / GIB:.0f} GiB; each op at "
+            f"{peaks.bandwidth / 1e9:.0f} GB/s, {peaks.memory_bytes / GIB:.0f} GiB"
+            + (f" ({', '.join(peaks.corrected)} corrected to the vendor's datasheet)" if peaks.corrected else "")
+            + f"; each op at "
             f"{cfg.plan.efficiency:.0%} (plan.efficiency) of its roofline; interconnect "
             f"{p.link.latency_s * 1e6:.0f} us + bytes / {p.link.bandwidth / 1e9:.1f} GB/s (plan.comm_latency_s, "
             f"plan.comm_bandwidth); train.precision={cfg.train.precision}, "
