@@ -8,7 +8,7 @@ from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
 from runner.schedule import V_SHAPED
 
-__all__ = ["label", "table", "search_report", "fit_line", "tie_line", "MEASURED_ERROR", "within_error"]
+__all__ = ["label", "table", "search_report", "fit_line", "MEASURED_ERROR", "within_error"]
 
 # The planner's error on single plans of configurations it did not probe (over every round and
 # configuration of all model sizes): its median and 90th percentile, as scripts/planner_accuracy.py
@@ -87,13 +87,6 @@ def search_report(candidates: list[Candidate]) -> list[str]:
         assert best.search is not None  # a synthesized candidate is searched before it is predicted
         lines.append(line + f"; from {best.search['origin']}")
     return lines
-
-
-
-def tie_line(tied: Sequence[str], tolerance: float, error: str) -> str:
-    """The ties, said with the error figure that makes them ties (``error``: where it comes from)."""
-    return (f"tie: {len(tied)} candidates are predicted within {tolerance:.0%} (plan.tie_tolerance) of the fastest, "
-            f"{error}: {', '.join(tied)}. Recommended of those: the least memory.")
 
 
 def within_error(candidates: Sequence[Candidate], error: float = MEASURED_ERROR[0]) -> list[str]:

@@ -13,10 +13,9 @@ from typing import Sequence
 from omegaconf import DictConfig
 
 from runner.errors import RunnerError
-from runner.plan.report import tie_line
 from runner.plan.target import TargetCandidate, TargetPlan, plan_target
 
-__all__ = ["header", "target_table", "run_target"]
+__all__ = ["header", "target_table", "tie_line", "run_target"]
 
 GIB = 2**30
 
@@ -59,6 +58,12 @@ def target_table(candidates: Sequence[TargetCandidate]) -> str:
     if invalid:
         rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
     return "\n".join(rows)
+
+
+def tie_line(tied: Sequence[str], tolerance: float, error: str) -> str:
+    """The ties, said with the error figure that makes them ties (``error``: where it comes from)."""
+    return (f"tie: {len(tied)} candidates are predicted within {tolerance:.0%} (plan.tie_tolerance) of the fastest, "
+            f"{error}: {', '.join(tied)}. Recommended of those: the least memory.")
 
 
 def run_target(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> None:
