@@ -144,11 +144,14 @@ def _unit_key(unit: StageModule, name: str, x: torch.Tensor, last: bool) -> tupl
             getattr(module, "attention_type", None), tuple(x.shape), x.dtype, last)
 
 
-def count_units(cfg: DictConfig, microbatch_size: int, peaks: DevicePeaks) -> dict[str, UnitCount]:
+def count_units(cfg: DictConfig, microbatch_size: int, peaks: DevicePeaks, *,
+                cast_params: bool = False) -> dict[str, UnitCount]:
     """Every pipeline unit of ``cfg.model`` (built from its config alone) counted on one microbatch
     of ``microbatch_size`` samples of ``train.seq_len`` tokens, in the run's precision and with its
     activation checkpointing (a recomputed block keeps only its input, and its backward runs its
-    forward again). Units alike (a model's identical layers) are counted once."""
+    forward again). Units alike (a model's identical layers) are counted once. bf16 is autocast
+    (each forward keeps bf16 copies of the weights it used, as a run without FSDP does), or with
+    ``cast_params`` the parameters themselves are bf16 (FSDP's mixed precision gathers them so)."""
     meta = build_meta_model(_config_only(cfg.model), cfg.parallel.get("stage_modules"))
     spec, names = meta.spec, meta.unit_names
     recomputed = checkpointed_blocks(spec.blocks(), cfg.train.activation_checkpointing, cfg.train.ac_every)
@@ -162,9 +165,12 @@ def count_units(cfg: DictConfig, microbatch_size: int, peaks: DevicePeaks) -> di
         last = index == len(names) - 1
         modules = {n: copy.deepcopy(meta.module.get_submodule(n)) for n in [*spec.unit(name).modules, *spec.shared]}
         unit = StageModule(spec, [name], modules)
-        unit.autocast_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        bf16 = cfg.train.precision == "bf16"
+        unit.autocast_dtype = torch.bfloat16 if bf16 and not cast_params else None
         key = _unit_key(unit, name, x, last)
         if key not in alike:
+            if bf16 and cast_params:
+                unit.to(torch.bfloat16)  # on the meta device, before its fake tensors exist
             with fake:
                 unit.to_empty(device="cpu")
                 alike[key] = _count_unit(unit, x, loss_fn, targets if last else None, peaks)
@@ -283,7 +289,7 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     link = Link(cfg.plan.comm_latency_s if cfg.plan.comm_latency_s is not None else 10e-6,
                 cfg.plan.comm_bandwidth or 50e9)
     num_units = len(build_meta_model(_config_only(cfg.model), cfg.parallel.get("stage_modules")).unit_names)
-    counted: dict[int, dict[str, UnitCount]] = {}
+    counted: dict[tuple[int, bool], dict[str, UnitCount]] = {}
     out = []
     for deg, mode, name, m, spr in _layouts(cfg, world_size, num_units):
         c = TargetCandidate(name, deg.pp, deg.dp, deg.tp, mode, m, spr, _overrides(deg, mode, name, m, spr))
@@ -296,10 +302,10 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
         except ConfigError as e:
             c.reason = str(e).splitlines()[0]
             continue
-        size = cfg.train.batch_size // (deg.dp * m)
-        if size not in counted:
-            counted[size] = count_units(cfg, size, peaks)
-        _predict(c, list(counted[size]), counted[size], peaks, link, cfg)
+        key = (cfg.train.batch_size // (deg.dp * m), mode == "fsdp")
+        if key not in counted:
+            counted[key] = count_units(cfg, key[0], peaks, cast_params=key[1])
+        _predict(c, list(counted[key]), counted[key], peaks, link, cfg)
     if not any(c.valid for c in out):
         raise ConfigError(f"no layout of {world_size} ranks can run this model: "
                           f"{out[0].reason if out else 'no microbatch count in plan.microbatches divides the batch'}. "
