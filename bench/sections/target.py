@@ -154,8 +154,8 @@ def _published_summary(rows: list[Mapping[str, Any]]) -> list[str]:
             "communication with compute (the plan adds it after the pipeline), its op-level selective "
             "checkpointing (the runner recomputes whole blocks: `full`, or every second one: `every_n`), and "
             "fused kernels; in it: eager elementwise ops at memory bandwidth (the roofline of HF's Llama "
-            "layer at bf16 is about 1.7x that of its matmuls and attention alone). A run of the runner on such a cluster would "
-            "be the measurement to fit `plan.efficiency` to; none was made."]
+            "layer at bf16 is about 1.7x that of its matmuls and attention alone). A run of the runner on such a "
+            "cluster would be the measurement to fit `plan.efficiency` to; none was made."]
 
 
 def _render_memory(mem: Mapping[str, Any]) -> list[str]:
