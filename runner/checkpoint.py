@@ -24,7 +24,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ from runner._torch_dcp import SafePlanner, SafeReader, UnsafeCheckpointError, ro
 from runner.checkpoint_files import complete_steps, files_of, manifest_problems, read_train_state, write_manifest
 from runner.dist import DistEnv
 from runner.errors import CheckpointError, NonFiniteLossError
-from runner.faults import fault_point
 from runner.resume_check import copy_tokenizer, tokenizer_record
 from runner.split import StageModule
 from runner.tied import TiedWeights
@@ -166,10 +165,14 @@ def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[
 
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
-                 *, tied: TiedWeights | None = None, run_config=None):
+                 *, tied: TiedWeights | None = None, run_config=None,
+                 before_commit: Callable[[int], None] | None = None):
         """``run_config``: the run's whole config, for what a checkpoint records of it: the
         tokenizer it trains with (files and digest: export ships it, a resume checks it) and
-        ``model.path`` (export never writes over it)."""
+        ``model.path`` (export never writes over it). ``before_commit(step)``: called on rank 0
+        once every rank's files of that step are written, just before the rename that commits
+        them (the reliability tests kill the run there: ``runner.faults``)."""
+        self.before_commit = before_commit
         self.every, self.keep = cfg.every, cfg.keep
         self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
         model_path = run_config.model.get("path") if run_config is not None else None
@@ -255,7 +258,8 @@ class Checkpointer:
         self._agree(problem, partial, steps_done)  # also: every rank's files are on disk
         final = self.dir / f"step-{steps_done}"
         if self.env.is_main:
-            fault_point(f"checkpoint-commit-step-{steps_done}", self.env.rank)
+            if self.before_commit is not None:
+                self.before_commit(steps_done)
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)  # the commit: atomic on one filesystem

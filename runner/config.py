@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import II, MISSING, OmegaConf
 
 from runner.dims import ParallelDims
 from runner.dp import DP_MODES
@@ -31,7 +31,7 @@ from runner.options import (
 from runner.plan.target_config import TargetPlanConfig  # plan.target's keys
 from runner.schedules import schedule_names
 
-__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "missing_keys", "check_model_vocab"]
+__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
 
 # A string option's accepted values are its field's choices (runner.options, or a registry):
 # the checks before launch (runner.validate) refuse any other value, naming key, value and fix.
@@ -62,29 +62,6 @@ def parse_bytes(key: str, value: Any) -> int | None:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def missing_keys(node: DictConfig | ListConfig, path: str = "") -> Iterator[str]:
-    """Keys left ``???``, found without resolving anything: ``OmegaConf.missing_keys`` resolves
-    interpolations, and one that reads a missing key (``data.vocab_size`` reads ``data.tokenizer``)
-    fails there with OmegaConf's own message instead."""
-    keys: list[Any] = list(range(len(node))) if isinstance(node, ListConfig) else list(node.keys())
-    for key in keys:
-        child = node._get_node(key)
-        if OmegaConf.is_missing(node, key):
-            yield f"{path}{key!s}"
-        elif isinstance(child, (DictConfig, ListConfig)):
-            yield from missing_keys(child, f"{path}{key!s}.")
-
-
-def check_model_vocab(cfg: DictConfig) -> None:
-    """A built-in model sizes its embedding by ``data.vocab_size``, which ``data=tokens`` cannot
-    know: null there, OmegaConf would refuse it inside the model's build with its own words."""
-    model = cfg.get("model")
-    if (isinstance(model, DictConfig) and "vocab_size" in model and OmegaConf.is_interpolation(model, "vocab_size")
-            and cfg.data.get("vocab_size") is None):
-        raise ConfigError("model.vocab_size follows data.vocab_size, which is null: the token ids' vocabulary is not "
-                          "known. Fix: data.vocab_size=<the vocabulary size of the tokenizer that wrote data.path>.")
-
-
 @dataclass
 class ScheduleConfig:
     # A schedule of the registry runner.schedules (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
@@ -106,6 +83,11 @@ class ParallelConfig:
     # How each stage is replicated over dp: none (dp must be 1), ddp (torch's FSDP-based
     # replicate: gradients all-reduced, correct for every schedule), fsdp (FSDP2 fully_shard).
     dp_mode: str = field(default="none", metadata=choices(DP_MODES))  # runner.dp
+    # Tensor parallelism inside each stage (runner.tp): the model's own tp_plan shards its layers
+    # over tp consecutive ranks (one node's fast links); parallel.pp x dp x tp = the ranks.
+    tp: int = 1
+    sequence_parallel: bool = False  # with tp: norms and the activations between blocks sharded on the sequence
+    loss_parallel: bool = False  # with tp: the vocabulary-sharded logits go into the loss without a gather
     microbatches: int = 4  # microbatches per step, per pipeline
     # Stages per pipeline rank; null = derived from the schedule (1 single-stage, 2 multi-stage).
     stages_per_rank: Optional[int] = None

@@ -5,9 +5,10 @@ ranks read it. Nothing else multiplies degrees or divides ranks.
 
 Rank order, outermost first: ``pp``, ``dp``, ``tp``, as torchtitan and Megatron-LM order them: a
 tensor-parallel group (the most communication) on consecutive ranks, one node's fast links, then
-the replicas, the pipeline outermost (a message per microbatch, between nodes). With ``tp`` = 1
-(until tensor parallelism is built), rank ``r`` is replica ``r % dp`` of pipeline rank ``r // dp``.
-Changing the order is a change of ``ParallelDims.ORDER`` alone: every group below is derived.
+the replicas, the pipeline outermost (a message per microbatch, between nodes): with pp=2 x dp=2
+x tp=2, ranks 0 and 1 are one tensor-parallel group, ranks 0-3 the first pipeline rank's stages
+in both replicas. Changing the order is a change of ``ParallelDims.ORDER`` alone: every group
+below is derived.
 
 Pure arithmetic, no ``torch.distributed``: cheap for the modules that run before any rank starts."""
 
@@ -38,17 +39,21 @@ class ParallelDims:
     pp: int  # pipeline ranks of one replica
     dp: int  # replicas of the whole pipeline
     dp_mode: str = "none"  # a runner.dp name
-    tp: int = 1  # tensor parallelism (issue #25) is not built: fixed at 1, not a config key
+    tp: int = 1  # the shards of each stage's layers (runner.tp)
 
     # Outermost first: consecutive ranks differ in the last one.
     ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")  # the DeviceMesh's dimensions, in this order
-    # The config key of each configurable degree, for messages.
-    KEYS: ClassVar[dict[str, str]] = {"pp": "parallel.pp", "dp": "parallel.dp"}
+    # The config key of each degree, for messages.
+    KEYS: ClassVar[dict[str, str]] = {"pp": "parallel.pp", "dp": "parallel.dp", "tp": "parallel.tp"}
+    # The dimensions the mesh always has (the ranks read their groups even at degree 1); any
+    # other one only where it is used (degree > 1), so a run without it creates no groups for it.
+    ALWAYS: ClassVar[tuple[str, ...]] = ("pp", "dp")
 
     @classmethod
     def from_config(cls, parallel: Any) -> ParallelDims:
         """From the composed ``cfg.parallel`` (a DictConfig or anything with these attributes)."""
-        return cls(pp=int(parallel.pp), dp=int(parallel.dp), dp_mode=str(parallel.dp_mode))
+        return cls(pp=int(parallel.pp), dp=int(parallel.dp), dp_mode=str(parallel.dp_mode),
+                   tp=int(parallel.get("tp", 1)))
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -60,11 +65,15 @@ class ParallelDims:
         return math.prod(self.degrees.values())
 
     @property
+    def stage_ranks(self) -> int:
+        """The ranks that hold each stage (its replicas and its tensor-parallel shards): a value
+        every one of them adds to a world-wide sum counts this many times."""
+        return self.world_size // self.pp
+
+    @property
     def mesh_dims(self) -> dict[str, int]:
-        """The dimensions the ``DeviceMesh`` has, in rank order: dp and pp always (the ranks read
-        their groups even at degree 1), any other one only where it is used (degree > 1), so a
-        run without it creates no process groups for it."""
-        return {name: d for name, d in self.degrees.items() if name in self.KEYS or d > 1}
+        """The dimensions the ``DeviceMesh`` has, in rank order (``ALWAYS``, and the others used)."""
+        return {name: d for name, d in self.degrees.items() if name in self.ALWAYS or d > 1}
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
@@ -93,8 +102,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The product, as the keys that set it: ``parallel.pp=2 x parallel.dp=2``."""
-        parts = [f"{self.KEYS[n]}={d}" if n in self.KEYS else f"{n}={d}" for n, d in self.degrees.items()
-                 if n in self.KEYS or d > 1]
+        parts = [f"{self.KEYS[n]}={d}" for n, d in self.degrees.items() if n in self.ALWAYS or d > 1]
         return " x ".join(parts)
 
     def check(self, world_size: int, *, started_by: str = "the launcher", restart: str | None = None) -> None:
@@ -104,7 +112,7 @@ class ParallelDims:
             return
         others = self.world_size // self.pp
         keys = (f"parallel.pp={world_size // others}" if world_size % others == 0
-                else f"parallel.pp and parallel.dp whose product is {world_size}")
+                else f"{' and '.join(self.KEYS.values())} whose product is {world_size}")
         start = restart or f"start {self.world_size} ranks"
         raise ConfigError(f"{started_by} started {world_size} ranks but {self.describe()} = {self.world_size}. "
                           f"Fix: {start}, or {keys}.")

@@ -1,5 +1,6 @@
 """Fault points, for the reliability tests: real failures at chosen places, switched on by the
-``RUNNER_FAULT`` environment variable and inert otherwise.
+``RUNNER_FAULT`` environment variable and inert otherwise. Nothing else in the runner knows of
+them: the training step meets them as a hook, a checkpoint's save as its ``before_commit`` callback.
 
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
 (SIGKILL), ``stall`` (sleep far past the collective timeout), ``nan`` (a non-finite loss) or
@@ -7,7 +8,7 @@
 (numbered from 1, as in the logs and metrics.jsonl): a hook (``fault_hooks``) the trainer holds
 only when such a fault is set.
 ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0 between the shard writes and the commit
-of step N's checkpoint.
+of step N's checkpoint (``commit_fault``, the callback the trainer hands its ``Checkpointer``).
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Callable
 
-from runner.hooks import Hook, StepState
+from runner.hooks import Hook, StepContext, StepState
 
-__all__ = ["fault_point", "fault_hooks", "TrainFault"]
+__all__ = ["commit_fault", "fault_hooks", "TrainFault"]
+
+_COMMIT = "checkpoint-commit-step-"
 
 
-def fault_point(name: str, rank: int) -> None:
-    if os.environ.get("RUNNER_FAULT") == name and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class TrainFault(Hook):
@@ -33,29 +36,44 @@ class TrainFault(Hook):
     def __init__(self, what: str, rank: int, step: int):
         self.what, self.rank, self.step = what, rank, step
 
-    def _due(self, trainer, state: StepState) -> bool:
-        return (trainer.env.rank, state.step) == (self.rank, self.step)
+    def _due(self, ctx: StepContext, state: StepState) -> bool:
+        return (ctx.env.rank, state.step) == (self.rank, self.step)
 
-    def begin_step(self, trainer, state: StepState) -> None:
-        if not self._due(trainer, state):
+    def begin_step(self, ctx: StepContext, state: StepState) -> None:
+        if not self._due(ctx, state):
             return
         if self.what == "raise":
             raise RuntimeError(f"injected fault on rank {self.rank} at step {self.step}")
         if self.what == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _kill()
         if self.what == "stall":
             time.sleep(3600)
 
-    def after_backward(self, trainer, state: StepState) -> None:
-        if not self._due(trainer, state):
+    def after_backward(self, ctx: StepContext, state: StepState) -> None:
+        if not self._due(ctx, state):
             return
         if self.what == "nan" and state.local_loss is not None:
             state.local_loss = state.local_loss * float("nan")
         if self.what == "nangrad":  # a finite loss with a non-finite gradient
-            next(p.grad for p in trainer.params if p.grad is not None).mul_(float("nan"))
+            next(p.grad for p in ctx.params if p.grad is not None).mul_(float("nan"))
 
 
 def fault_hooks() -> list[Hook]:
     """The ``<what>:<rank>:<step>`` fault ``RUNNER_FAULT`` sets, if any."""
     spec = os.environ.get("RUNNER_FAULT", "").split(":")
     return [TrainFault(spec[0], int(spec[1]), int(spec[2]))] if len(spec) == 3 else []
+
+
+def commit_fault() -> Callable[[int], None] | None:
+    """The ``checkpoint-commit-step-<N>`` fault ``RUNNER_FAULT`` sets, if any: a ``before_commit``
+    for the ``Checkpointer`` (which calls it on rank 0 only) that kills the process at step N."""
+    name = os.environ.get("RUNNER_FAULT", "")
+    if not (name.startswith(_COMMIT) and name.removeprefix(_COMMIT).isdigit()):
+        return None
+    step = int(name.removeprefix(_COMMIT))
+
+    def kill_at(steps_done: int) -> None:
+        if steps_done == step:
+            _kill()
+
+    return kill_at

@@ -3,20 +3,41 @@ calls every hook it holds at four points of each step, in order, on every rank, 
 they report into the summary. ``verify`` (``runner.verify``), fault injection (``runner.faults``)
 and the tests' gradient probes are hooks; the loop itself has no test seams.
 
+A hook sees the run through a ``StepContext`` (built once, after the trainer's setup) and the step
+through a ``StepState``; never the trainer itself, so what a hook may read and touch is written
+here, and this module imports nothing of the runner at run time.
+
 A hook that runs a collective (gathering gradients) must run it on every rank at the same point:
 the Trainer calls the hooks in the same order everywhere."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     import torch
+    from omegaconf import DictConfig
 
-    from runner.train import Trainer
+    from runner.dist import DistEnv
+    from runner.layout import RunPlan
+    from runner.mesh import Mesh
+    from runner.split import StageModule
 
-__all__ = ["StepState", "Hook"]
+__all__ = ["StepContext", "StepState", "Hook"]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The run as the hooks see it, the same at every step."""
+
+    env: DistEnv  # this rank
+    mesh: Mesh  # its place in the layout, and its groups
+    modules: Sequence[StageModule]  # this rank's stages, by full-model parameter names
+    params: Sequence[torch.nn.Parameter]  # their parameters (a weight two local stages share: once)
+    not_counted: frozenset[str]  # tied copies the global gradient norm skips (``TiedWeights.not_counted``)
+    plan: RunPlan  # the resolved run: layout, resume, verify
+    cfg: DictConfig  # the composed config: what verify builds its unsplit reference from
 
 
 @dataclass
@@ -32,20 +53,19 @@ class StepState:
 
 
 class Hook:
-    """Override what you need; each point gets the trainer (its ``env``, ``modules``, ``params``,
-    ``tied``, ``plan``, ``cfg``) and the step."""
+    """Override what you need; each point gets the run's context and the step."""
 
-    def begin_step(self, trainer: Trainer, state: StepState) -> None:
+    def begin_step(self, ctx: StepContext, state: StepState) -> None:
         """Before the step's forward and backward."""
 
-    def after_backward(self, trainer: Trainer, state: StepState) -> None:
+    def after_backward(self, ctx: StepContext, state: StepState) -> None:
         """After the pipelined forward and backward, before the loss and the gradient norm are
         reduced over the ranks (``state.local_loss`` may be replaced)."""
 
-    def after_reduce(self, trainer: Trainer, state: StepState) -> None:
+    def after_reduce(self, ctx: StepContext, state: StepState) -> None:
         """The step's loss and norm known and finite; gradients not yet clipped or applied."""
 
-    def after_clip(self, trainer: Trainer, state: StepState) -> None:
+    def after_clip(self, ctx: StepContext, state: StepState) -> None:
         """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped."""
 
     def summary(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The ranks' ``DeviceMesh``, built from the one owner of the layout (``runner.dims``): its named
-dimensions in the owner's rank order (``pp``, ``dp``), and the sub-meshes and groups each
-rank uses. Nothing else creates meshes.
+dimensions in the owner's rank order (``pp``, ``dp``, and ``tp`` where it is above 1), and the
+sub-meshes and groups each rank uses. Nothing else creates meshes.
 
 Each replica is a whole pipeline, and the ranks holding the same stage in every replica form a dp
 group; which rank is where is ``ParallelDims``'s arithmetic, never repeated here."""
@@ -65,6 +65,11 @@ class Mesh:
     @property
     def dp_mesh(self) -> DeviceMesh | None:
         return self.submesh("dp")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The stage's tensor-parallel shards (None at tp=1: the mesh has no tp dimension)."""
+        return self.submesh("tp") if self.dims.tp > 1 else None
 
 
 def build_mesh(env: DistEnv, dims: ParallelDims) -> Mesh:

@@ -19,7 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["transformer", "mlp"]
+__all__ = ["transformer", "mlp", "TP_PLAN"]
+
+# Tensor parallelism (parallel.tp, runner.tp), in transformers' style names: the vocabulary rows of
+# the token embedding and the head, each attention's heads and each feed-forward's hidden units;
+# norms and the position table stay whole on every shard.
+TP_PLAN = {
+    "embed.tok": "embedding_rowwise",
+    "block*.attn.qkv": "colwise",
+    "block*.attn.proj": "rowwise",
+    "block*.ffn.up": "colwise",
+    "block*.ffn.down": "rowwise",
+    "head": "colwise_gather_output",
+}
 
 
 class Embedding(nn.Module):
@@ -51,12 +63,16 @@ class Attention(nn.Module):
         if dim % n_heads:
             raise ValueError(f"model.dim={dim} is not divisible by model.n_heads={n_heads}")
         self.n_heads = n_heads
+        self.head_dim = dim // n_heads
+        # Head-major (each head's q, k and v rows together, as Megatron fuses them): a tensor-parallel
+        # shard of the rows holds whole heads with their q, k and v.
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        b, t, _ = x.shape
+        # -1 heads: all of them, or a tensor-parallel shard's (runner.tp)
+        q, k, v = self.qkv(x).view(b, t, -1, 3, self.head_dim).unbind(3)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attention_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -65,7 +81,7 @@ class Attention(nn.Module):
             allowed = causal & attention_mask[:, None, None, :]
             allowed = allowed | torch.eye(t, dtype=torch.bool, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -104,7 +120,9 @@ def _sequential(
     children: list[tuple[str, nn.Module]] = [("embed", embed)]
     children += [(f"block{i}", block) for i, block in enumerate(blocks)]
     children += [("norm", nn.LayerNorm(dim)), ("head", head)]
-    return nn.Sequential(OrderedDict(children))
+    model = nn.Sequential(OrderedDict(children))
+    model.tp_plan = dict(TP_PLAN)  # type: ignore[assignment]  # a plain attribute, read by runner.tp
+    return model
 
 
 def transformer(

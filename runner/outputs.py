@@ -154,6 +154,7 @@ def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses:
         "schedule": layout.schedule,
         "pp": layout.pp,
         "dp": plan.dp,
+        "tp": plan.dims.tp,
         "microbatches": layout.microbatches,
         "num_stages": layout.num_stages,
         "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
@@ -180,8 +181,9 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 
 def format_table(summary: dict) -> str:
     rows = [
-        ("schedule", f"{summary['schedule']} (pp={summary['pp']}, stages={summary['num_stages']}, "
-                     f"microbatches={summary['microbatches']})"),
+        ("schedule", f"{summary['schedule']} (pp={summary['pp']}, "
+                     + "".join(f"{k}={summary[k]}, " for k in ("dp", "tp") if summary.get(k, 1) > 1)
+                     + f"stages={summary['num_stages']}, microbatches={summary['microbatches']})"),
         ("loss", f"{summary['losses'][0]:.4f} -> {summary['final_loss']:.4f} over {summary['steps']} steps"),
         ("step time", f"{summary['step_time_s'] * 1e3:.1f} ms (median)"),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),

@@ -1,12 +1,13 @@
 """What is applied to each stage module after it is materialised and before it becomes a
-``PipelineStage``, in torchtitan's order: activation checkpointing, then ``torch.compile``, then
-precision and data parallelism (FSDP's mixed-precision policy needs the unsharded module).
+``PipelineStage``, in torchtitan's order: tensor parallelism (``runner.tp``), activation
+checkpointing, then ``torch.compile``, then precision and data parallelism (FSDP's
+mixed-precision policy needs the unsharded module; over tp it shards the tp shards: 2-D).
 Nothing here renames a parameter: checkpoints and ``verify`` keep the unsplit model's names."""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from runner.dp import DP_MODES
 from runner.mesh import Mesh
 from runner.options import ActivationCheckpointing, Precision
+from runner.tp import apply_tp
 
 if TYPE_CHECKING:
     from runner.split import StageModule
@@ -49,9 +51,13 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = recomputed
 
 
-def parallelize(module: StageModule, train: DictConfig, dp_mode: str, mesh: Mesh) -> StageModule:
-    """Activation checkpointing, compile, precision and dp (``runner.dp``) for one stage module
-    (in place: returns the same module)."""
+def parallelize(module: StageModule, train: DictConfig, dp_mode: str, mesh: Mesh,
+                tp_plan: Mapping[str, str] | None = None) -> StageModule:
+    """Tensor parallelism (the model's ``tp_plan``, where the mesh has a tp dimension), activation
+    checkpointing, compile, precision and dp (``runner.dp``) for one stage module (in place:
+    returns the same module)."""
+    if mesh.tp_mesh is not None and tp_plan:
+        apply_tp(module, mesh, tp_plan)
     for name in checkpointed_blocks(module.spec.blocks(), train.activation_checkpointing, train.ac_every):
         if name in module.units:
             _checkpoint_forward(module.get_submodule(name))

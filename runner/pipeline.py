@@ -24,6 +24,7 @@ from runner.record import Recorder
 from runner.schedule import build_schedule
 from runner.split import build_meta_model, materialize
 from runner.tied import TiedWeights, share_local_copies
+from runner.tp import model_plan, sum_partial_grads
 from runner.units import describe_names
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
@@ -38,8 +39,10 @@ class UnsplitStep:
     microbatches as the pipeline, each scaled by 1/microbatches. ``forward`` (default: the model)
     maps a microbatch's inputs and keyword inputs to logits."""
 
-    def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable, forward: Callable | None = None):
+    def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable, forward: Callable | None = None,
+                 mesh: Mesh | None = None):
         self.modules = [model]
+        self.mesh = mesh  # its tp group sums the gradients each shard holds a part of
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.forward = forward or model
@@ -66,6 +69,8 @@ class UnsplitStep:
             with timed(0, "B", i):
                 (loss / m).backward()
             losses.append(loss.detach())
+        if self.mesh is not None:
+            sum_partial_grads(self.modules, self.mesh)
         return torch.stack(losses).mean()
 
     @torch.no_grad()
@@ -79,8 +84,9 @@ class PipelinedStep:
     targets on the rank with the last, keyword inputs on every rank (each stage's children take
     the ones they name); only the last stage's rank returns the step's loss."""
 
-    def __init__(self, stages: list[PipelineStage], schedule, layout: Layout):
+    def __init__(self, stages: list[PipelineStage], schedule, layout: Layout, mesh: Mesh):
         self.stages = stages
+        self.mesh = mesh
         self.modules = [s.submod for s in stages]
         self.schedule = schedule
         self.microbatches = layout.microbatches
@@ -111,6 +117,7 @@ class PipelinedStep:
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
         loss = self._run(self.schedule.step, inputs, targets, kwargs)
+        sum_partial_grads(self.modules, self.mesh)
         # The schedules sum microbatch gradients (scale_grads=False: torch would scale per stage,
         # after that stage's last backward, which scales a shared weight twice and too early).
         with torch.no_grad():
@@ -131,10 +138,12 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     seed, loss_fn = cfg.train.seed, build_loss(cfg.loss)
     layout, dp_mode = plan.layout, plan.dp_mode
+    tp_plan = model_plan(meta.module) if plan.dims.tp > 1 else None
 
     if layout.pp == 1:
         module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
-        unsplit = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh), layout.microbatches, loss_fn)
+        unsplit = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh, tp_plan), layout.microbatches, loss_fn,
+                              mesh=mesh)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
     modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
@@ -142,14 +151,14 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, cfg.train, dp_mode, mesh)
+        module = parallelize(module, cfg.train, dp_mode, mesh, tp_plan)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)
         _torch_pp.allow_eval(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
-    step = PipelinedStep(stages, schedule, layout)
+    step = PipelinedStep(stages, schedule, layout, mesh)
     rank_of = {p: layout.stage_to_rank[s] for s, units in enumerate(layout.stages) for u in units
                for p in _params_of(meta, u)}
     embeddings = {n for names in meta.tied for n in names

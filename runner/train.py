@@ -29,8 +29,8 @@ from runner.console import step_record
 from runner.data import build_dataset, get_batch
 from runner.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.errors import NonFiniteLossError
-from runner.faults import fault_hooks
-from runner.hooks import Hook, StepState
+from runner.faults import commit_fault, fault_hooks
+from runner.hooks import Hook, StepContext, StepState
 from runner.layout import RunPlan
 from runner.mesh import Mesh, build_mesh
 from runner.optim import build_optimizer
@@ -57,17 +57,41 @@ class TrainResult:
 def reduce_loss_and_grad_norm(local_loss: torch.Tensor | None, params: list[torch.nn.Parameter], env: DistEnv,
                               mesh: Mesh) -> tuple[float, float]:
     """The step's loss and the gradient norm over every stage, in one all-reduce (one sync per
-    step). One rank per replica holds the last stage's loss, and every replica holds the same
-    gradients: the world's sums divided by dp are the loss and the squared global norm. A
-    per-rank clip would scale each stage differently; this norm is the same on every rank."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=env.device)
-    if isinstance(norm, DTensor):  # FSDP shards: the norm over the dp group, the same on each replica
-        norm = norm.full_tensor()
+    step). Each stage is held by ``stage_ranks`` ranks (its replicas and tp shards), and each of
+    them adds its share: the last stage's loss (the same on a replica's shards), and its
+    gradients' squares, a shard's counted once per shard of its tensor (``_squares``), so the
+    world's sums divided by ``stage_ranks`` are the loss and the squared global norm. A per-rank
+    clip would scale each stage differently; this norm is the same on every rank."""
     loss = local_loss.detach().float() if local_loss is not None else torch.zeros((), device=env.device)
-    sums = all_reduce_sum(torch.stack([loss, norm.float().pow(2)]), env) / mesh.dp
+    sums = all_reduce_sum(torch.stack([loss, _squares(params, env.device)]), env) / mesh.dims.stage_ranks
     loss_value, norm_sq = sums.tolist()  # the step's one host sync
     return loss_value, math.sqrt(norm_sq)
+
+
+def _squares(params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared gradient norm. A DTensor sharded S ways holds its tensor
+    once between its S shards, so a rank's local squares count S times: summed over the stage's
+    ranks, every gradient then adds ``stage_ranks`` times its squares, sharded or not."""
+    by_shards: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        shards = (math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+                  if isinstance(g, DTensor) else 1)
+        by_shards.setdefault(shards, []).append(g.to_local() if isinstance(g, DTensor) else g)
+    total = torch.zeros((), device=device)
+    for shards, grads in by_shards.items():
+        total += torch.nn.utils.get_total_norm(grads).float().pow(2) * shards
+    return total
+
+
+def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """The parameters that are DTensors (tp shards, FSDP's), and the plain ones."""
+    kinds: dict[bool, list[torch.nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault(isinstance(p, DTensor), []).append(p)
+    return list(kinds.values())
 
 
 def _replica_share(batch: Batch, mesh: Mesh, device: torch.device) -> Batch:
@@ -135,7 +159,7 @@ class Trainer:
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, env, self.modules, self.optimizer,
-                                         self.scheduler, tied=self.tied, run_config=cfg)
+                                         self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
         self.first_step = self.checkpointer.load(plan.resume) if plan.resume else 0
@@ -145,12 +169,14 @@ class Trainer:
         self.config = as_ran(cfg, plan)
         self.metrics = (MetricsWriter(self.run_dir, cfg.logging, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
+        self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
+                                   not_counted=frozenset(self.tied.not_counted()), plan=plan, cfg=cfg)
         self.clock.mark("setup")  # optimizer, checkpoint, profiler, loggers
 
     # -- step ------------------------------------------------------------------------------------
     def _call(self, point: str, state: StepState) -> None:
         for hook in self.hooks:
-            getattr(hook, point)(self, state)
+            getattr(hook, point)(self.context, state)
 
     def step(self, index: int) -> dict:
         """Optimizer step ``index + 1`` (``index``, from 0, is the position in the LR schedule; the
@@ -177,7 +203,9 @@ class Trainer:
         self._call("after_reduce", state)
         grad_clip = self.cfg.train.grad_clip
         if grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, grad_clip, torch.tensor(state.grad_norm))
+            norm = torch.tensor(state.grad_norm)
+            for group in _by_kind(self.params):  # torch's foreach ops take DTensors or tensors, not both
+                torch.nn.utils.clip_grads_with_norm_(group, grad_clip, norm)
         self._call("after_clip", state)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -210,7 +238,7 @@ class Trainer:
         held = [loss for loss in losses if loss is not None]  # all of them or none
         local = torch.stack(held).mean() if held else None
         loss_t = local if local is not None else torch.zeros((), device=env.device)
-        return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dp
+        return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dims.stage_ranks
 
     # -- checkpoint ------------------------------------------------------------------------------
     def checkpoint(self, step: int) -> None:

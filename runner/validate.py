@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config import check_model_vocab, missing_keys, parse_bytes
+from runner.config import parse_bytes
+from runner.config_nodes import check_model_vocab, missing_keys
 from runner.dims import ParallelDims
 from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
@@ -96,7 +97,7 @@ def _check_choices(cfg: DictConfig) -> None:
 
 def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
-    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp),
+    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
                        ("parallel.microbatches", p.microbatches), ("train.steps", t.steps),
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
@@ -339,6 +340,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
     from runner.data import check_vocab
     from runner.split import build_meta_model, check_init, check_shapes, plan_split
+    from runner.tp import check_tp
 
     p = cfg.parallel
     num_stages, stage_to_rank = _schedule_layout(cfg, csv)
@@ -346,6 +348,7 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     _check_loss(cfg)
     stage_modules = p.get("stage_modules")
     meta = build_meta_model(cfg.model, stage_modules)
+    check_tp(meta, p, cfg.train.seq_len, cfg.loss)
     pipelined = p.pp > 1
     stages = plan_split(meta, num_stages, p.split_points if pipelined else None,
                         stage_modules if pipelined else None)

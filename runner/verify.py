@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from runner.dist import DistEnv, gather_to_main
 from runner.errors import VerifyError
-from runner.hooks import Hook, StepState
+from runner.hooks import Hook, StepContext, StepState
 from runner.losses import build_loss
 from runner.parallelize import PRECISIONS
 from runner.pipeline import Batch, UnsplitStep
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 TOLERANCES = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 2e-3)}
 
 
-def collect_grads(modules: list[nn.Module], skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
+def collect_grads(modules: Sequence[nn.Module], skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
     """Full parameter name → a CPU copy of its whole gradient (None where backward left none),
     but for the names in ``skip`` (copies of a tied weight, which the unsplit model names once).
     Sharded (FSDP) gradients are gathered: a collective over the dp group."""
@@ -54,7 +54,8 @@ def collect_grads(modules: list[nn.Module], skip: Collection[str] = ()) -> dict[
     return out
 
 
-def gather_grads(modules: list[nn.Module], env: DistEnv, skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
+def gather_grads(modules: Sequence[nn.Module], env: DistEnv,
+                 skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
     """Every rank's gradients, by full name, on rank 0 (empty elsewhere). Collective."""
     gathered = gather_to_main(collect_grads(modules, skip), env)
     if gathered is None:  # not rank 0
@@ -164,7 +165,7 @@ def compare(
 
 def verify_first_step(
     cfg: DictConfig,
-    modules: list[nn.Module],
+    modules: Sequence[nn.Module],
     loss: float,
     batch: Batch,
     env: DistEnv,
@@ -217,13 +218,13 @@ class VerifyFirstStep(Hook):
     def __init__(self) -> None:
         self.report: dict | None = None
 
-    def after_reduce(self, trainer, state: StepState) -> None:
+    def after_reduce(self, ctx: StepContext, state: StepState) -> None:
         if state.first:
             assert state.loss is not None  # reduced before after_reduce
             busy(f"verifying step {state.step} against the unsplit model")
-            self.report = verify_first_step(trainer.cfg, trainer.modules, state.loss, state.batch, trainer.env,
-                                            microbatches=trainer.plan.layout.microbatches,
-                                            skip=trainer.tied.not_counted(), resume=trainer.plan.resume)
+            self.report = verify_first_step(ctx.cfg, ctx.modules, state.loss, state.batch, ctx.env,
+                                            microbatches=ctx.plan.layout.microbatches,
+                                            skip=ctx.not_counted, resume=ctx.plan.resume)
 
     def summary(self) -> dict:
         return {} if self.report is None else {"verify": self.report}

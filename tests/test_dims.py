@@ -50,6 +50,8 @@ def test_built_once_from_the_config_and_counted_by_the_slurm_resolver():
                             "tasks": "${world_size:${parallel}}"})
     assert ParallelDims.from_config(cfg.parallel) == DIMS
     assert cfg.tasks == 6
+    cfg.parallel.tp = 2
+    assert ParallelDims.from_config(cfg.parallel).tp == 2 and cfg.tasks == 12
 
 
 def test_the_product_check_names_the_keys_the_values_and_the_fix():
@@ -61,7 +63,9 @@ def test_the_product_check_names_the_keys_the_values_and_the_fix():
     with pytest.raises(ConfigError) as info:
         DIMS.check(4)
     assert str(info.value) == ("the launcher started 4 ranks but parallel.pp=2 x parallel.dp=3 = 6. "
-                               "Fix: start 6 ranks, or parallel.pp and parallel.dp whose product is 4.")
+                               "Fix: start 6 ranks, or parallel.pp and parallel.dp and parallel.tp whose product is 4.")
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 x parallel.dp=1 x parallel.tp=2 = 4. Fix: start 4 ranks"):
+        ParallelDims(pp=2, dp=1, tp=2).check(6)
 
 
 def test_the_mesh_reads_its_coordinates_from_the_owner_and_checks_the_ranks():

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from runner.dims import ParallelDims
 from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.ops import Op
@@ -54,7 +55,7 @@ class UnitCount:
 class Degrees(NamedTuple):
     pp: int
     dp: int
-    tp: int = 1  # no tensor parallelism yet: always 1
+    tp: int = 1  # not planned yet (runner.tp's costs are not modelled): always 1
 
 
 class Link(NamedTuple):
@@ -283,7 +284,7 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     if not 0 < cfg.plan.efficiency <= 1:
         raise ConfigError(f"plan.efficiency={cfg.plan.efficiency}: the fraction of the device's peaks its ops reach "
                           "must be in (0, 1]. Fix: e.g. plan.efficiency=0.5.")
-    world_size = cfg.plan.world_size or cfg.parallel.pp * cfg.parallel.dp
+    world_size = cfg.plan.world_size or ParallelDims.from_config(cfg.parallel).world_size
     if world_size < 1:
         raise ConfigError(f"plan.world_size={world_size}: plan for at least one rank. Fix: plan.world_size=8.")
     link = Link(cfg.plan.comm_latency_s if cfg.plan.comm_latency_s is not None else 10e-6,

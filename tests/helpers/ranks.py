@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.errors import RunnerError
-from runner.hooks import Hook
+from runner.hooks import Hook, StepContext, StepState
 from runner.processes import spawn as spawn_ranks
 from runner.train import train
 from runner.validate import validate
@@ -46,13 +46,13 @@ class FirstGrads(Hook):
         self.grads: dict[str, torch.Tensor | None] = {}
         self.clipped: dict[str, torch.Tensor | None] = {}
 
-    def after_reduce(self, trainer, state) -> None:
+    def after_reduce(self, ctx: StepContext, state: StepState) -> None:
         if state.first:
-            self.grads = gather_grads(trainer.modules, trainer.env, skip=trainer.tied.not_counted())
+            self.grads = gather_grads(ctx.modules, ctx.env, skip=ctx.not_counted)
 
-    def after_clip(self, trainer, state) -> None:
+    def after_clip(self, ctx: StepContext, state: StepState) -> None:
         if state.first:
-            self.clipped = gather_grads(trainer.modules, trainer.env, skip=trainer.tied.not_counted())
+            self.clipped = gather_grads(ctx.modules, ctx.env, skip=ctx.not_counted)
 
 
 def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:

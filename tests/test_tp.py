@@ -1,0 +1,189 @@
+"""Tensor parallelism inside each stage (``parallel.tp``): pp=2 x tp=2 computes what the unsplit
+model computes, for every schedule, for the built-in transformer (its own plan) and for Hugging
+Face families (transformers' plans: Llama's, and Qwen3's, whose q_norm/k_norm gradients the tp
+group must sum); and every check before launch refuses what it should, naming key, value and fix.
+
+One 4-rank spawn (module-scoped) runs every case; the references run once each, in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.errors import ConfigError
+from runner.split import build_meta_model
+from runner.tp import model_plan, stage_plan
+from runner.validate import validate
+
+from helpers.config import EXAMPLES, TINY, compose, resolved
+from helpers.hf import hf_training, write_model
+from helpers.parity import CLIP, GRAD_ATOL, SCHEDULES, assert_matches, reference
+from helpers.ranks import run_cases
+
+PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+TP2 = [*PP2, "parallel.tp=2"]
+HF_FAMILIES = {"llama": SCHEDULES, "qwen3": ["1f1b", "zbv"]}
+
+
+def _hf_base(path: Path) -> list[str]:
+    return ["device=cpu", "model=hf", f"model.path={path}", "data.vocab_size=64", "train.seq_len=16",
+            "train.steps=5", "profile.enabled=false", *CLIP]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-models")
+    return {family: write_model(root / family, family, weights=True) for family in HF_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def tp4(models, tmp_path_factory) -> dict[str, dict]:
+    """The 4-rank spawn: every schedule for the built-in transformer and Llama at pp=2 x tp=2 with
+    verify, a CSV schedule, activation checkpointing, and Qwen3."""
+    out = tmp_path_factory.mktemp("tp4")
+    cases = {f"builtin-{s}": resolved(*TINY, *CLIP, *TP2, f"schedule={s}", "verify=true") for s in SCHEDULES}
+    cases["builtin-csv"] = resolved(*TINY, *CLIP, *TP2, "schedule=csv",
+                                    f"schedule.csv={EXAMPLES / 'zero_bubble_pp2_m4.csv'}", "verify=true")
+    cases["builtin-ac"] = resolved(*TINY, *CLIP, *TP2, "schedule=zbv", "train.activation_checkpointing=full")
+    for family, schedules in HF_FAMILIES.items():
+        cases.update({f"{family}-{s}": resolved(*_hf_base(models[family]), *TP2, f"schedule={s}", "verify=true")
+                      for s in schedules})
+    return run_cases(out, 4, cases)
+
+
+@pytest.fixture(scope="module")
+def builtin_reference(tmp_path_factory) -> dict:
+    return reference(tmp_path_factory.mktemp("tp-reference"), *PP2[1:])
+
+
+@pytest.fixture(scope="module")
+def hf_references(models) -> dict[str, dict]:
+    return {family: hf_training(compose(*_hf_base(path), *PP2), steps=5) for family, path in models.items()}
+
+
+def _assert_verified(got: dict, case: str) -> None:
+    report = got["summary"]["verify"]
+    assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [*(f"builtin-{s}" for s in SCHEDULES), "builtin-csv", "builtin-ac"])
+def test_every_schedule_at_pp2_tp2_matches_the_unsplit_builtin_transformer(tp4, builtin_reference, case):
+    got = tp4[case]
+    assert_matches(got, builtin_reference, case)
+    if case != "builtin-ac":
+        _assert_verified(got, case)
+    assert (got["summary"]["pp"], got["summary"]["tp"]) == (2, 2), case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [f"{family}-{s}" for family, schedules in HF_FAMILIES.items() for s in schedules])
+def test_hugging_face_plans_at_pp2_tp2_match_transformers_own_training(tp4, hf_references, case):
+    got = tp4[case]
+    assert_matches(got, hf_references[case.split("-")[0]], case)  # every gradient: Qwen3's q_norm/k_norm too
+    _assert_verified(got, case)
+
+
+# -- the plans, in process ---------------------------------------------------------------------------
+def test_the_builtin_plan_shards_every_block_and_the_vocabulary_and_keeps_norms_whole():
+    meta = build_meta_model(compose(*TINY).model)
+    planned = stage_plan(meta.module, model_plan(meta.module))
+    assert planned["embed.tok"] == "embedding_rowwise" and planned["head"] == "colwise_gather_output"
+    assert {n for n, s in planned.items() if s == "colwise"} == {f"block{i}.{m}" for i in range(6)
+                                                               for m in ("attn.qkv", "ffn.up")}
+    assert not any("norm" in n or n == "embed.pos" for n in planned)
+
+
+def test_qwen3s_head_norms_are_the_plans_replicated_weights_with_summed_gradients(tmp_path):
+    path = write_model(tmp_path / "qwen3", "qwen3", weights=False)
+    meta = build_meta_model(compose(*_hf_base(path), "model.pretrained=false").model)
+    planned = stage_plan(meta.module, model_plan(meta.module))
+    summed = sorted(n for n, s in planned.items() if s == "replicated_with_grad_allreduce")
+    assert summed == sorted(f"model.layers.{i}.self_attn.{n}" for i in range(6) for n in ("q_norm", "k_norm"))
+
+
+# -- checks before launch ----------------------------------------------------------------------------
+BAD_TP = [
+    (["parallel.tp=3", "model.dim=48", "model.n_heads=4"], ["parallel.tp=3 does not divide model.n_heads=4",
+                                                           "Fix: parallel.tp=2 or 4"]),
+    (["parallel.tp=0"], ["parallel.tp=0 must be at least 1"]),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=15"],
+     ["train.seq_len=15 does not divide", "a multiple of 2"]),
+    (["parallel.sequence_parallel=true"], ["parallel.sequence_parallel=true", "parallel.tp=1",
+                                           "Fix: parallel.tp=2 or more"]),
+    (["parallel.loss_parallel=true"], ["parallel.loss_parallel=true", "parallel.tp=1"]),
+    (["parallel.tp=2", "parallel.loss_parallel=true", "+loss.label_smoothing=0.1"],
+     ["parallel.loss_parallel=true", "label_smoothing=0.1", "Fix: parallel.loss_parallel=false"]),
+    (["parallel.tp=2", "model=mlp", "model._target_=helpers.models.nested", "model.n_layers=4",
+      "parallel.stage_modules=[[embed,layers.0,layers.1],[layers.2,layers.3,norm,head]]"],
+     ["parallel.tp=2", "declares no tensor-parallel plan", "Fix: parallel.tp=1"]),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD_TP, ids=[" ".join(o) for o, _ in BAD_TP])
+def test_bad_tensor_parallel_input_is_refused_before_launch(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*TINY, *PP2, *overrides))
+    for text in expected:
+        assert text in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("family,tp,expected", [
+    ("gpt2", 2, ["a 'gpt2' model declares no tensor-parallel plan"]),
+    ("llama", 4, ["parallel.tp=4 does not divide model.path's config.json num_key_value_heads=2",
+                  "Fix: parallel.tp=2"]),
+])
+def test_hugging_face_models_without_a_plan_or_with_too_few_heads_are_refused(tmp_path, family, tp, expected):
+    path = write_model(tmp_path / family, family, weights=False)
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*_hf_base(path), "model.pretrained=false", *PP2, f"parallel.tp={tp}"))
+    for text in expected:
+        assert text in str(info.value), str(info.value)
+
+
+def test_a_plan_with_a_style_the_runner_does_not_translate_is_refused(monkeypatch):
+    from runner import models
+
+    monkeypatch.setattr(models, "TP_PLAN", {**models.TP_PLAN, "block*.ffn.up": "colwise_split_input"})
+    with pytest.raises(ConfigError, match=r"style\(s\) \['colwise_split_input'\].*Fix: parallel.tp=1"):
+        validate(compose(*TINY, *TP2))
+    monkeypatch.setattr(models, "TP_PLAN", {"blocks.*.mlp": "colwise"})
+    with pytest.raises(ConfigError, match=r"names none of its modules"):
+        validate(compose(*TINY, *TP2))
+    monkeypatch.setattr(models, "TP_PLAN", {"embed.tok": "embedding_rowwise", "head": "rowwise"})
+    with pytest.raises(ConfigError, match=r"the tied weight \['embed.tok.weight', 'head.weight'\] would be sharded "
+                                          r"differently in embed.tok \(embedding_rowwise\), head \(rowwise\)"):
+        validate(compose(*TINY, *TP2, "model.tie_embeddings=true"))
+
+
+def test_the_degrees_multiply_into_the_world_size_with_tp_innermost():
+    plan = validate(compose(*TINY, *TP2, "parallel.dp=2", "parallel.dp_mode=fsdp", "train.batch_size=16"))
+    dims = plan.dims
+    assert dims.world_size == 8 and dims.stage_ranks == 4
+    assert dims.ranks_of("tp", 5) == [4, 5] and dims.ranks_of("dp", 5) == [5, 7] and dims.ranks_of("pp", 5) == [1, 5]
+    assert torch.Size([dims.pp, dims.dp, dims.tp]) == torch.Size([2, 2, 2])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_verify(models, tmp_path):
+    """The issue's command, as a user types it: 4 ranks, verify passes, and the tensor-parallel
+    all-reduces are in every rank's trace."""
+    import json
+
+    from helpers.cli import run_cli
+
+    done = run_cli("model=hf", f"model.path={models['llama']}", "parallel.pp=2", "parallel.tp=2", "schedule=zbv",
+                   "verify=true", "train.steps=2", "train.seq_len=16", "data.vocab_size=64", "profile.enabled=true",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["pp"], summary["tp"], summary["steps"]) == (2, 2, 2) and summary["verify"]["passed"]
+    assert "tp=2" in done.stdout
+    for rank in range(4):
+        trace = json.loads((tmp_path / "run" / "traces" / f"rank{rank}.json").read_text())
+        assert sum(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"]) >= 2 * 6, rank  # 2 per layer
