@@ -28,6 +28,7 @@ from runner.options import (
     WandbMode,
     choices,
 )
+from runner.plan.target_config import TargetPlanConfig  # plan.target's keys
 from runner.schedules import schedule_names
 
 __all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
@@ -204,7 +205,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig(TargetPlanConfig):
     """``python -m runner.plan``: candidates, costs and limits (ignored by training runs)."""
 
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try

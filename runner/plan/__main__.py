@@ -34,7 +34,8 @@ from runner.errors import ConfigError, RunnerError, interrupted_exit_code
 from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes
 from runner.plan.planner import Candidate, plan
-from runner.plan.report import fit_line, label, search_report, table
+from runner.plan.report import fit_line, label, search_report, table, within_error
+from runner.plan.target_report import run_target
 from runner.timeline import simulated_slices, write_chrome_trace
 
 _STARTED: list[bool] = []
@@ -46,9 +47,12 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
     out = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
+        return run_target(cfg, out, HydraConfig.get().overrides.task)
     candidates, timelines, calibration, model = plan(cfg, out, launch)
     if not any(c.valid for c in candidates):
         raise ConfigError(_no_valid_candidate(candidates))
+    close = within_error(candidates)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     if calibration is not None:
         (out / "calibration.json").write_text(json.dumps(asdict(calibration), indent=2) + "\n")
@@ -77,6 +81,8 @@ def main(cfg: DictConfig) -> None:
         print(f"\ntie: {len(tied)} candidates are predicted within {cfg.plan.tie_tolerance:.0%} "
               f"(plan.tie_tolerance) of the fastest, closer than the prediction can tell apart: "
               f"{', '.join(label(c) for c in tied)}. Recommended of those: the least activation memory.")
+    for line in close:
+        print(line)
     # The user's overrides, less the planner's own and the ones each candidate sets itself.
     chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]

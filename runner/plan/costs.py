@@ -31,6 +31,7 @@ class ChildCost:
     saved_bytes: int  # tensors autograd keeps from forward to backward
     output_bytes: int  # what the child sends on
     update_s: float = 0.0  # the optimizer step of its parameters, with the global-norm clip's share
+    params: int = 0  # parameters it holds (the whole-rank memory estimate: runner.plan.memory)
 
 
 def _timed(fn, repeats: int, device: torch.device, setup=lambda: None) -> float:
@@ -77,7 +78,8 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
                           setup=lambda: _torch_pp.backward_input(forward(), grad, [inp], child))
     update_s = _update_s(list(child.parameters()), repeats, device)  # the backwards above left gradients
     child.zero_grad(set_to_none=True)
-    return ChildCost(forward_s, backward_s, input_s, weight_s, saved[0], out.numel() * out.element_size(), update_s)
+    return ChildCost(forward_s, backward_s, input_s, weight_s, saved[0], out.numel() * out.element_size(), update_s,
+                     sum(p.numel() for p in child.parameters()))
 
 
 def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.device) -> float:

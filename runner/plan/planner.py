@@ -32,6 +32,7 @@ from runner.layout import Layout, RunPlan
 from runner.ops import Op
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
+from runner.plan.memory import annotate_memory, rank_params
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
@@ -73,6 +74,9 @@ class Candidate:
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
     recommended: bool = False  # the one the best line names
     search: dict | None = None  # a synthesized order: how the search went
+    rank_params: list[int] = field(default_factory=list)  # parameters per pipeline rank
+    rank_memory_bytes: list[int] = field(default_factory=list)  # whole rank, per pipeline rank (runner.plan.memory)
+    within_error: bool = False  # predicted within the planner's measured error of the fastest (runner.plan.report)
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -166,6 +170,8 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     counts, nbytes = peak_in_flight(order), peak_in_flight(order, _saved_bytes(layout, child))
     candidate.peak_activations = [int(counts[r]) for r in sorted(counts)]  # counts: whole numbers
     candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
+    candidate.rank_params = rank_params(layout.stages, {n: c.params for n, c in child.items()}, layout.stage_to_rank,
+                                        layout.pp)
     limit = parse_bytes("plan.memory_limit", plan_cfg.memory_limit)
     candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
     return timeline
@@ -264,6 +270,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
                     timelines[id(candidate)] = timeline
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     _mark_ties(ranked, cfg.plan.tie_tolerance)
+    annotate_memory(ranked, cfg)
     return PlanResult(ranked, timelines, calibration, model)
 
 

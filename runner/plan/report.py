@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
 from runner.schedule import V_SHAPED
 
-__all__ = ["label", "table", "search_report", "fit_line"]
+__all__ = ["label", "table", "search_report", "fit_line", "MEASURED_ERROR", "within_error"]
+
+# The planner's error on single plans of configurations it did not probe (over every round and
+# configuration of all model sizes): its median and 90th percentile, as scripts/planner_accuracy.py
+# computes them from benchmarks/planner.json (BENCHMARKS.md, "Planner accuracy per single plan";
+# a test holds them to that file).
+MEASURED_ERROR = (0.082, 0.307)
 
 
 def _placement(c: Candidate) -> str:
@@ -33,8 +41,10 @@ def fit_line(model: Fit) -> str:
 
 def table(candidates: list[Candidate]) -> str:
     """One row per valid candidate; ``*`` marks the recommended one and ``=`` those tied with it.
-    *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout."""
-    rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  children per stage"]
+    *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout;
+    *rank mem*: the whole-rank estimate of the fullest rank (``runner.plan.memory``)."""
+    rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  rank mem (MiB)  "
+            "children per stage"]
     for c in candidates:
         if c.valid:
             split = "/".join(map(str, c.stage_sizes))
@@ -43,7 +53,8 @@ def table(candidates: list[Candidate]) -> str:
             rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
                         f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
                         f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
-                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {split}"
+                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {max(c.rank_memory_bytes or [0]) / 2**20:14.1f}"
+                        f"  {split}"
                         f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
     if invalid:
@@ -77,3 +88,20 @@ def search_report(candidates: list[Candidate]) -> list[str]:
         lines.append(line + f"; from {best.search['origin']}")
     return lines
 
+
+def within_error(candidates: Sequence[Candidate], error: float = MEASURED_ERROR[0]) -> list[str]:
+    """Mark (``within_error``) the candidates that fit and are predicted within ``error`` of the
+    fastest of them; the message saying so, or nothing where only the fastest is."""
+    fitting = [c for c in candidates if c.valid and c.fits_memory]
+    if not fitting:
+        return []
+    fastest = fitting[0].prediction().step_s
+    close = [c for c in fitting if c.prediction().step_s <= fastest * (1 + error)]
+    for c in close:
+        c.within_error = len(close) > 1
+    if len(close) < 2:
+        return []
+    median, p90 = MEASURED_ERROR
+    return [f"within error: {len(close)} candidates are predicted within {error:.1%} of the fastest, the planner's "
+            f"median error on a single plan (90th percentile: {p90:.0%}; BENCHMARKS.md, \"Planner accuracy per single "
+            f"plan\"): {', '.join(label(c) for c in close)}. A prediction cannot order them; runs of each can."]
