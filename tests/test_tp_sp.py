@@ -24,6 +24,7 @@ from runner.validate import validate
 
 from helpers.config import TINY, compose, resolved
 from helpers.hf import hf_training, write_model
+from helpers.messages import stage_shapes
 from helpers.parity import CLIP, SCHEDULES, assert_matches, reference
 from helpers.ranks import run_cases
 
@@ -80,7 +81,7 @@ def references(models, tmp_path_factory):
 
 def _spawn(out: Path, models: dict[str, Path], matrix: list[tuple[str, str, str]], extra: dict[str, dict]):
     cases = {_name(*key): _case(models, *key) for key in matrix}
-    return run_cases(out, 4, {**cases, **extra})
+    return run_cases(out, 4, {**cases, **extra}, stage_shapes)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,26 @@ def test_the_unsplit_step_at_tp4_with_both_options_matches_the_unsplit_model(ci,
     _assert_case(*ci, references, "transformer", "transformer-splp-pp1-tp4")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_stages_send_slices_of_the_sequence_and_the_loss_takes_vocabulary_shards(ci):
+    # Rank 0 (tp rank 0 of the first pipeline rank): its stages' first forward, microbatches of 2 x 16 tokens.
+    shapes = {case: record["summary"]["stage_shapes"] for case, record in ci[1].items()}
+    half = {"input": [2, 16], "output": "Tensor", "output_local": [2, 8, 32]}  # sequence parallel: 8 of 16 tokens
+    assert shapes["transformer-sp-1f1b"] == {"embed": half}
+    assert shapes["llama-splp-1f1b"] == {"model.embed_tokens": half}
+    # Without sequence parallelism the message is whole; with loss parallelism (ZBV: the last
+    # stage on rank 0 too) the logits leave the head as a DTensor, half of the 48 tokens each.
+    assert shapes["transformer-lp-interleaved_zb"]["embed"]["output_local"] == [2, 16, 32]
+    (last,) = set(shapes["transformer-splp-zbv"]) - {"embed"}
+    assert shapes["transformer-splp-zbv"][last] == {"input": [2, 8, 32], "output": "DTensor",
+                                                    "output_local": [2, 16, 24]}
+    assert shapes["llama-sp-zbv"]["model.embed_tokens"] == half
+    assert shapes["llama-sp-zbv"]["model.layers.5"]["output"] == "Tensor"  # logits gathered: lm_head's stage
+    assert shapes["transformer-splp-pp1-tp4"] == {"embed": {"input": [2, 16], "output": "DTensor",
+                                                            "output_local": [2, 16, 12]}}
+
+
 @pytest.fixture(scope="module")
 def full(models, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("tp-sp-full") / "ranks"
@@ -145,15 +166,13 @@ def _hf_meta(directory: Path, family: str):
 
 
 def _styles(meta) -> dict[str, str]:
-    """Each styled module's torch style, with its layouts where they matter."""
+    """Each styled module's torch style under both options, with the layouts a style sets."""
     styles = _torch_styles(meta.module, meta.spec, TPPlan(model_plan(meta.module), True, True))
     out = {}
     for name, style in styles.items():
-        kind = type(style).__name__
         layouts = {k: str(getattr(style, k)) for k in ("input_layouts", "output_layouts", "desired_output_layouts")
                    if hasattr(style, k)}
-        out[name] = f"{kind}{layouts}" if kind in ("RowwiseParallel", "PrepareModuleOutput") or name == "head" or \
-            name == "lm_head" else kind
+        out[name] = type(style).__name__ + (str(layouts) if layouts else "")
     return out
 
 
@@ -162,7 +181,9 @@ def test_sequence_parallelism_is_derived_from_the_built_in_transformers_plan():
     styles = _styles(meta)
     assert styles["block0.attn_norm"] == styles["block0.ffn_norm"] == styles["norm"] == "SequenceParallel"
     assert styles["block0.attn"] == styles["block0.ffn"] == "_GatherSequence"  # the colwise layers' parents
-    assert styles["block0.attn.qkv"] == styles["block0.ffn.up"] == "ColwiseParallel"
+    assert styles["block0.attn.qkv"] == styles["block0.ffn.up"] == ("ColwiseParallel{'input_layouts': "
+                                                                   "'(Replicate(),)', 'output_layouts': "
+                                                                   "'(Shard(dim=-1),)'}")  # plain tp's
     assert styles["block0.attn.proj"] == "RowwiseParallel{'input_layouts': '(Shard(dim=-1),)', " \
                                          "'output_layouts': '(Shard(dim=1),)'}"
     # The embedding unit adds the position table to the tokens' sum: the unit's output is scattered.
@@ -240,9 +261,10 @@ def test_a_plan_that_leaves_a_weight_on_the_sharded_sequence_is_refused_with_seq
     _, meta = _meta()
     del meta.module.tp_plan["block*.attn.qkv"]  # attention no longer gathers its input: qkv would see a slice
     _check(meta)  # plain tp: the layers are whole (qkv replicated)
-    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true with parallel.tp=2: block0.attn.qkv.weight, "
-                                          r"block0.attn.qkv.bias, block1.attn.qkv.weight ... would see only this "
-                                          r"rank's slice of the sequence.*Fix: parallel.sequence_parallel=false"):
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true with parallel.tp=2: "
+                                          r"block0.attn.qkv.weight, block0.attn.qkv.bias, block1.attn.qkv.weight ... "
+                                          r"would see only this rank's slice of the sequence.*"
+                                          r"Fix: parallel.sequence_parallel=false"):
         _check(meta, "sequence_parallel")
 
 
