@@ -4,13 +4,14 @@ modules a stage holds, with torch's parallel styles over the stage's tp group.
 A plan is the model's ``tp_plan`` attribute: module name patterns (``*`` for a layer's number) to
 style names, in transformers' vocabulary, so a Hugging Face family brings its own (its merged
 ``model.tp_plan``) and the built-in transformer declares one (``runner.models``); any other model
-may set one. Each style maps to a torch ``ParallelStyle`` (``STYLES``); one torch has no style for,
+may set one. Each style maps to a torch ``ParallelStyle`` (``_style``); one torch has no style for,
 ``replicated_with_grad_allreduce`` (Qwen3's ``q_norm``/``k_norm``: a weight every shard holds whole
 but applies to its own heads), leaves the weight replicated and sums its gradient over the tp
 group after every backward, or each shard would step with its own heads' part of it.
 
 Messages between stages stay plain tensors: every plan ends its layers replicated (rowwise outputs
-are all-reduced, the head's logits gathered), so every schedule sends what it sends without tp.
+are all-reduced, the head's logits gathered), so every schedule sends what it sends without tp
+(under sequence parallelism, each rank's slice of it: below).
 
 Sequence parallelism (``parallel.sequence_parallel``) is derived from the same plan, not declared
 apart (``_sequence_layout``): the residual stream between the blocks is sharded on the sequence
@@ -24,11 +25,14 @@ whole sequence (``StageModule.seq_shards``).
 
 Loss parallelism (``parallel.loss_parallel``) leaves the head's logits sharded on the vocabulary
 (a DTensor) into ``runner.losses.cross_entropy``, computed by torch's ``loss_parallel()``, which
-the pipeline enters around the last stage's whole step (the backward runs inside it).
+the pipeline enters around the last stage's whole step (the backward runs inside it). Both
+options' own checks (``_option_problem``) run before launch with the others (``check_tp``).
 
 Stage modules are built whole and then distributed (``distribute_tensor`` keeps each rank's
 slice of the whole tensor): every tp gives the unsplit model's initial values, which a seeded
-``normal_`` on a sharded tensor would not."""
+``normal_`` on a sharded tensor would not. Weights replicated as DTensors (the norms under
+sequence parallelism) get partial gradients, summed over the group after the backward
+(``sum_partial_grads``)."""
 
 from __future__ import annotations
 
@@ -40,16 +44,24 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from runner.errors import ConfigError
-from runner.units import ModelSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from runner.mesh import Mesh
     from runner.split import MetaModel, StageModule
+    from runner.units import ModelSpec
 
 __all__ = ["STYLE_NAMES", "REPLICATED_WITH_GRAD_SUM", "TPPlan", "tp_plan", "model_plan", "stage_plan", "check_tp",
            "apply_tp", "loss_context", "sum_partial_grads"]
@@ -79,9 +91,6 @@ def _style(name: str, *, sequence: bool = False, head: bool = False, loss_parall
     """The torch ``ParallelStyle`` of a transformers style name (None: no torch style).
     ``sequence``: the residual stream is sharded on the sequence; ``head``: the module is the
     model's head, whose logits stay vocabulary-sharded under ``loss_parallel``."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     stream = Shard(1) if sequence else Replicate()  # between the blocks
     if name == "colwise_gather_output" and head:  # the logits: whole, or sharded into the loss
         return ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -150,8 +159,6 @@ def _sequence_layout(module: nn.Module, spec: ModelSpec, planned: Mapping[str, s
 def _torch_styles(module: nn.Module, spec: ModelSpec, plan: TPPlan) -> dict[str, Any]:
     """The torch style of each planned module of ``module`` (and, with sequence parallelism, of
     its norms, the modules that gather their inputs, and the embedding unit)."""
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel, SequenceParallel
-
     planned = stage_plan(module, plan.styles)
     layout = _sequence_layout(module, spec, planned)
     sp = plan.sequence_parallel
@@ -270,8 +277,6 @@ def apply_tp(module: StageModule, mesh: Mesh, plan: TPPlan) -> None:
     """Shard ``module``'s planned layers over this rank's tp group, in place. Weights tied within
     the module (embedding and head of one stage) are tied again after distribution; the names
     of weights whose gradients are summed over the group are kept on the module."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     assert mesh.tp_mesh is not None
     before = dict(module.named_parameters(remove_duplicate=False))
     planned = stage_plan(module, plan.styles)
@@ -292,8 +297,6 @@ def apply_tp(module: StageModule, mesh: Mesh, plan: TPPlan) -> None:
 def loss_context(enabled: bool) -> Callable[[], AbstractContextManager]:
     """What a step enters around the losses and their backward: torch's ``loss_parallel`` under
     ``parallel.loss_parallel`` (cross-entropy of vocabulary-sharded logits), else nothing."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     return loss_parallel if enabled else nullcontext
 
 
