@@ -22,7 +22,7 @@ from runner.split import build_meta_model
 from runner.tp import TPPlan, _torch_styles, check_tp, model_plan
 from runner.validate import validate
 
-from helpers.config import TINY, compose, resolved
+from helpers.config import EXAMPLES, TINY, compose, resolved
 from helpers.hf import hf_training, write_model
 from helpers.messages import stage_shapes
 from helpers.parity import CLIP, SCHEDULES, assert_matches, reference
@@ -36,7 +36,10 @@ EVAL = ["eval.every=5"]  # forward-only evaluation after the last step: schedule
 # CI: each option on each placement at least once, for both model kinds; (model, option, schedule).
 CI = [("transformer", "sp", "1f1b"), ("transformer", "lp", "interleaved_zb"), ("transformer", "splp", "zbv"),
       ("llama", "splp", "1f1b"), ("llama", "sp", "zbv"), ("qwen3", "sp", "zbv")]
-SLOW = [(m, o, s) for m in ("transformer", "llama") for o in OPTIONS for s in SCHEDULES]
+# Schedule files with F/I/W actions (a loop placement and a V), run by torch's CSV runtime.
+CSV = {f"csv-{name}": ["schedule=csv", f"schedule.csv={EXAMPLES / f'{name}_pp2_m4.csv'}"]
+       for name in ("zero_bubble", "zbv")}
+SLOW = [(m, o, s) for m in ("transformer", "llama") for o in OPTIONS for s in (*SCHEDULES, *CSV)]
 HF = ("llama", "qwen3")
 
 
@@ -50,9 +53,10 @@ def _hf_base(path: Path) -> list[str]:
 
 
 def _case(models: dict[str, Path], model: str, option: str, schedule: str) -> dict:
+    chosen = CSV.get(schedule, [f"schedule={schedule}"])
     if model == "transformer":
-        return resolved(*TINY, *CLIP, *PP2TP2, *EVAL, *OPTIONS[option], f"schedule={schedule}")
-    return resolved(*_hf_base(models[model]), *PP2TP2, *OPTIONS[option], f"schedule={schedule}")
+        return resolved(*TINY, *CLIP, *PP2TP2, *EVAL, *OPTIONS[option], *chosen)
+    return resolved(*_hf_base(models[model]), *PP2TP2, *OPTIONS[option], *chosen)
 
 
 @pytest.fixture(scope="module")
