@@ -266,6 +266,9 @@ class HFSpec(ModelSpec):
         return h
 
     def _context(self, stage: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]) -> _Context:
+        shards = getattr(stage, "seq_shards", 1)
+        if shards > 1:  # sequence parallelism: h is this rank's slice; positions and masks are the whole sequence's
+            h = h[:, :1].expand(h.shape[0], h.shape[1] * shards, *h.shape[2:])  # its shape, no copy
         ctx = _Context(h, kwargs.get("attention_mask"), self._positions(h, kwargs))
         if self._family.rotary:
             ctx.position_embeddings = stage.get_submodule(f"{self._base}.{self._family.rotary}")(h, ctx.position_ids)

@@ -7,7 +7,7 @@ Nothing here renames a parameter: checkpoints and ``verify`` keep the unsplit mo
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from runner.dp import DP_MODES
 from runner.mesh import Mesh
 from runner.options import ActivationCheckpointing, Precision
-from runner.tp import apply_tp
+from runner.tp import TPPlan, apply_tp
 
 if TYPE_CHECKING:
     from runner.config import TrainConfig
@@ -52,11 +52,11 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
 
 def parallelize(module: StageModule, train: TrainConfig, dp_mode: str, mesh: Mesh,
-                tp_plan: Mapping[str, str] | None = None) -> StageModule:
+                tp_plan: TPPlan | None = None) -> StageModule:
     """Tensor parallelism (the model's ``tp_plan``, where the mesh has a tp dimension), activation
     checkpointing, compile, precision and dp (``runner.dp``) for one stage module (in place:
     returns the same module)."""
-    if mesh.tp_mesh is not None and tp_plan:
+    if mesh.tp_mesh is not None and tp_plan is not None:
         apply_tp(module, mesh, tp_plan)
     for name in checkpointed_blocks(module.spec.blocks(), train.activation_checkpointing, train.ac_every):
         if name in module.units:

@@ -24,7 +24,7 @@ from runner.record import Recorder
 from runner.schedule import build_schedule
 from runner.split import build_meta_model, materialize
 from runner.tied import TiedWeights, share_local_copies
-from runner.tp import model_plan, sum_partial_grads
+from runner.tp import loss_context, sum_partial_grads, tp_plan
 from runner.units import describe_names
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
@@ -40,9 +40,10 @@ class UnsplitStep:
     maps a microbatch's inputs and keyword inputs to logits."""
 
     def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable, forward: Callable | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, loss_parallel: bool = False):
         self.modules = [model]
         self.mesh = mesh  # its tp group sums the gradients each shard holds a part of
+        self.loss_context = loss_context(loss_parallel)  # around forward and backward (runner.tp)
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.forward = forward or model
@@ -58,10 +59,18 @@ class UnsplitStep:
         return zip(inputs.tensor_split(m), targets.tensor_split(m), kwarg_mbs)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-        model, m = self.modules[0], self.microbatches
+        model = self.modules[0]
         timed = self.recorder.action if self.recorder else lambda *_: nullcontext()
-        losses = []
-        for i, (x, y, kw) in enumerate(self._microbatches(inputs, targets, kwargs)):
+        losses: list[torch.Tensor] = []
+        with self.loss_context():
+            self._accumulate(model, self._microbatches(inputs, targets, kwargs), losses, timed)
+        if self.mesh is not None:
+            sum_partial_grads(self.modules, self.mesh)
+        return torch.stack(losses).mean()
+
+    def _accumulate(self, model: nn.Module, microbatches, losses: list[torch.Tensor], timed) -> None:
+        m = self.microbatches
+        for i, (x, y, kw) in enumerate(microbatches):
             if isinstance(model, FSDPModule):  # reduce across replicas once, after the last microbatch
                 model.set_requires_gradient_sync(i == m - 1)
             with timed(0, "F", i):
@@ -69,14 +78,12 @@ class UnsplitStep:
             with timed(0, "B", i):
                 (loss / m).backward()
             losses.append(loss.detach())
-        if self.mesh is not None:
-            sum_partial_grads(self.modules, self.mesh)
-        return torch.stack(losses).mean()
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.loss_fn(self.forward(x, **kw), y)
-                            for x, y, kw in self._microbatches(inputs, targets, kwargs)]).mean()
+        with self.loss_context():
+            return torch.stack([self.loss_fn(self.forward(x, **kw), y)
+                                for x, y, kw in self._microbatches(inputs, targets, kwargs)]).mean()
 
 
 class PipelinedStep:
@@ -84,7 +91,8 @@ class PipelinedStep:
     targets on the rank with the last, keyword inputs on every rank (each stage's children take
     the ones they name); only the last stage's rank returns the step's loss."""
 
-    def __init__(self, stages: list[PipelineStage], schedule, layout: Layout, mesh: Mesh):
+    def __init__(self, stages: list[PipelineStage], schedule, layout: Layout, mesh: Mesh,
+                 loss_parallel: bool = False):
         self.stages = stages
         self.mesh = mesh
         self.modules = [s.submod for s in stages]
@@ -96,6 +104,9 @@ class PipelinedStep:
         indices = {s.stage_index for s in stages}
         self.has_first = 0 in indices
         self.has_last = layout.num_stages - 1 in indices
+        # The last stage's loss and its backward both run inside step() (and its forward inside
+        # eval()): the whole call enters torch's loss_parallel, which is not re-entrant.
+        self.loss_context = loss_context(loss_parallel and self.has_last)
 
     def attach(self, recorder: Recorder) -> None:
         for stage in self.stages:
@@ -105,11 +116,12 @@ class PipelinedStep:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         try:
-            if self.has_last:
-                run(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
-                return torch.stack([loss.detach() for loss in losses]).mean()
-            run(*args, return_outputs=False, **kwargs)
-            return None
+            with self.loss_context():
+                if self.has_last:
+                    run(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
+                    return torch.stack([loss.detach() for loss in losses]).mean()
+                run(*args, return_outputs=False, **kwargs)
+                return None
         except Exception as e:  # shape inference runs the stage outside the recorded actions
             if not any(note.startswith("runner:") for note in getattr(e, "__notes__", [])):
                 e.add_note(f"runner: in pipeline stage(s) {[s.stage_index for s in self.stages]} on this rank")
@@ -138,12 +150,13 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     seed, loss_fn = plan.train.seed, build_loss(cfg.loss)
     layout, dp_mode = plan.layout, plan.dp_mode
-    tp_plan = model_plan(meta.module) if plan.dims.tp > 1 else None
+    tp = tp_plan(meta.module, cfg.parallel)
+    loss_parallel = tp is not None and tp.loss_parallel
 
     if layout.pp == 1:
         module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
-        unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp_plan), layout.microbatches, loss_fn,
-                              mesh=mesh)
+        unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp), layout.microbatches, loss_fn,
+                              mesh=mesh, loss_parallel=loss_parallel)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
     modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
@@ -151,14 +164,14 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, plan.train, dp_mode, mesh, tp_plan)
+        module = parallelize(module, plan.train, dp_mode, mesh, tp)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)
         _torch_pp.allow_eval(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
-    step = PipelinedStep(stages, schedule, layout, mesh)
+    step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel)
     rank_of = {p: layout.stage_to_rank[s] for s, units in enumerate(layout.stages) for u in units
                for p in _params_of(meta, u)}
     embeddings = {n for names in meta.tied for n in names

@@ -46,6 +46,7 @@ class StageModule(nn.Module):
 
     autocast_dtype: torch.dtype | None = None
     tp_grad_sum: tuple[str, ...] = ()  # parameters whose gradients the tp group sums (runner.tp)
+    seq_shards: int = 1  # the sequence's slices between the units (sequence parallelism: runner.tp)
 
     def __init__(self, spec: ModelSpec, units: Sequence[str], modules: Mapping[str, nn.Module]):
         super().__init__()

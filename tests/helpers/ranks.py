@@ -55,16 +55,17 @@ class FirstGrads(Hook):
             self.clipped = gather_grads(ctx.modules, ctx.env, skip=ctx.not_counted)
 
 
-def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:
+def train_cases(env, out_dir: str, cases: dict[str, dict], more_hooks=None) -> None:
     """Train every case on the same process group; rank 0 saves losses, first-step gradients
-    and the summary, or the runner error every rank raised, to ``<out_dir>/<case>.pt``."""
+    and the summary, or the runner error every rank raised, to ``<out_dir>/<case>.pt``.
+    ``more_hooks``: a function (importable by the ranks) making each case's other hooks."""
     for name, cfg_dict in cases.items():
         cfg = OmegaConf.create(cfg_dict)
         run_dir = Path(out_dir) / name
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
             grads = FirstGrads()
-            result = train(validate(cfg, run_dir), cfg, env, hooks=[grads])
+            result = train(validate(cfg, run_dir), cfg, env, hooks=[grads, *(more_hooks() if more_hooks else [])])
             record = {"losses": result.losses, "grads": grads.grads, "clipped": grads.clipped,
                       "summary": result.summary}
         except RunnerError as e:
@@ -73,8 +74,8 @@ def train_cases(env, out_dir: str, cases: dict[str, dict]) -> None:
             torch.save(record, Path(out_dir) / f"{name}.pt")
 
 
-def run_cases(out_dir: Path, world: int, cases: dict[str, dict]) -> dict[str, dict]:
+def run_cases(out_dir: Path, world: int, cases: dict[str, dict], more_hooks=None) -> dict[str, dict]:
     """One spawn of ``world`` ranks trains every case (name -> resolved config, see
     ``helpers.config.resolved``); returns each case's record (``train_cases``)."""
-    spawn(world, train_cases, str(out_dir), cases)
+    spawn(world, train_cases, str(out_dir), cases, more_hooks)
     return {name: torch.load(Path(out_dir) / f"{name}.pt", weights_only=False) for name in cases}
