@@ -99,7 +99,7 @@ class TiedWeights:
         params = _params_by_name(self.modules)
         for group, pg in zip(self.groups, self._process_groups):
             copies = [params[n] for n in group.local]
-            grads = [p.grad for p in copies if p.grad is not None]
+            grads = [_as_param(p) for p in copies if p.grad is not None]
             if not copies or (len(copies) == 1 and pg is None):
                 continue
             total = _local_tensor(grads[0]).clone() if grads else torch.zeros_like(_local_tensor(copies[0]))
@@ -128,6 +128,19 @@ class TiedWeights:
                 stored[rep] = g.canonical
             equal.update({n: rep for n in g.local if n != rep})
         return stored, equal
+
+
+def _as_param(p: nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient, laid out as ``p`` is. Under tensor parallelism the copies are sharded
+    alike (the embedding's and the head's vocabulary rows, ``Shard(0)`` over the same tp group),
+    but DTensor's embedding backward returns the whole gradient (``Replicate``) on every shard:
+    taken to the parameter's placements (a local slice, no communication), each shard sums its
+    own rows with its peers'. Set back on ``p``, so the optimizer steps a shard with its rows."""
+    grad = p.grad
+    assert grad is not None
+    if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+        p.grad = grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
