@@ -70,9 +70,21 @@ def llama(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("model") / "llama", "llama", weights=True)
 
 
+class _References(dict):
+    """The unsplit run of each ``REFERENCES`` entry, computed when a test first asks for it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name: str) -> dict:
+        self[name] = reference(self.tmp_path_factory.mktemp(name), *BATCH, *REFERENCES[name])
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, dict]:
-    return {name: reference(tmp_path_factory.mktemp(name), *BATCH, *extra) for name, extra in REFERENCES.items()}
+    return _References(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
