@@ -5,7 +5,7 @@ under a V schedule), and checkpoints that resume at another tp, pp and dp with t
 losses and export the same weights as a run without tp.
 
 In CI, one 4-rank spawn runs the built-in transformer's and a tiny Llama's cases; the slow tier
-adds a second 4-rank spawn (ddp, tied copies on two ranks resumed at pp=1) and the 8-rank spawn
+adds a second 4-rank spawn (ddp, a V schedule, a tied checkpoint resumed at pp=1) and the 8-rank spawn
 (pp=2 x tp=2 x dp=2 with FSDP). Module-scoped fixtures; each case is asserted in its own test.
 The unsplit references run in this process, once each."""
 
@@ -47,14 +47,16 @@ def _llama(path: Path, *overrides: str) -> list[str]:
 
 # The 4-rank cases of the built-in transformer, and the reference each is held to: in CI, FSDP
 # over tp with a tied embedding and head at pp=1 (one parameter, one fully_shard group), and tied
-# copies vocabulary-sharded over an uneven vocabulary under a V schedule; in the slow tier, the
-# ddp mode and the tied copies on two ranks under 1F1B (saved, and resumed at pp=1).
+# copies on two pipeline ranks, each tp shard summing its rows of an uneven vocabulary with its
+# peer's; in the slow tier, the ddp mode, both ends on one rank under a V schedule, and tied
+# copies saved at pp=2 x tp=2 (and resumed at pp=1).
 BUILTIN = {
     "fsdp-tp2-dp2-tied": (["parallel.pp=1", *TP2, "parallel.dp=2", "parallel.dp_mode=fsdp", *TIED], "tied"),
-    "tied-zbv-vocab47": (["parallel.pp=2", *TP2, *TIED, "schedule=zbv", "data.vocab_size=47"], "tied-47"),
+    "tied-pp2-tp2-vocab47": (["parallel.pp=2", *TP2, *TIED, "data.vocab_size=47"], "tied-47"),
 }
 SLOW = {
     "ddp-tp2-dp2": (["parallel.pp=1", *TP2, "parallel.dp=2", "parallel.dp_mode=ddp"], "untied"),
+    "tied-zbv-vocab47": (["parallel.pp=2", *TP2, *TIED, "schedule=zbv", "data.vocab_size=47"], "tied-47"),
     "tied-pp2-tp2": (["parallel.pp=2", *TP2, *TIED, "checkpoint.every=3"], "tied"),
 }
 REFERENCES = {"untied": [], "tied": TIED, "tied-47": [*TIED, "data.vocab_size=47"]}
@@ -134,7 +136,7 @@ def test_dp_over_tp_and_tied_weights_under_tp_match_the_unsplit_model(tp4, refer
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(SLOW))
-def test_ddp_over_tp_and_tied_copies_on_two_ranks_match_the_unsplit_model(tp4_slow, references, case):
+def test_ddp_over_tp_and_tied_weights_in_a_v_match_the_unsplit_model(tp4_slow, references, case):
     assert_matches(tp4_slow[case], references[SLOW[case][1]], case)
 
 
