@@ -7,7 +7,9 @@ backward, so the same update keeps them equal. Where both ends are on one rank (
 two stage modules share one parameter, unless data parallelism wraps each stage on its own (FSDP
 cannot share a parameter between two ``fully_shard`` roots): then the copies are summed locally.
 The global gradient norm counts the weight once, and checkpoints store it once, under the name of
-its first owner in the unsplit model.
+its first owner in the unsplit model. With tensor parallelism both ends are sharded on their
+vocabulary rows over the same tp group, so each tp shard sums with its peer of its own pipeline
+(a group per pipeline, ``dims.groups_of("pp")``) the rows it holds.
 """
 
 from __future__ import annotations
