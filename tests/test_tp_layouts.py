@@ -51,7 +51,8 @@ def _llama(path: Path, *overrides: str) -> list[str]:
 # peer's; in the slow tier, the ddp mode, both ends on one rank under a V schedule, and tied
 # copies saved at pp=2 x tp=2 (and resumed at pp=1).
 BUILTIN = {
-    "fsdp-tp2-dp2-tied": (["parallel.pp=1", *TP2, "parallel.dp=2", "parallel.dp_mode=fsdp", *TIED], "tied"),
+    "fsdp-tp2-dp2-tied": (["parallel.pp=1", *TP2, "parallel.dp=2", "parallel.dp_mode=fsdp", *TIED, "verify=true"],
+                          "tied"),
     "tied-pp2-tp2-vocab47": (["parallel.pp=2", *TP2, *TIED, "data.vocab_size=47"], "tied-47"),
 }
 SLOW = {
@@ -63,7 +64,7 @@ REFERENCES = {"untied": [], "tied": TIED, "tied-47": [*TIED, "data.vocab_size=47
 # The tiny Llama saved at pp=2 x tp=2, resumed at tp=1 (pp=2 x dp=2) and at pp=1 (tp=2 x dp=2).
 LLAMA_RESUMES = {
     "llama-resume-pp2-tp1": ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
-    "llama-resume-pp1-tp2": ["parallel.pp=1", *TP2, "parallel.dp=2", "parallel.dp_mode=ddp"],
+    "llama-resume-pp1-tp2": ["parallel.pp=1", *TP2, "parallel.dp=2", "parallel.dp_mode=ddp", "verify=true"],
 }
 
 
@@ -130,6 +131,16 @@ def test_dp_over_tp_and_tied_weights_under_tp_match_the_unsplit_model(tp4, refer
     """Losses and every first-step gradient, before and after a binding global clip: the norm
     counts each piece of a 2-D (dp, tp) DTensor once (FSDP's ``_StridedShard`` included)."""
     assert_matches(tp4[1][case], references[BUILTIN[case][1]], case)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["fsdp-tp2-dp2-tied", "llama-resume-pp1-tp2"])
+def test_verify_passes_with_tp_over_dp_and_after_a_resume(tp4, case):
+    """``verify=true`` gathers the 2-D DTensors whole and compares them with the unsplit model (for
+    the resume, loaded with the pp=2 x tp=2 checkpoint's weights)."""
+    report = tp4[1][case]["summary"]["verify"]
+    assert report["passed"] and report["max_abs_diff"] < 4e-5, report
 
 
 @pytest.mark.slow
