@@ -86,6 +86,16 @@ def _named(modules: list[StageModule]) -> StageModule:
                                      for n in spec.unit(u).modules})
 
 
+def _shared_names(model: StageModule) -> dict[str, str]:
+    """Each second name of a parameter the module holds under two (an embedding and head tied in
+    one stage, or in the unsplit model at pp=1) -> its first: stored once, under the first name,
+    as a tied weight is stored whatever the layout, so pp=1 and pp>1 checkpoints load into each
+    other."""
+    first: dict[int, str] = {}
+    return {name: f for name, p in model.named_parameters(remove_duplicate=False)
+            if (f := first.setdefault(id(p), name)) != name}
+
+
 def _renamed(state: dict, stored: dict[str, str], equal: dict[str, str]) -> dict:
     """Model or (flattened) optimizer state with each tied copy stored once, under the unsplit
     model's name: ``stored`` renames a rank's copy, the keys of ``equal``'s copies are dropped."""
@@ -183,6 +193,7 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.stored, self.equal = tied.renames() if tied else ({}, {})
+        self.equal.update({n: f for n, f in _shared_names(self.model).items() if n not in self.stored})
         self.last_good: Path | None = None  # the newest checkpoint this run saved or resumed from
         if env.is_main:
             self._remove_partials()

@@ -53,6 +53,26 @@ def _replicate(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> St
     return module
 
 
+def _sharing(children: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
+    """The modules that own parameters, grouped where they share one (a tied embedding and head
+    in one stage, as at pp=1): FSDP shards a parameter in one group, so modules sharing it are
+    one ``fully_shard`` unit (apart, each would get its own sharded copy: the tie broken)."""
+    groups: list[tuple[set[int], list[torch.nn.Module]]] = []
+    for child in children:
+        ids = {id(p) for p in child.parameters()}
+        if not ids:
+            continue
+        joined = [g for g in groups if g[0] & ids]
+        merged: tuple[set[int], list[torch.nn.Module]] = (ids, [])
+        for g in joined:
+            groups.remove(g)
+            merged[0].update(g[0])
+            merged[1].extend(g[1])
+        merged[1].append(child)
+        groups.append(merged)
+    return [units for _, units in groups]
+
+
 def _fully_shard(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> StageModule:
     """FSDP2: an FSDP unit per module of the stage's units that owns parameters, then the stage
     root. Parameters stay gathered between microbatches (reshard_after_forward=False): pipelining
@@ -63,9 +83,9 @@ def _fully_shard(module: StageModule, mesh: Mesh, dtype: torch.dtype | None) -> 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for child in module.unit_modules():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    for units in _sharing(module.unit_modules()):
+        fully_shard(units if len(units) > 1 else units[0], mesh=mesh.dp_mesh, reshard_after_forward=False,
+                    mp_policy=policy)
     fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)  # in place (an FSDPModule)
     return module
 

@@ -7,7 +7,9 @@ backward, so the same update keeps them equal. Where both ends are on one rank (
 two stage modules share one parameter, unless data parallelism wraps each stage on its own (FSDP
 cannot share a parameter between two ``fully_shard`` roots): then the copies are summed locally.
 The global gradient norm counts the weight once, and checkpoints store it once, under the name of
-its first owner in the unsplit model.
+its first owner in the unsplit model. With tensor parallelism both ends are sharded on their
+vocabulary rows over the same tp group, so each tp shard sums with its peer of its own pipeline
+(a group per pipeline, ``dims.groups_of("pp")``) the rows it holds.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class TiedWeights:
         params = _params_by_name(self.modules)
         for group, pg in zip(self.groups, self._process_groups):
             copies = [params[n] for n in group.local]
-            grads = [p.grad for p in copies if p.grad is not None]
+            grads = [_as_param(p) for p in copies if p.grad is not None]
             if not copies or (len(copies) == 1 and pg is None):
                 continue
             total = _local_tensor(grads[0]).clone() if grads else torch.zeros_like(_local_tensor(copies[0]))
@@ -128,6 +130,19 @@ class TiedWeights:
                 stored[rep] = g.canonical
             equal.update({n: rep for n in g.local if n != rep})
         return stored, equal
+
+
+def _as_param(p: nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient, laid out as ``p`` is. Under tensor parallelism the copies are sharded
+    alike (the embedding's and the head's vocabulary rows, ``Shard(0)`` over the same tp group),
+    but DTensor's embedding backward returns the whole gradient (``Replicate``) on every shard:
+    taken to the parameter's placements (a local slice, no communication), each shard sums its
+    own rows with its peers'. Set back on ``p``, so the optimizer steps a shard with its rows."""
+    grad = p.grad
+    assert grad is not None
+    if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+        p.grad = grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,7 @@ def _squares(params: list[torch.nn.Parameter], device: torch.device) -> torch.Te
         if p.grad is None:
             continue
         g = p.grad
-        shards = (math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-                  if isinstance(g, DTensor) else 1)
+        shards = _shards(g) if isinstance(g, DTensor) else 1
         by_shards.setdefault(shards, []).append(g.to_local() if isinstance(g, DTensor) else g)
     total = torch.zeros((), device=device)
     for shards, grads in by_shards.items():
@@ -86,11 +85,21 @@ def _squares(params: list[torch.nn.Parameter], device: torch.device) -> torch.Te
     return total
 
 
+def _shards(g: DTensor) -> int:
+    """Into how many distinct pieces ``g`` is cut: the product of its mesh dimensions that do not
+    replicate it. Not ``is_shard()``: FSDP over tp shards a tp-sharded dimension again with a
+    ``_StridedShard``, which torch does not count as a ``Shard`` (a gradient is never ``Partial``:
+    its reductions have run)."""
+    return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+
+
 def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """The parameters that are DTensors (tp shards, FSDP's), and the plain ones."""
-    kinds: dict[bool, list[torch.nn.Parameter]] = {}
+    """The parameters grouped by the mesh their DTensors live on, and the plain ones: torch's
+    foreach ops take neither a mix of DTensors and tensors nor DTensors of two meshes (with FSDP
+    over tp, the tp-sharded weights are on the (dp, tp) mesh, the others on dp's alone)."""
+    kinds: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
-        kinds.setdefault(isinstance(p, DTensor), []).append(p)
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
     return list(kinds.values())
 
 
