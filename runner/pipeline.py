@@ -141,12 +141,14 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     tp_plan = model_plan(meta.module) if plan.dims.tp > 1 else None
 
     if layout.pp == 1:
-        module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
+        module = materialize(meta, meta.unit_names, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh,
+                             tp_plan=tp_plan)
         unsplit = UnsplitStep(parallelize(module, cfg.train, dp_mode, mesh, tp_plan), layout.microbatches, loss_fn,
                               mesh=mesh)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
-    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
+    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device, tp_mesh=mesh.tp_mesh,
+                           tp_plan=tp_plan) for i in indices]
     if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter
         share_local_copies(modules, meta.tied)
     stages = []

@@ -12,9 +12,13 @@ group after every backward, or each shard would step with its own heads' part of
 Messages between stages stay plain tensors: every plan ends its layers replicated (rowwise outputs
 are all-reduced, the head's logits gathered), so every schedule sends what it sends without tp.
 
-Stage modules are built whole and then distributed (``distribute_tensor`` keeps each rank's
-slice of the whole tensor): every tp gives the unsplit model's initial values, which a seeded
-``normal_`` on a sharded tensor would not."""
+Randomly initialised stage modules are built whole and then distributed (``distribute_tensor``
+keeps each rank's slice of the whole tensor): every tp gives the unsplit model's initial values,
+which a seeded ``normal_`` on a sharded tensor would not. Pretrained ones never hold a sharded
+weight whole: ``place_shards`` makes each planned parameter a DTensor laid out as ``apply_tp``
+lays it out, with an empty local shard, loading reads that shard alone from the safetensors file
+(``local_part``: torch.chunk's rows or columns), and ``parallelize_module`` keeps the DTensors as
+they are (torch refuses one whose layout differs from its style's: the table is checked by torch)."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ if TYPE_CHECKING:
     from runner.split import MetaModel, StageModule
 
 __all__ = ["STYLE_NAMES", "REPLICATED_WITH_GRAD_SUM", "model_plan", "stage_plan", "check_tp", "apply_tp",
-           "sum_partial_grads"]
+           "sum_partial_grads", "param_layouts", "shard_range", "place_shards", "local_part"]
 
 REPLICATED_WITH_GRAD_SUM = "replicated_with_grad_allreduce"
 # transformers' style names the runner translates (torch's class, and its layouts).
@@ -154,3 +158,83 @@ def sum_partial_grads(modules: list[nn.Module], mesh: Mesh) -> None:
             grad = module.get_parameter(name).grad
             if grad is not None:
                 dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+# Where torch's styles put the parameters of the modules they partition (ColwiseParallel and
+# RowwiseParallel's partition functions for nn.Linear and nn.Embedding): the dimension each
+# parameter is sharded on, None where every shard holds it whole.
+_LAYOUTS: dict[tuple[str, str], dict[str, int | None]] = {
+    ("colwise", "Linear"): {"weight": 0, "bias": 0},  # output features: the weight's rows
+    ("colwise", "Embedding"): {"weight": 1},  # the embedding's columns
+    ("rowwise", "Linear"): {"weight": 1, "bias": None},  # input features; the bias added once, whole
+    ("rowwise", "Embedding"): {"weight": 0},  # vocabulary rows
+}
+_TORCH_STYLE = {"colwise": "colwise", "colwise_gather_output": "colwise", "rowwise": "rowwise",
+                "embedding_rowwise": "rowwise"}
+
+
+def param_layouts(module: nn.Module, plan: Mapping[str, str]) -> dict[str, int | None]:
+    """The parameters ``apply_tp`` distributes, by full name: the dimension sharded, or None
+    (replicated). Modules no torch style partitions (not Linear or Embedding) are left out: they
+    are read whole and distributed by ``parallelize_module`` as before."""
+    from torch import nn
+
+    out: dict[str, int | None] = {}
+    for name, style in stage_plan(module, plan).items():
+        sub = module.get_submodule(name)
+        kind = "Linear" if isinstance(sub, nn.Linear) else "Embedding" if isinstance(sub, nn.Embedding) else ""
+        layout = _LAYOUTS.get((_TORCH_STYLE.get(style, ""), kind))
+        if layout is not None:
+            out.update({f"{name}.{p}": layout[p] for p, _ in sub.named_parameters(recurse=False) if p in layout})
+    return out
+
+
+def shard_range(size: int, count: int, index: int) -> tuple[int, int]:
+    """Shard ``index`` of ``count`` of a dimension of ``size``, as DTensor's ``Shard`` cuts it
+    (``torch.chunk``: ceil(size / count) each, the last ones shorter or empty): [start, stop)."""
+    step = -(-size // count)
+    start = min(index * step, size)
+    return start, min(start + step, size)
+
+
+def place_shards(module: nn.Module, tp_mesh: Any, plan: Mapping[str, str]) -> None:
+    """Replace ``module``'s planned parameters (``param_layouts``) by DTensors over ``tp_mesh``
+    with uninitialised local shards, in place; a parameter tied under several names stays one."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    count, index = tp_mesh.size(), tp_mesh.get_local_rank()
+    placed: dict[int, nn.Parameter] = {}
+    for name, dim in param_layouts(module, plan).items():
+        whole = module.get_parameter(name)
+        if id(whole) in placed:
+            continue
+        shape = list(whole.shape)
+        if dim is not None:
+            start, stop = shard_range(shape[dim], count, index)
+            shape[dim] = stop - start
+        local = torch.empty(shape, dtype=whole.dtype, device=whole.device)
+        dtensor = DTensor.from_local(local, tp_mesh, [Shard(dim) if dim is not None else Replicate()],
+                                     run_check=False, shape=whole.shape, stride=whole.stride())
+        placed[id(whole)] = nn.Parameter(dtensor, requires_grad=whole.requires_grad)
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) in placed:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, placed[id(p)])
+
+
+def local_part(tensor: Any) -> tuple[int, int, int] | None:
+    """The part of the whole tensor a DTensor's local shard holds, as (dim, start, stop); None
+    for a plain tensor or a replicated DTensor (the whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    assert tensor.device_mesh.ndim == 1, "tp shards over one mesh dimension"
+    placement = tensor.placements[0]
+    if not isinstance(placement, Shard):
+        return None
+    start, stop = shard_range(tensor.shape[placement.dim], tensor.device_mesh.size(),
+                              tensor.device_mesh.get_local_rank())
+    return placement.dim, start, stop
