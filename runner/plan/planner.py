@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
@@ -35,6 +35,7 @@ from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
+from runner.plan.tp_cost import degree_overrides, degree_variants, degrees_of, single_stage_once, tp_child_costs
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
 from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
@@ -73,6 +74,7 @@ class Candidate:
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
     recommended: bool = False  # the one the best line names
     search: dict | None = None  # a synthesized order: how the search went
+    degrees: dict[str, int] | None = None  # pp, dp, tp where not the run's own (plan.search_degrees)
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -132,7 +134,11 @@ def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str,
              plan_cfg.corunning_slowdown, plan_cfg.comm_busy_delay_s, plan_cfg.action_jitter)
     measured = calibrate(message_bytes, device=device, cpus=cpus) \
         if None in given else None
-    return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
+    given_or_measured = Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
+    if measured is None:
+        return given_or_measured
+    return replace(given_or_measured, allreduce_latency_s=measured.allreduce_latency_s,
+                   allreduce_bandwidth=measured.allreduce_bandwidth)  # tp's collectives (runner.plan.tp_cost)
 
 
 def _saved_bytes(layout: Layout, child: Mapping[str, ChildCost]) -> dict[int, float]:
@@ -210,11 +216,14 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     results, timelines = [], {}
     # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
     families: dict[tuple[int, bool, int], dict] = {}
-    for name, m, spr in _candidates(cfg):
-        own = Candidate(name, m, spr, _overrides(name, m, spr, cfg.schedule.get("csv"), cfg.parallel.split_points),
-                        valid=False, split_points=cfg.parallel.split_points)
+    for base, (name, m, spr) in ((v, c) for v in degree_variants(cfg) for c in single_stage_once(v, _candidates(v))):
+        moved = degree_overrides(base, cfg)  # the pp x dp x tp of the same ranks, where not the run's
+        own = Candidate(name, m, spr, moved + _overrides(name, m, spr, cfg.schedule.get("csv"),
+                                                         base.parallel.split_points),
+                        valid=False, split_points=base.parallel.split_points,
+                        degrees=degrees_of(base) if moved else None)
         results.append(own)
-        trial = copy.deepcopy(cfg)
+        trial = copy.deepcopy(base)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
         try:
             resolved = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
@@ -228,17 +237,19 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
             own.stages_per_rank = layout.num_stages // layout.pp
         else:
             order = schedule_order(name, layout.pp, m, spr)
-        child = _child_costs(cfg, child_costs, m, device)
+        child = _child_costs(base, child_costs, m, device)
         if calibration is None or model is None:  # both at the first layout (set together)
             calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, _neighbour_cpus(resolved))
             model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
+        child = tp_child_costs(child, base, calibration, base.train.batch_size // (base.parallel.dp * m))
         splits = [(own, layout)]
         # The run's split balances parameter counts; the one balancing measured time may differ
         # (an embedding is heavy in parameters and light in time).
         points = split_by_cost(list(child), [c.forward_s + c.backward_s for c in child.values()], layout.num_stages)
         if points != [names[0] for names in layout.stages[1:]]:
-            by_time = Candidate(name, m, own.stages_per_rank, _overrides(name, m, spr, cfg.schedule.get("csv"), points),
-                                valid=False, split_points=points)
+            by_time = Candidate(name, m, own.stages_per_rank,
+                                moved + _overrides(name, m, spr, cfg.schedule.get("csv"), points),
+                                valid=False, split_points=points, degrees=own.degrees)
             results.append(by_time)
             trial.parallel.split_points = points
             try:
@@ -249,7 +260,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
             timeline = _predict(candidate, split_layout, order, child, calibration, model, cfg.plan)
             if timeline is not None:
                 timelines[id(candidate)] = timeline
-                if spr is not None and spr <= 2:  # built-in schedules only: the search's seeds and layouts
+                if spr is not None and spr <= 2 and not moved:  # built-in schedules at the run's degrees
                     family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
                     family["seeds"][name] = order
                     family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)
