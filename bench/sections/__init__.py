@@ -15,6 +15,7 @@ from bench.sections import (
     scaling,
     startup,
     synthesis,
+    tp,
 )
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
@@ -28,6 +29,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     synthesis.SECTION,
     device.SECTION,
     hf.SECTION,
+    tp.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]
