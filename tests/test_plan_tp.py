@@ -8,7 +8,7 @@ import pytest
 
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost
-from runner.plan.tp_cost import collective_s, degree_variants, tp_child_costs, unit_collectives
+from runner.plan.tp_cost import collective_s, degree_variants, tp_child_at, tp_child_costs, unit_collectives
 
 from helpers.config import TINY, compose
 from helpers.plan import FIXED
@@ -62,11 +62,15 @@ def test_tp_divides_a_blocks_compute_and_adds_its_collectives():
     assert block.weight_backward_s == pytest.approx(1e-3 * share)  # the weight gradients stay local
     assert costs["norm"] == child["norm"] and block.output_bytes == 64  # messages between stages stay whole
     assert tp_child_costs(child, compose(*TINY, "parallel.pp=2"), MEASURED, 2) == child
+    # The probes of a tp run are fitted against the same costs (microbatches of 16 / 8 = 2 samples).
+    at = tp_child_at(lambda m: child, compose(*TINY, "parallel.pp=2", "parallel.tp=2", "train.batch_size=16"), MEASURED)
+    assert at(8) == costs
 
 
 @pytest.mark.timeout(300)
 def test_the_planner_predicts_tp_layouts_and_skips_those_whose_heads_do_not_divide():
     from runner.plan.planner import plan
+    from runner.plan.report import label, table
 
     cfg = compose(*TINY, *FIXED, "parallel.pp=4", "train.batch_size=8", "model.n_heads=2", "plan.microbatches=[4]",
                   "plan.repeats=1", "plan.search_degrees=true", "schedule=1f1b")
@@ -87,3 +91,5 @@ def test_the_planner_predicts_tp_layouts_and_skips_those_whose_heads_do_not_divi
     pp2 = next(c for c in by_degrees[(2, 2, 1)] if c.valid and c.schedule == "1f1b")
     tp = next(c for c in tp2 if c.schedule == "1f1b")
     assert tp.stage_costs_s != pp2.stage_costs_s and tp.predicted_step_time_s > 0
+    assert label(tp).endswith(" pp=2 dp=1 tp=2") and "pp=2 dp=1 tp=2" in table(candidates)  # the report names them
+    assert pp2.overrides[:3] == ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp"]

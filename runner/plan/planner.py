@@ -30,12 +30,12 @@ from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.layout import Layout, RunPlan
 from runner.ops import Op
+from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
-from runner.plan.tp_cost import degree_overrides, degree_variants, degrees_of, single_stage_once, tp_child_costs
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
 from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
@@ -216,12 +216,12 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     results, timelines = [], {}
     # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
     families: dict[tuple[int, bool, int], dict] = {}
-    for base, (name, m, spr) in ((v, c) for v in degree_variants(cfg) for c in single_stage_once(v, _candidates(v))):
-        moved = degree_overrides(base, cfg)  # the pp x dp x tp of the same ranks, where not the run's
+    for base, (name, m, spr) in tp_cost.by_degrees(cfg, _candidates):  # the run's degrees first
+        moved = tp_cost.degree_overrides(base, cfg)  # the pp x dp x tp of the same ranks, where not the run's
         own = Candidate(name, m, spr, moved + _overrides(name, m, spr, cfg.schedule.get("csv"),
                                                          base.parallel.split_points),
                         valid=False, split_points=base.parallel.split_points,
-                        degrees=degrees_of(base) if moved else None)
+                        degrees=tp_cost.degrees_of(base) if moved else None)
         results.append(own)
         trial = copy.deepcopy(base)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
@@ -240,8 +240,9 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
         child = _child_costs(base, child_costs, m, device)
         if calibration is None or model is None:  # both at the first layout (set together)
             calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, _neighbour_cpus(resolved))
-            model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
-        child = tp_child_costs(child, base, calibration, base.train.batch_size // (base.parallel.dp * m))
+            child_at = tp_cost.tp_child_at(lambda n: _child_costs(cfg, child_costs, n, device), cfg, calibration)
+            model = fitted_model(cfg, calibration, child_at, out, launch)
+        child = tp_cost.tp_child_costs(child, base, calibration, base.train.batch_size // (base.parallel.dp * m))
         splits = [(own, layout)]
         # The run's split balances parameter counts; the one balancing measured time may differ
         # (an embedding is heavy in parameters and light in time).

@@ -18,7 +18,7 @@ import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,8 +26,8 @@ from runner.dims import ParallelDims
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost
 
-__all__ = ["UnitCollectives", "degree_variants", "single_stage_once", "degrees_of", "degree_overrides",
-           "unit_collectives", "collective_s", "tp_child_costs"]
+__all__ = ["UnitCollectives", "by_degrees", "degree_variants", "single_stage_once", "degrees_of", "degree_overrides",
+           "unit_collectives", "collective_s", "tp_child_costs", "tp_child_at"]
 
 _ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -80,6 +80,14 @@ def single_stage_once(variant: DictConfig, candidates: list[tuple[str, int, int 
             seen.add(m)
             out.append((name, m, spr))
     return out
+
+
+def by_degrees(cfg: DictConfig, candidates_of: Callable[[DictConfig], list[tuple[str, int, int | None]]]
+               ) -> Iterator[tuple[DictConfig, tuple[str, int, int | None]]]:
+    """(the config at some degrees, a candidate there): the run's own degrees' candidates first."""
+    for variant in degree_variants(cfg):
+        for candidate in single_stage_once(variant, candidates_of(variant)):
+            yield variant, candidate
 
 
 def degrees_of(cfg: DictConfig) -> dict[str, int]:
@@ -167,3 +175,11 @@ def tp_child_costs(child: Mapping[str, ChildCost], cfg: DictConfig, calibration:
             input_backward_s=c.input_backward_s * share + backward, weight_backward_s=c.weight_backward_s * share,
             saved_bytes=round(c.saved_bytes * share), update_s=c.update_s * share)
     return out
+
+
+def tp_child_at(child_at: Callable[[int], Mapping[str, ChildCost]], cfg: DictConfig,
+                calibration: Calibration) -> Callable[[int], dict[str, ChildCost]]:
+    """``child_at`` (children's costs by microbatch count) at ``cfg``'s tp: what the probes of a
+    tp run are fitted against, so that the fit does not absorb tp's collectives a second time."""
+    dp = int(cfg.parallel.dp)
+    return lambda m: tp_child_costs(child_at(m), cfg, calibration, int(cfg.train.batch_size) // (dp * m))
