@@ -236,6 +236,9 @@ class PlanConfig(TargetPlanConfig):
     synthesize: bool = False
     search_budget: int = 200  # orders evaluated per searched layout: bounds the search, not the clock
     search_seed: int = 0
+    # Also plan every other parallel.pp x parallel.dp x parallel.tp of the same number of ranks
+    # (tp's collectives costed from a calibrated all-reduce: runner.plan.tp_cost).
+    search_degrees: bool = False
 
 
 @dataclass

@@ -229,7 +229,7 @@ class HFSpec(ModelSpec):
         # Checked against the model here, so that validate's meta model refuses bad weights before launch.
         self._weights = None if stored is None else Weights(path, stored, model, self._tied)
         self.bytes_read = 0
-        self._counted: set[tuple[str, str]] = set()  # (file, key) read by this process: a tied copy counts once
+        self._counted: set[tuple[str, str, Any]] = set()  # (file, key, part) read here: a tied copy counts once
 
     # -- running a stage ------------------------------------------------------------------------
     def blocks(self) -> list[str]:
@@ -312,7 +312,14 @@ class HFSpec(ModelSpec):
                      name.startswith(f"{prefix}."))
         owner._init_weights(module)
 
+    @property
+    def pretrained(self) -> bool:
+        return self._weights is not None
+
     def load_pretrained(self, stage: nn.Module) -> set[str] | None:
+        """Each tensor of the stage from its file; a DTensor's local shard (``runner.tp``) reads its
+        own rows or columns alone (``get_slice``), never the whole tensor. ``bytes_read`` counts
+        what this process read, a tied copy once."""
         if self._weights is None:
             return None
         from safetensors import safe_open
@@ -329,14 +336,26 @@ class HFSpec(ModelSpec):
             for file in sorted({s.file for s in by_source}):
                 with safe_open(self.path / file, framework="pt") as f:
                     for source in (s for s in by_source if s.file == file):
-                        tensor = f.get_tensor(source.key)
                         for target in by_source[source]:
-                            target.copy_(tensor)  # cast to the model's fp32, whatever the file stores
-                        _check_finite(by_source[source][0], source, self.path)
-                        if (file, source.key) not in self._counted:
-                            self._counted.add((file, source.key))
-                            self.bytes_read += tensor.numel() * tensor.element_size()
+                            self._read_into(f, file, source, target)
         return set(wanted)
+
+    def _read_into(self, f: Any, file: str, source: Stored, target: torch.Tensor) -> None:
+        """``target``'s part of ``source`` (all of it, or a tp shard's), cast to the model's fp32."""
+        from runner.tp_shards import local_part
+
+        part = local_part(target)
+        if part is None:
+            tensor = f.get_tensor(source.key)
+        else:
+            dim, start, stop = part
+            tensor = f.get_slice(source.key)[(slice(None),) * dim + (slice(start, stop),)]
+        local = target.to_local() if hasattr(target, "to_local") else target  # a DTensor: its shard
+        local.copy_(tensor)
+        _check_finite(local, source, self.path)
+        if (file, source.key, part) not in self._counted:
+            self._counted.add((file, source.key, part))
+            self.bytes_read += tensor.numel() * tensor.element_size()
 
     def save_metadata(self, directory: Path) -> None:
         """What an exported model needs besides its tensors: config and tokenizer files."""

@@ -152,14 +152,16 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     layout, dp_mode = plan.layout, plan.dp_mode
     tp = tp_plan(meta.module, cfg.parallel)
     loss_parallel = tp is not None and tp.loss_parallel
+    styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
 
     if layout.pp == 1:
-        module = materialize(meta, meta.unit_names, seed=seed, device=env.device)
+        module = materialize(meta, meta.unit_names, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
         unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp), layout.microbatches, loss_fn,
                               mesh=mesh, loss_parallel=loss_parallel)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
-    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device) for i in indices]
+    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device, tp_mesh=mesh.tp_mesh,
+                           tp_plan=styles) for i in indices]
     if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter
         share_local_copies(modules, meta.tied)
     stages = []

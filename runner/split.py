@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from runner.errors import ConfigError
+from runner.tp_shards import place_shards
 from runner.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes",
@@ -276,10 +277,13 @@ def _init(spec: ModelSpec, root: nn.Module, names: Sequence[str], seed: int) -> 
                 spec.init_module(name, module)
 
 
-def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: torch.device) -> StageModule:
+def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: torch.device,
+                tp_mesh: Any = None, tp_plan: Mapping[str, str] | None = None) -> StageModule:
     """A stage module holding ``units`` of the meta model, allocated and initialised on CPU (so
     every device gets the same numbers) or read from the model's pretrained weights, then moved
-    to ``device``.
+    to ``device``. With a ``tp_mesh`` (a DeviceMesh) and pretrained weights, the planned
+    parameters are DTensors holding this rank's shard, read alone (``runner.tp.place_shards``);
+    random initialisation stays whole (``parallelize`` distributes it).
 
     A parameter tied to one outside the stage (a head tied to the embedding of the first stage)
     gets the value the unsplit model gives it: that of its first owner in model order."""
@@ -294,6 +298,8 @@ def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: tor
     for first, *others in (g for g in local_groups if len(g) > 1):
         for other in others:
             _set_param(stage, other, stage.get_parameter(first))
+    if tp_mesh is not None and tp_plan and spec.pretrained:
+        place_shards(stage, tp_mesh, tp_plan)
     loaded = spec.load_pretrained(stage)
     _init(spec, stage, [n for n, m in stage.named_modules() if not _fully_loaded(m, n, loaded)], seed)
     if loaded is None:

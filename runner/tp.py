@@ -28,15 +28,15 @@ Loss parallelism (``parallel.loss_parallel``) leaves the head's logits sharded o
 the pipeline enters around the last stage's whole step (the backward runs inside it). Both
 options' own checks (``_option_problem``) run before launch with the others (``check_tp``).
 
-Stage modules are built whole and then distributed (``distribute_tensor`` keeps each rank's
-slice of the whole tensor): every tp gives the unsplit model's initial values, which a seeded
-``normal_`` on a sharded tensor would not. Weights replicated as DTensors (the norms under
-sequence parallelism) get partial gradients, summed over the group after the backward
-(``sum_partial_grads``)."""
+Randomly initialised stage modules are built whole and then distributed (``distribute_tensor``
+keeps each rank's slice of the whole tensor): every tp gives the unsplit model's initial values,
+which a seeded ``normal_`` on a sharded tensor would not. Pretrained ones never hold a sharded
+weight whole (``runner.tp_shards``). Weights replicated
+as DTensors (the norms under sequence parallelism) get partial gradients, summed over the group
+after the backward (``sum_partial_grads``)."""
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from runner.errors import ConfigError
+from runner.tp_shards import stage_plan, style_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -184,16 +185,6 @@ def model_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan) if isinstance(plan, Mapping) else {}
 
 
-def _style_of(name: str, plan: Mapping[str, str]) -> str | None:
-    """The style of module ``name``: its plan entry's (the first pattern that matches it)."""
-    return next((style for pattern, style in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
-
-
-def stage_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
-    """The plan's entries for the modules ``module`` holds, by their full names."""
-    return {name: style for name, _ in module.named_modules() if name and (style := _style_of(name, plan))}
-
-
 def _heads(meta: MetaModel) -> list[tuple[str, int]]:
     """What each shard must hold whole numbers of: attention heads and key/value heads, by key."""
     config = getattr(meta.module, "config", None)
@@ -259,10 +250,10 @@ def check_tp(meta: MetaModel, parallel: Any, seq_len: int, loss: Any) -> None:
                           "Fix: patterns of module names (model.layers.*.mlp.up_proj), or parallel.tp=1.")
     for names in meta.tied:
         owners = {name.rpartition(".")[0] for name in names}
-        dims = {o: WEIGHT_SHARD_DIM.get(_style_of(o, plan) or "") for o in owners}
+        dims = {o: WEIGHT_SHARD_DIM.get(style_of(o, plan) or "") for o in owners}
         if len(set(dims.values())) > 1:
             raise ConfigError(f"parallel.tp={tp}: the tied weight {names} would be sharded differently in "
-                              f"{', '.join(f'{o} ({_style_of(o, plan)})' for o in sorted(owners))}. Fix: a tp_plan "
+                              f"{', '.join(f'{o} ({style_of(o, plan)})' for o in sorted(owners))}. Fix: a tp_plan "
                               "that shards both alike (embedding_rowwise with colwise_gather_output), or untie them.")
     for key, n in _heads(meta):
         if n % tp:

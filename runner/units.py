@@ -139,6 +139,11 @@ class ModelSpec:
         # (cannot_init listed the modules without one).
         module.reset_parameters()  # type: ignore[operator]
 
+    @property
+    def pretrained(self) -> bool:
+        """Whether ``load_pretrained`` reads weights (tp shards are then placed before it reads)."""
+        return False
+
     def load_pretrained(self, stage: nn.Module) -> set[str] | None:
         """Read the stage's tensors from the model's weights, if it has any: the names loaded."""
         return None

@@ -271,6 +271,7 @@ def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
     assert 1e7 < measured.bandwidth < 1e12
     assert 0 <= measured.action_overhead_s < 0.05 and 1 <= measured.corunning_slowdown < 4
     assert 0 <= measured.busy_delay_s < 0.05 and 0 < measured.action_jitter < 2  # 2 shared cores: loose
+    assert 0 < measured.allreduce_latency_s < 0.05 and 1e7 < measured.allreduce_bandwidth < 1e12  # tp's
     idle = measured.latency_s + 2**20 / measured.bandwidth
     assert measured.message_s(2**20) == pytest.approx(idle + measured.busy_delay_s)
     # The delay waits out the sender's compute: never longer than one of its actions.

@@ -16,6 +16,7 @@ from bench.sections import (
     startup,
     synthesis,
     target,
+    tp,
 )
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
@@ -30,6 +31,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     target.SECTION,
     device.SECTION,
     hf.SECTION,
+    tp.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]

@@ -49,6 +49,10 @@ class Calibration:
     # Coefficient of variation of a compute's time with both ranks busy. A pipeline waits on its
     # slower actions, so varying times make a step longer than the one of mean times.
     action_jitter: float = 0.0
+    # An all-reduce between the two ranks (tensor parallelism's collectives, runner.plan.tp_cost):
+    # its fixed cost and bytes/s beyond it; None where not measured (plan.comm_* given).
+    allreduce_latency_s: float | None = None
+    allreduce_bandwidth: float | None = None
 
     def message_s(self, nbytes: int, sender_action_s: float = math.inf) -> float:
         """A message between two busy ranks of a pipeline whose actions take ``sender_action_s``:
@@ -72,6 +76,19 @@ def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> tuple[float, fl
         samples.append((time.perf_counter() - start) / 2)
     samples = samples[2:]  # the first exchanges set up the connection
     return statistics.median(samples), min(samples)
+
+
+def _all_reduce_s(tensor: torch.Tensor, repeats: int) -> float:
+    """The least time of an all-reduce of ``tensor`` over the two ranks (barrier-aligned starts)."""
+    samples = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        synchronize(tensor.device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        synchronize(tensor.device)
+        samples.append(time.perf_counter() - start)
+    return min(samples[2:])
 
 
 def _compute_for(seconds: float, device: torch.device) -> None:
@@ -157,13 +174,16 @@ def _rank(env: DistEnv, message_bytes: int, bandwidth_bytes: int, repeats: int, 
     _, large_min = _one_way_s(torch.zeros(bandwidth_bytes // 4, device=device), rank, repeats)
     message = torch.zeros(message_bytes // 4, device=device)
     (idle, _), busy = _one_way_s(message, rank, repeats), _busy_one_way_s(message, rank, repeats)
+    reduce_small = _all_reduce_s(torch.zeros(1, device=device), repeats)
+    reduce_large = _all_reduce_s(torch.zeros(bandwidth_bytes // 4, device=device), repeats)
     step = _pipeline_step_s(rank, repeats, device)
     slowdown, jitter = _corunning(rank, repeats, device)
     if rank == 0:
         # The transfer time is the difference of the least disturbed exchanges: medians on a
         # loaded host can put the large message's below the small one's (an infinite bandwidth).
         torch.save({"small": small, "transfer": large_min - small_min, "step": step, "slowdown": slowdown,
-                    "jitter": jitter, "busy_delay": busy - idle}, out)
+                    "jitter": jitter, "busy_delay": busy - idle, "reduce_small": reduce_small,
+                    "reduce_transfer": reduce_large - reduce_small}, out)
 
 
 def solve_action_overhead(step_s: float, comm_s: float) -> float:
@@ -184,7 +204,7 @@ def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20,
     1): the message cost at 4 bytes and at ``message_bytes`` or 4 MiB, whichever is larger (so
     that the transfer, not the noise, sets the bandwidth), what a ``message_bytes`` message costs
     more while its sender computes, then the runtime's per-action overhead and the co-running
-    slowdown and jitter."""
+    slowdown and jitter, and an all-reduce of the same two sizes (tensor parallelism's collectives)."""
     bandwidth_bytes = max(message_bytes, 4 * 2**20)
     with tempfile.TemporaryDirectory(prefix="runner-calibrate-") as tmp:
         out = str(Path(tmp) / "result.pt")
@@ -197,4 +217,5 @@ def calibrate(message_bytes: int, *, device: str = "cpu", repeats: int = 20,
     latency = result["small"]
     comm_s = latency + 8 * 4 / bandwidth  # one microbatch of Linear(8, 8) outputs: 8 floats
     return Calibration(latency, bandwidth, solve_action_overhead(result["step"], comm_s),
-                       max(1.0, result["slowdown"]), max(0.0, result["busy_delay"]), result["jitter"])
+                       max(1.0, result["slowdown"]), max(0.0, result["busy_delay"]), result["jitter"],
+                       result["reduce_small"], (bandwidth_bytes - 4) / max(result["reduce_transfer"], 1e-9))

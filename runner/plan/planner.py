@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
@@ -30,6 +30,7 @@ from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.layout import Layout, RunPlan
 from runner.ops import Op
+from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.memory import annotate_memory, rank_params
@@ -77,6 +78,7 @@ class Candidate:
     rank_params: list[int] = field(default_factory=list)  # parameters per pipeline rank
     rank_memory_bytes: list[int] = field(default_factory=list)  # whole rank, per pipeline rank (runner.plan.memory)
     within_error: bool = False  # predicted within the planner's measured error of the fastest (runner.plan.report)
+    degrees: dict[str, int] | None = None  # pp, dp, tp where not the run's own (plan.search_degrees)
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -136,7 +138,11 @@ def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str,
              plan_cfg.corunning_slowdown, plan_cfg.comm_busy_delay_s, plan_cfg.action_jitter)
     measured = calibrate(message_bytes, device=device, cpus=cpus) \
         if None in given else None
-    return Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
+    given_or_measured = Calibration(*(v if v is not None else getattr(measured, f) for v, f in zip(given, fields)))
+    if measured is None:
+        return given_or_measured
+    return replace(given_or_measured, allreduce_latency_s=measured.allreduce_latency_s,
+                   allreduce_bandwidth=measured.allreduce_bandwidth)  # tp's collectives (runner.plan.tp_cost)
 
 
 def _saved_bytes(layout: Layout, child: Mapping[str, ChildCost]) -> dict[int, float]:
@@ -216,11 +222,14 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     results, timelines = [], {}
     # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
     families: dict[tuple[int, bool, int], dict] = {}
-    for name, m, spr in _candidates(cfg):
-        own = Candidate(name, m, spr, _overrides(name, m, spr, cfg.schedule.get("csv"), cfg.parallel.split_points),
-                        valid=False, split_points=cfg.parallel.split_points)
+    for base, (name, m, spr) in tp_cost.by_degrees(cfg, _candidates):  # the run's degrees first
+        moved = tp_cost.degree_overrides(base, cfg)  # the pp x dp x tp of the same ranks, where not the run's
+        own = Candidate(name, m, spr, moved + _overrides(name, m, spr, cfg.schedule.get("csv"),
+                                                         base.parallel.split_points),
+                        valid=False, split_points=base.parallel.split_points,
+                        degrees=tp_cost.degrees_of(base) if moved else None)
         results.append(own)
-        trial = copy.deepcopy(cfg)
+        trial = copy.deepcopy(base)
         trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
         try:
             resolved = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
@@ -234,17 +243,20 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
             own.stages_per_rank = layout.num_stages // layout.pp
         else:
             order = schedule_order(name, layout.pp, m, spr)
-        child = _child_costs(cfg, child_costs, m, device)
+        child = _child_costs(base, child_costs, m, device)
         if calibration is None or model is None:  # both at the first layout (set together)
             calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, _neighbour_cpus(resolved))
-            model = fitted_model(cfg, calibration, lambda n: _child_costs(cfg, child_costs, n, device), out, launch)
+            child_at = tp_cost.tp_child_at(lambda n: _child_costs(cfg, child_costs, n, device), cfg, calibration)
+            model = fitted_model(cfg, calibration, child_at, out, launch)
+        child = tp_cost.tp_child_costs(child, base, calibration, base.train.batch_size // (base.parallel.dp * m))
         splits = [(own, layout)]
         # The run's split balances parameter counts; the one balancing measured time may differ
         # (an embedding is heavy in parameters and light in time).
         points = split_by_cost(list(child), [c.forward_s + c.backward_s for c in child.values()], layout.num_stages)
         if points != [names[0] for names in layout.stages[1:]]:
-            by_time = Candidate(name, m, own.stages_per_rank, _overrides(name, m, spr, cfg.schedule.get("csv"), points),
-                                valid=False, split_points=points)
+            by_time = Candidate(name, m, own.stages_per_rank,
+                                moved + _overrides(name, m, spr, cfg.schedule.get("csv"), points),
+                                valid=False, split_points=points, degrees=own.degrees)
             results.append(by_time)
             trial.parallel.split_points = points
             try:
@@ -255,7 +267,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
             timeline = _predict(candidate, split_layout, order, child, calibration, model, cfg.plan)
             if timeline is not None:
                 timelines[id(candidate)] = timeline
-                if spr is not None and spr <= 2:  # built-in schedules only: the search's seeds and layouts
+                if spr is not None and spr <= 2 and not moved:  # built-in schedules at the run's degrees
                     family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
                     family["seeds"][name] = order
                     family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)

@@ -25,9 +25,13 @@ def _name(c: Candidate) -> str:
     return f"synthesized {_placement(c)}" if c.schedule == "synthesized" else c.schedule
 
 
+def _degrees(c: Candidate) -> str:
+    return "".join(f" {k}={v}" for k, v in c.degrees.items()) if c.degrees else ""  # not the run's own
+
+
 def label(c: Candidate) -> str:
     split = f" split at {','.join(c.split_points)}" if c.split_points else ""
-    return f"{_name(c)} m={c.microbatches} v={c.stages_per_rank}{split}"
+    return f"{_name(c)} m={c.microbatches} v={c.stages_per_rank}{split}{_degrees(c)}"
 
 
 def fit_line(model: Fit) -> str:
@@ -54,7 +58,7 @@ def table(candidates: list[Candidate]) -> str:
                         f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
                         f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
                         f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {max(c.rank_memory_bytes or [0]) / 2**20:14.1f}"
-                        f"  {split}"
+                        f"  {split}{_degrees(c)}"
                         f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
     if invalid:

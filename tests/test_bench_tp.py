@@ -1,0 +1,32 @@
+"""The benchmark's tensor-parallelism section: four layouts of the same 4 ranks, rendered as
+ratios to pp=4 from the same run."""
+
+import json
+
+from bench.cli import parse_args, ranks_needed
+from bench.document import render
+from bench.sections.tp import TP_RUNS
+
+MIB = 2**20
+
+
+def test_bench_tp_section_renders_ratios_to_pp4_and_needs_four_ranks(tmp_path):
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+    results.mkdir()
+    runs = [{"config": c, "repeat": 0, "status": "ok", "steady_s": s, "tokens_per_s": 4096 / s,
+             "peak_mem_bytes": [m * MIB] * 4}
+            for c, s, m in [("pp4", 1.0, 400), ("pp2-tp2", 1.25, 420), ("dp2-pp2", 1.1, 460)]]
+    runs.append({"config": "tp4", "repeat": 0, "status": "failed", "error": "ConfigError: heads"})
+    meta = {"date": "2026-01-01 00:00", "command": "python scripts/bench.py --only tp", "duration_s": 60.0,
+            "waits": [], "load": {"pytest_samples": 0, "samples": 4, "foreign_cpu_share": 0.01},
+            "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
+    payload = {"overrides": ["model.dim=256"], "layouts": TP_RUNS, "runs": runs}
+    (results / "tp.json").write_text(json.dumps({"meta": meta, "results": payload}))
+    text = render(results, out)
+    assert "## Tensor parallelism: pp x tp x dp on the same ranks" in text
+    assert "| pp4 | 1.000 | 1.00 | 4096 | 1.00 | 400, 400, 400, 400 | 1.00 |" in text
+    assert "| pp2-tp2 | 1.250 | 1.25 | 3277 | 0.80 | 420, 420, 420, 420 | 1.05 |" in text
+    assert "| dp2-pp2 | 1.100 | 1.10 | 3724 | 0.91 | 460, 460, 460, 460 | 1.15 |" in text
+    assert "| tp4 | failed: ConfigError: heads | | | | | |" in text
+    assert "all-reduces its activations twice in the forward" in text
+    assert ranks_needed("tp", parse_args(["--only", "tp"])) == 4  # skipped on a host with fewer GPUs

@@ -1,0 +1,95 @@
+"""The planner with tensor parallelism: the pp x dp x tp layouts of the same ranks as candidates
+(``plan.search_degrees``), tp's collectives costed from a calibrated all-reduce, and the layouts
+tp cannot shard refused with validate's reason. In process: fixed message costs, no probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.plan.calibrate import Calibration
+from runner.plan.costs import ChildCost
+from runner.plan.tp_cost import collective_s, degree_variants, tp_child_at, tp_child_costs, unit_collectives
+
+from helpers.config import TINY, compose
+from helpers.plan import FIXED
+
+DIM, VOCAB = 32, 48  # TINY's
+MEASURED = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0, allreduce_latency_s=3e-4,
+                       allreduce_bandwidth=5e8)
+
+
+def test_every_pp_dp_tp_of_the_ranks_is_a_variant_and_replicas_stay_in_step():
+    cfg = compose(*TINY, "parallel.pp=4", "plan.search_degrees=true")
+    variants = degree_variants(cfg)
+    degrees = [(v.parallel.pp, v.parallel.dp, v.parallel.tp) for v in variants]
+    assert degrees[0] == (4, 1, 1)  # the run's own first
+    assert sorted(degrees) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    assert all(v.parallel.dp_mode == ("ddp" if v.parallel.dp > 1 else "none") for v in variants)
+    assert degree_variants(compose(*TINY, "parallel.pp=4")) == [compose(*TINY, "parallel.pp=4")]  # off by default
+
+
+def test_the_built_in_transformers_collectives_per_microbatch():
+    units = unit_collectives(compose(*TINY))
+    block = units["block0"]
+    # Rowwise attention output and feed-forward down projection: an all-reduce each in the forward;
+    # colwise qkv and up projection: an all-reduce of their input gradient each in the backward.
+    assert block.forward_all_reduce == (DIM, DIM) and block.backward_all_reduce == (DIM, DIM)
+    assert 0.95 < block.sharded_fraction < 1  # all but the norms' parameters
+    assert units["embed"].forward_all_reduce == (DIM,) and units["embed"].backward_all_reduce == ()
+    assert units["head"].forward_all_gather == (VOCAB,) and units["head"].backward_all_reduce == (DIM,)
+    assert units["norm"].sharded_fraction == 0 and units["norm"].forward_all_reduce == ()
+
+
+def test_an_all_reduce_costs_as_calibrated_between_two_ranks_and_as_a_ring_beyond():
+    assert collective_s(MEASURED, 1e6, 2) == pytest.approx(3e-4 + 1e6 / 5e8)
+    assert collective_s(MEASURED, 1e6, 4) == pytest.approx(3 * 3e-4 + 1.5e6 / 5e8)
+    assert collective_s(MEASURED, 1e6, 2, gather=True) == pytest.approx(3e-4 + 0.5e6 / 5e8)
+    unmeasured = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0)  # plan.comm_* given
+    assert collective_s(unmeasured, 1e6, 2) == pytest.approx(1e-4 + 1e6 / 1e9)
+
+
+def test_tp_divides_a_blocks_compute_and_adds_its_collectives():
+    cfg = compose(*TINY, "parallel.pp=2", "parallel.tp=2")
+    child = {name: ChildCost(forward_s=1e-3, backward_s=2e-3, input_backward_s=1e-3, weight_backward_s=1e-3,
+                             saved_bytes=1000, output_bytes=64) for name in unit_collectives(cfg)}
+    costs = tp_child_costs(child, cfg, MEASURED, microbatch_size=2)
+    f = unit_collectives(cfg)["block0"].sharded_fraction
+    share, reduce_s = 1 - f / 2, collective_s(MEASURED, DIM * 4 * 2 * 16, 2)  # 2 x 16 tokens of DIM floats
+    block = costs["block0"]
+    assert block.forward_s == pytest.approx(1e-3 * share + 2 * reduce_s)
+    assert block.backward_s == pytest.approx(2e-3 * share + 2 * reduce_s)
+    assert block.input_backward_s == pytest.approx(1e-3 * share + 2 * reduce_s)
+    assert block.weight_backward_s == pytest.approx(1e-3 * share)  # the weight gradients stay local
+    assert costs["norm"] == child["norm"] and block.output_bytes == 64  # messages between stages stay whole
+    assert tp_child_costs(child, compose(*TINY, "parallel.pp=2"), MEASURED, 2) == child
+    # The probes of a tp run are fitted against the same costs (microbatches of 16 / 8 = 2 samples).
+    at = tp_child_at(lambda m: child, compose(*TINY, "parallel.pp=2", "parallel.tp=2", "train.batch_size=16"), MEASURED)
+    assert at(8) == costs
+
+
+@pytest.mark.timeout(300)
+def test_the_planner_predicts_tp_layouts_and_skips_those_whose_heads_do_not_divide():
+    from runner.plan.planner import plan
+    from runner.plan.report import label, table
+
+    cfg = compose(*TINY, *FIXED, "parallel.pp=4", "train.batch_size=8", "model.n_heads=2", "plan.microbatches=[4]",
+                  "plan.repeats=1", "plan.search_degrees=true", "schedule=1f1b")
+    candidates, _, _, _ = plan(cfg)
+    by_degrees: dict[tuple, list] = {}
+    for c in candidates:
+        d = c.degrees or {"pp": 4, "dp": 1, "tp": 1}
+        by_degrees.setdefault((d["pp"], d["dp"], d["tp"]), []).append(c)
+    # dp=4: a replica's 2 rows hold no 4 microbatches, so no candidate there
+    assert set(by_degrees) == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
+    assert len(by_degrees[(1, 2, 2)]) == 1  # pp=1 trains the unsplit model: one schedule stands for all
+    tp2 = [c for c in by_degrees[(2, 1, 2)] if c.valid]
+    assert tp2 and all(c.overrides[:2] == ["parallel.pp=2", "parallel.tp=2"] for c in tp2)
+    assert not any(c.valid for c in by_degrees[(1, 1, 4)])  # 2 heads over 4 shards
+    assert all("parallel.tp=4 does not divide model.n_heads=2" in c.reason for c in by_degrees[(1, 1, 4)])
+    # The same pipeline with tp=2 computes each block on half the weights and adds the all-reduces:
+    # its stages' costs are not those of pp=2 without tp.
+    pp2 = next(c for c in by_degrees[(2, 2, 1)] if c.valid and c.schedule == "1f1b")
+    tp = next(c for c in tp2 if c.schedule == "1f1b")
+    assert tp.stage_costs_s != pp2.stage_costs_s and tp.predicted_step_time_s > 0
+    assert label(tp).endswith(" pp=2 dp=1 tp=2") and "pp=2 dp=1 tp=2" in table(candidates)  # the report names them
+    assert pp2.overrides[:3] == ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp"]
