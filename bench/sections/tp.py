@@ -83,7 +83,7 @@ _MEANING = (
     "dp=2 x pp=2 here, and tp=4 far slower. Peak memory is the process's RSS, mostly the interpreter and torch: "
     "what tp saves (1/tp of each block's weights, gradients and optimizer state per rank) is small beside it at "
     "this size. On GPUs joined by NVLink an all-reduce of this size takes microseconds and tp inside a node is "
-    "the usual choice for a model whose layers do not fit one device (docs/parallelism-plan.md); the planner "
+    "the usual choice for a model whose layers do not fit one device (docs/parallelism.md); the planner "
     "(`plan.search_degrees=true`) costs these all-reduces from its calibration before choosing.")
 
 
