@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from runner.dims import ParallelDims
 from runner.dp import DP_MODES
@@ -31,7 +31,7 @@ from runner.options import (
 from runner.plan.target_config import TargetPlanConfig  # plan.target's keys
 from runner.schedules import schedule_names
 
-__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes"]
+__all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "RANK_OPTIONS", "rank_options"]
 
 # A string option's accepted values are its field's choices (runner.options, or a registry):
 # the checks before launch (runner.validate) refuse any other value, naming key, value and fix.
@@ -361,6 +361,18 @@ def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
     from runner.tokens import tokenizer_vocab  # reads tokenizer.json only when one is named
 
     return tokenizer_vocab(tokenizer, default)
+
+
+# The sections the ranks read, as their schemas' objects: RunPlan's fields of the same names.
+RANK_OPTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "profile": ProfileConfig}
+
+
+def rank_options(cfg: DictConfig) -> dict[str, Any]:
+    """Each section of ``RANK_OPTIONS`` resolved in ``cfg`` and typed by its schema (also a config
+    made from plain dicts, as a spawned job's resolved config is)."""
+    return {key: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema),
+                                                     OmegaConf.to_container(cfg[key], resolve=True)))
+            for key, schema in RANK_OPTIONS.items()}
 
 
 def register_configs() -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.config import parse_bytes
+from runner.config import parse_bytes, rank_options
 from runner.config_nodes import check_model_vocab, missing_keys
 from runner.dims import ParallelDims
 from runner.dp import DP_MODES
@@ -391,9 +391,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     layout = _layout(cfg, csv)
     resume = _resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
     threads = _threads_per_rank(cfg, ranks_on_host)
-    # The options the ranks read, as their schemas' objects (resolved once: RunPlan).
-    options: dict[str, Any] = {k: OmegaConf.to_object(cfg[k]) for k in ("train", "eval", "checkpoint", "profile")}
     return RunPlan(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=_rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
-                   verify=resolve_verify(cfg), **options)
+                   verify=resolve_verify(cfg), **rank_options(cfg))  # what the ranks read, typed

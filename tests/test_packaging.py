@@ -94,5 +94,6 @@ done
     done = run_cli("-c", script, program=["bash"], cwd=tmp_path, env=env, checkout=False)
     assert done.returncode == 0, done.stderr
     groups, options, keys, experiments = done.stdout.splitlines()
-    assert (groups, options, keys) == ("schedule. schedule=", "schedule=zbv", "train.steps=")
+    assert (groups, keys) == ("schedule. schedule=", "train.steps=")
+    assert options == "schedule=zbh1 schedule=zbh2 schedule=zbv"
     assert {"experiment=smoke", "experiment=smoke_zbv"} <= set(experiments.split())

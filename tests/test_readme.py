@@ -165,7 +165,9 @@ def test_every_command_passes_the_pre_launch_checks(shown, module, rest, workdir
 
 
 def _hugging_face_commands() -> list[str]:
-    return sorted({c for c, module, rest in COMMANDS if module == "runner" and "model=hf" in rest})
+    """The command that trains a Hugging Face model on a local dataset (others only name model=hf)."""
+    return sorted({c for c, module, rest in COMMANDS
+                   if module == "runner" and "model=hf" in rest and "data=hf" in rest})
 
 
 @pytest.mark.multiprocess

@@ -141,8 +141,9 @@ def test_submitit_jobs_take_their_ranks_from_submitit_and_keep_cuda_visible_devi
            "CUDA_VISIBLE_DEVICES": "0,1", "PATH": str(tmp_path)}  # no scontrol: submitit's own environment
     for key, value in job.items():
         monkeypatch.setenv(key, value)
-    for key in RANK_VARS:
-        monkeypatch.delenv(key, raising=False)
+    for key in RANK_VARS:  # set first, so that the test's end removes what adopt_slurm_ranks sets
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     adopt_slurm_ranks()
     assert {k: os.environ[k] for k in RANK_VARS[:5]} == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                                                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu03-ib"}

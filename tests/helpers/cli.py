@@ -17,7 +17,10 @@ from helpers.config import ROOT, TESTS
 
 # Left out of every command's environment: a developer's shell must not change what a test sees
 # (a full Hydra traceback, an injected fault, another checkout first on the path).
-CLEARED = ("PYTHONPATH", "HYDRA_FULL_ERROR", "RUNNER_FAULT")
+# A command as a user types it in a shell: not inside torchrun or a SLURM task (a test that wants
+# ranks from them passes their variables itself).
+CLEARED = ("PYTHONPATH", "HYDRA_FULL_ERROR", "RUNNER_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+           "MASTER_ADDR", "MASTER_PORT")
 SHOWN = 4000  # characters of each stream an assertion shows
 
 
