@@ -114,26 +114,31 @@ def expected_makespan(
         for i in range(samples))
 
 
-def peak_in_flight(order: Mapping[int, Sequence[Op]],
-                   weights: Mapping[int, float] | None = None) -> dict[int, float]:
-    """Per rank, the most forward activations held at once, walking the rank's order: a forward
-    adds its stage-microbatch, the backward that frees it removes it (its B, or its W where the
-    backward is split: after an I the weight gradient still needs the layer inputs). Counted in
-    stage-microbatches, or in bytes with ``weights`` (stage -> bytes of one stage-microbatch)."""
+def peak_in_flight(order: Mapping[int, Sequence[Op]], weights: Mapping[int, float] | None = None,
+                   weight_grad_fraction: float = 1.0) -> dict[int, float]:
+    """Per rank, the most forward activations held at once, walking the rank's order, per action
+    (Qi et al. 2024, Table 1): a forward holds its stage-microbatch (M_B); a full backward (B)
+    frees it; a split backward's input-gradient pass (I) frees all but what the weight gradient
+    needs (``weight_grad_fraction`` = M_W / M_B), and its W frees the rest. Counted in
+    stage-microbatches, or in bytes with ``weights`` (stage -> M_B of one stage-microbatch); a
+    fraction of 1 counts a microbatch as held until its W (whole numbers of microbatches)."""
     peaks: dict[int, float] = {}
+    keep = weight_grad_fraction
     for rank, ops in order.items():
-        live: set[tuple[int, int]] = set()
+        live: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> what it still holds
         held = peak = 0.0
         for op in ops:
-            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
+            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1.0)
             if op.kind == "F" and key not in live:
-                live.add(key)
+                live[key] = w
                 held += w
+                peak = max(peak, held)
+            elif op.kind == "I" and key in live:
+                held -= live[key] - keep * w
+                live[key] = keep * w
             elif op.kind in "BW" and key in live:
-                live.remove(key)
-                held -= w
-            peak = max(peak, held)
-        peaks[rank] = peak if weights is not None else int(peak)
+                held -= live.pop(key)
+        peaks[rank] = int(peak) if weights is None and keep == 1.0 else peak
     return peaks
 
 
