@@ -1,6 +1,7 @@
-"""Schedules as torch runs them: the registry's names (``runner.schedules``) → torch's classes, their
-stage placement, the pre-spawn check that asks torch itself whether it accepts the layout, the
-action order each runs, and construction on each rank."""
+"""Schedules as torch runs them: the registry's names (``runner.schedules``) → torch's classes (or the
+orders we generate, run by torch's schedule runtime), their stage placement, the pre-spawn check
+that asks torch itself whether it accepts the layout, the action order each runs, and construction
+on each rank."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Callable
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from runner import _torch_pp
+from runner import _torch_pp, zb_orders
 from runner.errors import ConfigError
 from runner.ops import Op
 from runner.schedule_file import CELL_FORMS, ScheduleFileError, read_schedule_file
-from runner.schedules import SCHEDULES, schedule_names
+from runner.schedules import SCHEDULES, ScheduleKind, schedule_names
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
            "read_csv_schedule", "build_schedule", "schedule_order", "csv_order"]
@@ -24,17 +25,29 @@ log = logging.getLogger(__name__)
 V_SHAPED = {name for name, kind in SCHEDULES.items() if kind.v_shape}  # rank 0 holds the first and the last stage
 
 
-def _schedule_class(name: str):
+def _kind(name: str) -> ScheduleKind:
     if name not in SCHEDULES:
         raise ConfigError(
             f"schedule.name={name!r} is not a schedule. "
             f"Fix: schedule=<one of {', '.join(schedule_names())}>."
         )
-    return get_schedule_class(SCHEDULES[name].torch_class)
+    return SCHEDULES[name]
+
+
+def _schedule_class(name: str):
+    torch_class = _kind(name).torch_class
+    assert torch_class is not None, f"{name} is a generated order, not a torch class"
+    return get_schedule_class(torch_class)
+
+
+def _generated(name: str) -> Callable[[int, int], dict[int, list[Op]]] | None:
+    """The function generating the schedule's order (``runner.zb_orders``); None for torch's classes."""
+    order = _kind(name).order
+    return None if order is None else getattr(zb_orders, order)
 
 
 def is_single_stage(name: str) -> bool:
-    return issubclass(_schedule_class(name), PipelineScheduleSingle)
+    return _kind(name).order is not None or issubclass(_schedule_class(name), PipelineScheduleSingle)
 
 
 def default_stages_per_rank(name: str) -> int:
@@ -53,7 +66,11 @@ COMPILE_FIX = ("Fix: train.compile=false, or a schedule with whole backward step
 def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: int, compiled: bool = False) -> None:
     """Construct the torch schedule class on stand-in stages, so torch's own rules (which change
     between releases) reject a layout before any rank starts; with ``compiled``, on stand-ins
-    holding a compiled module, so torch's compile check speaks too."""
+    holding a compiled module, so torch's compile check speaks too. A generated order (ZB-H1/H2)
+    goes through torch's validator and dry run itself (``_check_generated``)."""
+    if _kind(name).order is not None:
+        _check_generated(name, pp=pp, stages_per_rank=stages_per_rank, microbatches=microbatches, compiled=compiled)
+        return
     cls = _schedule_class(name)
     single = issubclass(cls, PipelineScheduleSingle)
     if single and stages_per_rank != 1:
@@ -86,6 +103,39 @@ def check_schedule(name: str, *, pp: int, stages_per_rank: int, microbatches: in
             construct(compiled=True)
         except RuntimeError as e:
             raise ConfigError(f"train.compile=true with schedule={name}: torch says: {e}\n{COMPILE_FIX}") from e
+
+
+def _check_generated(name: str, *, pp: int, stages_per_rank: int, microbatches: int, compiled: bool) -> None:
+    """A generated order: one stage per rank, the microbatches its shape needs, no compiled modules
+    where backward is split, and torch's validator and dry run on the order itself."""
+    kind, generate = _kind(name), _generated(name)
+    assert generate is not None and kind.min_microbatches is not None, name
+    if stages_per_rank != 1:
+        raise ConfigError(
+            f"schedule={name} runs one stage per rank, but parallel.stages_per_rank={stages_per_rank}. Fix: "
+            f"parallel.stages_per_rank=1 (or null), or pick a multi-stage schedule "
+            f"({', '.join(n for n in SCHEDULES if not is_single_stage(n))})."
+        )
+    need = kind.min_microbatches(pp)
+    if microbatches < need:
+        others = [f"schedule={n} (needs {k.min_microbatches(pp)})" for n, k in SCHEDULES.items()
+                  if k.min_microbatches is not None and k.min_microbatches(pp) <= microbatches]
+        raise ConfigError(
+            f"schedule={name} needs at least {need} microbatches at parallel.pp={pp} (the forwards its warm-up "
+            f"runs on the first rank before the first backward), but parallel.microbatches={microbatches}. "
+            f"Fix: parallel.microbatches={need} or more (train.batch_size a multiple of parallel.dp x "
+            f"parallel.microbatches){''.join(f', or {o}' for o in others)}."
+        )
+    if compiled and kind.splits_backward:
+        raise ConfigError(
+            f"train.compile=true with schedule={name}: its I/W actions split backward into input and weight "
+            f"parts, which torch does not support for compiled stage modules. {COMPILE_FIX}"
+        )
+    try:
+        _torch_pp.check_actions(_torch_pp.to_actions(generate(pp, microbatches)), pp, microbatches)
+    except (AssertionError, ValueError, RuntimeError, KeyError) as e:  # a bug of ours: say so before launch
+        raise ConfigError(f"schedule={name} with parallel.pp={pp}, parallel.microbatches={microbatches}: torch's "
+                          f"validator rejects the generated order: {e}") from e
 
 
 def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microbatches: int,
@@ -142,6 +192,9 @@ def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable
     the mean over microbatches, the same quantity as the unsplit model's."""
     if csv is not None:  # the file's action order, whatever the name
         return _torch_pp.csv_schedule(stages, microbatches, loss_fn, csv_order(csv))
+    generate = _generated(name)
+    if generate is not None:  # ours, run as a schedule file's order is (one stage per rank: pp ranks)
+        return _torch_pp.csv_schedule(stages, microbatches, loss_fn, generate(stages[0].group_size, microbatches))
     cls = _schedule_class(name)
     target = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
     return cls(target, microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -151,7 +204,13 @@ def schedule_order(name: str, pp: int, microbatches: int, stages_per_rank: int) 
     """The per-rank compute order a torch schedule runs, from its declared ``pipeline_order``
     (overlapped F;B actions expanded). torch 2.13 declares ``Schedule1F1B``'s last rank with
     forwards numbered 1..m instead of 0..m-1 (it runs 0..m-1): renumbered here, and the test
-    suite compares every schedule's order with what a real run recorded."""
+    suite compares every schedule's order with what a real run recorded. A generated order is
+    returned as generated."""
+    generate = _generated(name)
+    if generate is not None:
+        if stages_per_rank != 1:
+            raise ValueError(f"schedule={name} runs one stage per rank, not {stages_per_rank}")
+        return generate(pp, microbatches)
     stages = _torch_pp.stand_in_stages(pp, pp * stages_per_rank, stages_per_rank)
     cls = _schedule_class(name)
     schedule = cls(stages[0] if stages_per_rank == 1 else stages, microbatches)

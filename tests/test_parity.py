@@ -16,10 +16,14 @@ from runner.schedule import placement, schedule_order
 from runner.timeline import write_schedule_csv
 
 from helpers.config import EXAMPLES, TINY, resolved
-from helpers.parity import CLIP, GRAD_ATOL, SCHEDULES, assert_matches, reference
+from helpers.parity import CLIP, GRAD_ATOL, assert_matches, reference
+from helpers.parity import SCHEDULES as TORCH_SCHEDULES
 from helpers.plan import synthetic_costs
 from helpers.ranks import run_cases
 
+# Every schedule by name: torch's, and the Zero Bubble paper's ZB-H1 and ZB-H2 that the runner
+# generates (runner.zb_orders; held here, not in helpers.parity's list, which the HF tests also run).
+SCHEDULES = [*TORCH_SCHEDULES, "zbh1", "zbh2"]
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 PP4 = ["parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
 
@@ -190,12 +194,17 @@ def test_the_planners_reading_of_torchs_declared_order_is_what_ran(pp2, name):
 
 
 @pytest.fixture(scope="module")
-def pp4(tmp_path_factory) -> dict[str, dict]:
+def pp4_dir(tmp_path_factory) -> Path:
+    """Where the 4-rank cases run (each case's run directory is ``<it>/<case>``)."""
+    return tmp_path_factory.mktemp("parity") / "pp4"
+
+
+@pytest.fixture(scope="module")
+def pp4(pp4_dir) -> dict[str, dict]:
     """The 4-rank spawn: every schedule, and each for 20 steps."""
     cases = {name: [f"schedule={name}", *PP4] for name in SCHEDULES}
     cases.update(_long_runs(*PP4))
-    out = tmp_path_factory.mktemp("parity") / "pp4"
-    return run_cases(out, 4, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
+    return run_cases(pp4_dir, 4, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +230,12 @@ def test_every_schedule_runs_20_steps_at_pp4(pp4, name):
 @pytest.mark.timeout(300)
 def test_interleaved_zero_bubble_at_pp4_runs_two_stages_per_rank(pp4):
     assert pp4["interleaved_zb"]["summary"]["num_stages"] == 8
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["zbh1", "zbh2"])
+def test_the_zero_bubble_paper_schedules_at_pp4_run_their_order_one_stage_per_rank(pp4, pp4_dir, name):
+    assert pp4[name]["summary"]["num_stages"] == 4
+    ran = (pp4_dir / name / "schedule.csv").read_text().split()
+    assert ran == [",".join(op.name for op in ops) for ops in schedule_order(name, 4, 8, 1).values()]

@@ -20,12 +20,12 @@ PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
-                                      "interleaved_zb", "zbv", "dualpipev"])
+                                      "interleaved_zb", "zbv", "dualpipev", "zbh1", "zbh2"])
 @pytest.mark.parametrize("model", ["transformer", "mlp"])
 def test_every_schedule_and_model_composes_and_validates(schedule, model):
     layout = validate(compose(*PP2, f"schedule={schedule}", f"model={model}")).layout
     assert layout.pp == 2 and layout.microbatches == 4
-    single = schedule in ("gpipe", "1f1b")
+    single = schedule in ("gpipe", "1f1b", "zbh1", "zbh2")
     assert layout.num_stages == (2 if single else 4)
     children = [n for names in layout.stages for n in names]
     assert children == ["embed", *[f"block{i}" for i in range(6)], "norm", "head"]
