@@ -2,6 +2,7 @@
 
     python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
     python -m runner.plan plan.costs=outputs/<date>/<time> plan.memory_limit=2GB
+    python -m runner.plan plan.costs=costs.yaml                    # costs measured elsewhere: no model
 
 Prints the calibration, the ranked table and the ``python -m runner ...`` line of the
 recommended candidate; writes ``plan.json`` (every candidate, fastest first),
@@ -33,6 +34,8 @@ from runner.config import config_dir  # also registers the schemas
 from runner.errors import ConfigError, RunnerError, interrupted_exit_code
 from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes
+from runner.plan.from_costs import main_from_costs
+from runner.plan.given import is_costs_file
 from runner.plan.planner import Candidate, plan
 from runner.plan.report import fit_line, label, search_report, table
 from runner.timeline import simulated_slices, write_chrome_trace
@@ -46,6 +49,8 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
     out = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.plan.costs and is_costs_file(cfg.plan.costs):  # costs a user measured: no model, no ranks
+        return main_from_costs(cfg, out)
     candidates, timelines, calibration, model = plan(cfg, out, launch)
     if not any(c.valid for c in candidates):
         raise ConfigError(_no_valid_candidate(candidates))

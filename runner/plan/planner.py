@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
 from omegaconf import DictConfig
 
-from runner.config import CsvScheduleConfig, parse_bytes  # also registers the schemas
+from runner.config import CsvScheduleConfig  # also registers the schemas
 from runner.dims import ParallelDims
 from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
@@ -32,7 +32,9 @@ from runner.layout import Layout, RunPlan
 from runner.ops import Op
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
+from runner.plan.given import check_fraction, is_costs_file
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
+from runner.plan.problem import memory_limit
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
@@ -64,7 +66,8 @@ class Candidate:
     predicted_step_time_s: float | None = None
     bubble: float | None = None
     peak_activations: list[int] = field(default_factory=list)  # microbatches in flight, per rank
-    peak_activation_bytes: list[int] = field(default_factory=list)
+    peak_activation_bytes: list[int] = field(default_factory=list)  # per action: an I keeps plan.weight_grad_fraction
+    peak_activation_mb: list[float] = field(default_factory=list)  # the same in microbatches' activations (M_B)
     fits_memory: bool = True
     pipeline_s: float | None = None  # the simulated pipeline with mean action times (no jitter)
     after_pipeline_s: float | None = None  # of the predicted step: the loss/norm all-reduce and the optimizer
@@ -162,12 +165,16 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
     candidate.pipeline_s = max(a.end for a in timeline)
-    candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s))
-    counts, nbytes = peak_in_flight(order), peak_in_flight(order, _saved_bytes(layout, child))
+    problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child))
+    candidate.lower_bound_s = lower_bound(problem)
+    fraction = plan_cfg.weight_grad_fraction
+    counts, nbytes = peak_in_flight(order), peak_in_flight(order, problem.stage_bytes, fraction)
     candidate.peak_activations = [int(counts[r]) for r in sorted(counts)]  # counts: whole numbers
     candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
-    limit = parse_bytes("plan.memory_limit", plan_cfg.memory_limit)
-    candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
+    in_mb = peak_in_flight(order, None, fraction)
+    candidate.peak_activation_mb = [round(in_mb[r], 3) for r in sorted(in_mb)]
+    limit = memory_limit("plan.memory_limit", plan_cfg.memory_limit, problem)
+    candidate.fits_memory = limit is None or max(nbytes.values()) <= limit * (1 + 1e-9)
     return timeline
 
 
@@ -270,7 +277,8 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
 def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
     otherwise fail alike, or the calibration run first)."""
-    parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
+    memory_limit("plan.memory_limit", cfg.plan.memory_limit)
+    check_fraction("plan.weight_grad_fraction", cfg.plan.weight_grad_fraction)
     if not cfg.plan.microbatches or min(cfg.plan.microbatches) < 1:
         raise ConfigError(f"plan.microbatches={list(cfg.plan.microbatches)}: the planner needs microbatch counts "
                           "of at least 1 to try. Fix: e.g. plan.microbatches=[2,4,8].")
@@ -280,7 +288,7 @@ def check_plan_keys(cfg: DictConfig) -> None:
                           f"(train.batch_size={cfg.train.batch_size} / parallel.dp={cfg.parallel.dp}), so there is "
                           "no candidate to plan. Fix: a train.batch_size that one of them divides, or "
                           "plan.microbatches=[<divisors of it>].")
-    if cfg.plan.costs:
+    if cfg.plan.costs and not is_costs_file(cfg.plan.costs):
         read_run(cfg.plan.costs)
 
 
@@ -304,7 +312,9 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
     candidate = Candidate("synthesized", m, spr, _overrides("csv", m, None, str(path), split_points), valid=False,
                           split_points=split_points)
     costs, comm_s = layout_costs(layout.stages, child, calibration, model)
-    problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child), cfg.plan.memory_limit)
+    problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
+                      weight_grad_fraction=cfg.plan.weight_grad_fraction)
+    problem = replace(problem, memory_limit=memory_limit("plan.memory_limit", cfg.plan.memory_limit, problem))
 
     def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns
         write_schedule_csv(path, order)
@@ -344,6 +354,6 @@ def _mark_ties(ranked: list[Candidate], tolerance: float) -> None:
     tied = [c for c in fitting if c.prediction().step_s <= fastest * (1 + tolerance)]
     for c in tied:
         c.tie = len(tied) > 1
-    min(tied, key=lambda c: (max(c.peak_activation_bytes), c.schedule == "synthesized",
-                             c.prediction().step_s)).recommended = True
+    min(tied, key=lambda c: (max(c.peak_activation_bytes), max(c.peak_activation_mb or [0.0]),
+                             c.schedule == "synthesized", c.prediction().step_s)).recommended = True
 
