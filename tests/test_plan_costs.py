@@ -182,3 +182,19 @@ def test_plan_costs_cli_plans_without_a_model_and_exits_2_on_a_bad_file(tmp_path
     bad.write_text("pp: 8\nmicrobatches: 24\nF: 1\nB: 1\n")
     failed = run_cli(f"plan.costs={bad}", "hydra.run.dir=bad", module="runner.plan", cwd=tmp_path)
     assert failed.returncode == 2 and "no W. Fix: add W" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_the_model_planner_counts_memory_per_action_against_1f1bs(tmp_path):
+    from helpers.config import TINY
+    from helpers.plan import FIXED
+    from runner.plan.planner import plan
+
+    cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1",
+                  "plan.memory_limit=1f1b", "plan.weight_grad_fraction=0.25")
+    found = {(c.schedule, c.stages_per_rank): c for c in plan(cfg).candidates if c.valid}
+    one, gpipe, zbh1 = found[("1f1b", 1)], found[("gpipe", 1)], found[("zbh1", 1)]
+    # 1F1B's memory: two microbatches of the rank's stage on every rank (p = 2), in its own bytes.
+    assert one.fits_memory and zbh1.fits_memory and not gpipe.fits_memory
+    assert max(one.peak_activation_mb) == 2 and max(gpipe.peak_activation_mb) == 4
+    # ZB-H1 on rank 1: one microbatch and one deferred W at a time, which keeps a quarter.
+    assert zbh1.peak_activation_mb == [2, pytest.approx(1.25)]
