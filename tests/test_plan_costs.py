@@ -11,16 +11,19 @@ import yaml
 
 from runner.errors import ConfigError
 from runner.ops import Op
-from runner.plan.from_costs import builtin_orders, given_problem, main_from_costs
+from runner.plan.__main__ import main_from_costs
+from runner.plan.from_costs import builtin_orders, given_problem
 from runner.plan.given import GivenCosts, read_costs
 from runner.plan.list_schedule import Policy, list_schedule
+from runner.plan.planner import plan
 from runner.plan.problem import Problem
 from runner.plan.simulate import peak_in_flight, simulate
 from runner.plan.synthesize import synthesize
 from runner.zb_orders import zbh1_order
 
 from helpers.cli import run_cli
-from helpers.config import compose
+from helpers.config import TINY, compose
+from helpers.plan import FIXED
 
 # Table 9 (milliseconds): model, p, m -> T_F, T_B, T_W, T_comm. The test below also checks them
 # against Table 5's bubble rates, which the simulator reproduces from them to the last digit.
@@ -185,10 +188,6 @@ def test_plan_costs_cli_plans_without_a_model_and_exits_2_on_a_bad_file(tmp_path
 
 
 def test_the_model_planner_counts_memory_per_action_against_1f1bs(tmp_path):
-    from helpers.config import TINY
-    from helpers.plan import FIXED
-    from runner.plan.planner import plan
-
     cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1",
                   "plan.memory_limit=1f1b", "plan.weight_grad_fraction=0.25")
     found = {(c.schedule, c.stages_per_rank): c for c in plan(cfg).candidates if c.valid}

@@ -6,25 +6,19 @@ all-reduce costs."""
 
 from __future__ import annotations
 
-import json
-import shlex
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from runner.errors import RunnerError
 from runner.ops import Op
-from runner.plan.given import GivenCosts, read_costs
+from runner.plan.given import GivenCosts, memory_limit
 from runner.plan.planner import Candidate, _mark_ties
-from runner.plan.problem import Problem, lower_bound, memory_limit
-from runner.plan.report import search_report, table
+from runner.plan.problem import Problem, lower_bound
 from runner.plan.simulate import peak_in_flight, simulate
 from runner.plan.synthesize import synthesize
 from runner.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
-from runner.timeline import simulated_slices, write_chrome_trace, write_schedule_csv
+from runner.timeline import write_schedule_csv
 
-__all__ = ["given_problem", "builtin_orders", "plan_from_costs", "main_from_costs"]
+__all__ = ["given_problem", "builtin_orders", "plan_from_costs"]
 
 
 def given_problem(given: GivenCosts) -> Problem:
@@ -107,26 +101,3 @@ def plan_from_costs(given: GivenCosts, out: Path, *, budget: int, seed: int,
     _mark_ties(ranked, tie_tolerance)
     return ranked, timelines
 
-
-def main_from_costs(cfg: DictConfig, out: Path) -> None:
-    """``python -m runner.plan plan.costs=<file>``: read and check the file (``ConfigError``:
-    exit 2), plan it, print the table and the search, write ``plan.json``, the synthesized CSV
-    and ``plan_timeline.json`` (the recommended candidate's) into ``out``; ``RunnerError`` (exit
-    3) when nothing fits the file's memory_limit."""
-    given = read_costs(cfg.plan.costs)
-    candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
-                                            tie_tolerance=cfg.plan.tie_tolerance)
-    (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
-    print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
-          f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone)")
-    print(table(candidates))
-    for line in search_report(candidates):
-        print(line)
-    best = next((c for c in candidates if c.recommended), None)
-    if best is None:
-        raise RunnerError(f"no candidate keeps its activations within memory_limit={given.memory_limit} of "
-                          f"{given.path} (table above; plan.json in {out}). Fix: a larger memory_limit, or more "
-                          "microbatches of fewer samples each.")
-    timeline = timelines[id(best)]
-    write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
-    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(best.overrides)}")

@@ -26,9 +26,13 @@ import yaml
 
 from runner.config import parse_bytes
 from runner.errors import ConfigError
-from runner.plan.problem import RELATIVE_LIMITS, memory_limit
+from runner.plan.problem import Problem
 
-__all__ = ["GivenCosts", "is_costs_file", "read_costs", "check_fraction", "DEFAULT_WEIGHT_GRAD_FRACTION"]
+__all__ = ["GivenCosts", "is_costs_file", "read_costs", "check_fraction", "memory_limit", "RELATIVE_LIMITS",
+           "DEFAULT_WEIGHT_GRAD_FRACTION"]
+
+# Memory limits relative to 1F1B's (``Problem.one_f_one_b_memory``), as the zero-bubble paper sets them.
+RELATIVE_LIMITS = {"1f1b": 1.0, "2x1f1b": 2.0}
 
 # M_W / M_B: the zero-bubble paper's Table 1 (M_B = 34bsh + 5as^2b, M_W = 32bsh) gives 0.37-0.43 for
 # its four models; a user's own figure goes in weight_grad_fraction.
@@ -73,6 +77,23 @@ def check_fraction(key: str, value: object) -> float:
                           "after the input gradient (M_W / M_B) is a number from 0 to 1. Fix: measure it, or use "
                           f"{DEFAULT_WEIGHT_GRAD_FRACTION} (the zero-bubble paper's models: 0.37-0.43).")
     return float(value)
+
+
+def memory_limit(key: str, value: object, problem: Problem | None = None) -> float | None:
+    """A limit as users give it, in the problem's unit: bytes (a number or with a unit: 2GB), or
+    ``1f1b`` / ``2x1f1b`` (that many times 1F1B's memory of ``problem``; without one, only
+    checked). None stays None."""
+    if value is None:
+        return None
+    relative = RELATIVE_LIMITS.get(str(value).strip().lower())
+    if relative is not None:
+        return relative * problem.one_f_one_b_memory() if problem is not None else relative
+    try:
+        return float(parse_bytes(key, value) or 0)
+    except ConfigError as e:
+        raise ConfigError(f"{str(e).split(' Fix:')[0]} Fix: bytes as a number (2000000000, 2e9) or with a unit (2GB, "
+                          "1.5GiB), or 1f1b (p microbatches' activations on every rank, as 1F1B holds on its first) "
+                          "or 2x1f1b.") from e
 
 
 def _bad(path: str, key: str, value: Any, problem: str, fix: str) -> ConfigError:

@@ -32,9 +32,8 @@ from runner.layout import Layout, RunPlan
 from runner.ops import Op
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
-from runner.plan.given import check_fraction, is_costs_file
+from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
-from runner.plan.problem import memory_limit
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order

@@ -7,14 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from runner.config import parse_bytes
-from runner.errors import ConfigError
 from runner.ops import Op
 
-__all__ = ["Order", "Problem", "lower_bound", "memory_limit", "RELATIVE_LIMITS"]
-
-# Memory limits relative to 1F1B's (``Problem.one_f_one_b_memory``), as the zero-bubble paper sets them.
-RELATIVE_LIMITS = {"1f1b": 1.0, "2x1f1b": 2.0}
+__all__ = ["Order", "Problem", "lower_bound"]
 
 Order = dict[int, list[Op]]
 
@@ -107,19 +102,3 @@ def lower_bound(p: Problem) -> float:
         bound = max(bound, min(arrive[s] for s in stages) + work + tail)
     return bound
 
-
-def memory_limit(key: str, value: object, problem: Problem | None = None) -> float | None:
-    """A limit as users give it, in the problem's unit: bytes (a number or with a unit: 2GB), or
-    ``1f1b`` / ``2x1f1b`` (that many times 1F1B's memory of ``problem``; without one, only
-    checked). None stays None."""
-    if value is None:
-        return None
-    relative = RELATIVE_LIMITS.get(str(value).strip().lower())
-    if relative is not None:
-        return relative * problem.one_f_one_b_memory() if problem is not None else relative
-    try:
-        return float(parse_bytes(key, value) or 0)
-    except ConfigError as e:
-        raise ConfigError(f"{str(e).split(' Fix:')[0]} Fix: bytes as a number (2000000000, 2e9) or with a unit (2GB, "
-                          "1.5GiB), or 1f1b (p microbatches' activations on every rank, as 1F1B holds on its first) "
-                          "or 2x1f1b.") from e

@@ -66,7 +66,8 @@ def search_report(candidates: list[Candidate]) -> list[str]:
     lines = [f"search: {len(searched)} layouts, {evaluated} orders simulated in {seconds:.1f} s"]
     best = next((c for c in candidates if c.valid and c.fits_memory and c.schedule == "synthesized"), None)
     if best is not None:
-        same = [c for c in candidates if c.valid and c.schedule != "synthesized" and c.microbatches == best.microbatches
+        same = [c for c in candidates if c.valid and c.fits_memory and c.schedule != "synthesized"
+                and c.microbatches == best.microbatches
                 and c.stages_per_rank == best.stages_per_rank and c.split_points == best.split_points
                 and _placement(c) == _placement(best)]
         p = best.prediction()
