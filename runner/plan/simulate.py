@@ -40,10 +40,12 @@ def simulate(
     comm_s: float = 0.0,
     jitter: float = 0.0,
     seed: int = 0,
+    ends_only: bool = False,
 ) -> list[SimAction]:
     """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
     ``jitter`` > 0 each action's time is drawn around its cost (log-normal, mean the cost,
-    that coefficient of variation; ``seed`` picks the draw)."""
+    that coefficient of variation; ``seed`` picks the draw). ``ends_only``: just the action
+    that ends last (what the search scores; building every action costs it half its time)."""
     rng = random.Random(seed)
     sigma = math.sqrt(math.log1p(jitter**2))
     lookup: Mapping[Any, float] = costs  # either form: both keys are tried
@@ -105,6 +107,9 @@ def simulate(
         if not progressed:
             stuck = {r: ops[position[r]].name for r, ops in order.items() if position[r] < len(ops)}
             raise ValueError(f"the schedule cannot progress: ranks wait at {stuck}")
+    if ends_only:
+        final = max(placed, key=end.__getitem__)
+        return [SimAction(placed[final][0], final, placed[final][1], end[final])]
     done = [SimAction(rank, op, begin, end[op]) for op, (rank, begin) in placed.items()]
     return sorted(done, key=lambda a: (a.rank, a.start))
 

@@ -103,7 +103,7 @@ class Synthesis:
 def _score(p: Problem, order: Order) -> tuple[float, float] | None:
     """(makespan, peak held per rank): None when the order cannot run or exceeds the budget."""
     try:
-        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s)
+        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, ends_only=True)
     except ValueError:
         return None
     weights = dict(p.stage_bytes) if p.stage_bytes is not None else None
