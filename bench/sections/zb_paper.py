@@ -68,7 +68,8 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
              "to it: at 1F1B's memory (p microbatches' activations on every rank, memory counted per action) and "
              "at twice it; *seeded* with the built-in orders of one stage per rank (GPipe, 1F1B, ZB-H1, ZB-H2), "
              "*cold* with 1F1B's alone. *vs ZB-H1* and *vs bound*: how much longer the synthesized pipeline is "
-             "(0: equal to the last digit); *s*: seconds of search on this machine.", "",
+             "(0: equal to the last digit); *s*: seconds of search on this machine (* while other processes "
+             "used the cores: longer than on a quiet one).", "",
              "| model | p | m | limit | 1F1B (ms) | ZB-H1 (ms) | ZB-H2 (ms) | bound (ms) | seeded vs ZB-H1 | "
              "seeded vs bound | s | cold vs ZB-H1 | cold vs bound | s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -78,7 +79,8 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
                  f"{h1 * 1e3:.2f}", f"{r['zbh2_s'] * 1e3:.2f}", f"{bound * 1e3:.2f}"]
         for start in ("seeded", "cold"):
             s = r[start]
-            cells += [_vs(s["step_s"], h1), _vs(s["step_s"], bound), f"{s['seconds']:.1f}"]
+            cells += [_vs(s["step_s"], h1), _vs(s["step_s"], bound),
+                      f"{s['seconds']:.1f}{'*' if s.get('under_load') else ''}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for limit, target, name in (("1f1b", "zbh1_s", "ZB-H1's step"), ("2x1f1b", "lower_bound_s", "the lower bound")):
