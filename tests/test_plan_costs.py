@@ -171,6 +171,11 @@ def test_bytes_limits_count_activation_bytes_per_stage(tmp_path):
     problem = given_problem(read_costs(str(path)))
     assert problem.stage_bytes == {0: 1e9, 1: 5e8} and problem.memory_limit == 2e9
     assert problem.weight_grad_fraction == 0.4  # the default
+    # plan.memory_limit on the command line replaces the file's, checked as the file's is.
+    assert given_problem(read_costs(str(path), "2x1f1b")).memory_limit == 2 * 2 * 1e9  # 2 x (p = 2) x M_B of rank 0
+    path.write_text(yaml.safe_dump({"pp": 2, "microbatches": 4, "F": 1.0, "B": 1.0, "W": 1.0}))
+    with pytest.raises(ConfigError, match=r"plan.memory_limit='3GB' is in bytes, but the file gives no activation"):
+        read_costs(str(path), "3GB")
 
 
 @pytest.mark.multiprocess

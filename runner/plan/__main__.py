@@ -97,7 +97,7 @@ def main_from_costs(cfg: DictConfig, out: Path) -> None:
     exit 2), plan it, print the table and the search, write ``plan.json``, the synthesized CSV
     and ``plan_timeline.json`` (the recommended candidate's) into ``out``; ``RunnerError`` (exit
     3) when nothing fits the file's memory_limit."""
-    given = read_costs(cfg.plan.costs)
+    given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
                                             tie_tolerance=cfg.plan.tie_tolerance)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")

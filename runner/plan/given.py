@@ -157,8 +157,9 @@ def _load(path: str) -> dict:
     return data
 
 
-def read_costs(path: str) -> GivenCosts:
-    """The file's costs, every key checked; raises ``ConfigError`` naming the first bad one."""
+def read_costs(path: str, limit: object = None) -> GivenCosts:
+    """The file's costs, every key checked; raises ``ConfigError`` naming the first bad one.
+    ``limit`` (``plan.memory_limit`` on the command line) replaces the file's memory_limit."""
     data = _load(path)
     unknown = [k for k in data if k not in KEYS]
     if unknown:
@@ -178,18 +179,19 @@ def read_costs(path: str) -> GivenCosts:
         check_fraction("weight_grad_fraction", fraction)
     except ConfigError as e:
         raise ConfigError(f"plan.costs={path}: {e}") from e
-    limit = data.get("memory_limit")
+    key = "plan.memory_limit" if limit is not None else "memory_limit"
+    limit = limit if limit is not None else data.get("memory_limit")
     activations = (_per_stage(path, data, "activation_bytes", pp, positive=True, unit="bytes")
                    if data.get("activation_bytes") is not None else None)
     if limit is not None:
         try:
-            memory_limit("memory_limit", limit)
+            memory_limit(key, limit)
         except ConfigError as e:
             raise ConfigError(f"plan.costs={path}: {e}") from e
         if str(limit).strip().lower() not in RELATIVE_LIMITS and activations is None:
-            raise _bad(path, "memory_limit", limit, "is in bytes, but the file gives no activation_bytes to count "
+            raise _bad(path, key, limit, "is in bytes, but the file gives no activation_bytes to count "
                        "them with", "add activation_bytes (the bytes one microbatch's forward keeps on a stage: one "
                        "number or a list per stage), or give memory_limit as 1f1b or 2x1f1b.")
     return GivenCosts(path, pp, m, _per_stage(path, data, "F", pp, positive=True),
                       _per_stage(path, data, "B", pp, positive=True), _per_stage(path, data, "W", pp, positive=False),
-                      comm, float(fraction), limit, activations)
+                      comm, float(fraction), None if limit is None else str(limit), activations)
