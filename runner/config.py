@@ -236,7 +236,7 @@ class PlanConfig:
     costs: Optional[str] = None
     # Activations per rank: bytes (2e9, 2GB, 1.5GiB), 1f1b (p microbatches') or 2x1f1b; null = no limit.
     memory_limit: Optional[str] = None
-    weight_grad_fraction: float = 0.4  # M_W / M_B: what an I keeps for its W (docs/planner.md)
+    weight_grad_fraction: Optional[float] = None  # M_W / M_B, what an I keeps for its W; null: measured
     # Message and runtime costs; null = measured on two ranks of this host before planning.
     comm_latency_s: Optional[float] = None  # per message between ranks
     comm_bandwidth: Optional[float] = None  # bytes/s between ranks

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 import yaml
 
 from bench.sections.zb_paper import TABLE9  # the paper's Table 9: (model, p, m) -> T_F, T_B, T_W, T_comm (ms)
@@ -20,6 +21,7 @@ from runner.plan.planner import plan
 from runner.plan.problem import Problem
 from runner.plan.simulate import peak_in_flight, simulate
 from runner.plan.synthesize import synthesize
+from runner.plan.weight_memory import measure_weight_grad_fraction, saved_split
 from runner.zb_orders import zbh1_order
 
 from helpers.cli import run_cli
@@ -203,3 +205,19 @@ def test_the_model_planner_counts_memory_per_action_against_1f1bs(tmp_path):
     assert max(one.peak_activation_mb) == 2 and max(gpipe.peak_activation_mb) == 4
     # ZB-H1 on rank 1: one microbatch and one deferred W at a time, which keeps a quarter.
     assert zbh1.peak_activation_mb == [2, pytest.approx(1.25)]
+
+
+def test_the_weight_gradients_share_of_saved_activations_is_read_from_the_graph():
+    # Linear, GELU, Linear on a (4, 8) fp32 input: saved are x (for W1), GELU's input (for I only)
+    # and GELU's output (for W2), 128 bytes each; the weights themselves are not activations.
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    assert saved_split(seq(x), list(seq.parameters())) == (384, 256)
+    # The tiny transformer: between the paper's 0.37-0.43 (which counts fp16 and dropout masks)
+    # and 1; the model planner uses it where plan.weight_grad_fraction is null (the default).
+    fraction = measure_weight_grad_fraction(compose(*TINY, "train.batch_size=8"), 4, torch.device("cpu"))
+    assert 0.3 < fraction < 0.9
+    cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1")
+    zbh1 = next(c for c in plan(cfg).candidates if c.valid and c.schedule == "zbh1")
+    assert zbh1.peak_activation_mb == [2, pytest.approx(1 + fraction, rel=1e-3)]

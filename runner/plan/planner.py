@@ -36,6 +36,7 @@ from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
+from runner.plan.weight_memory import measure_weight_grad_fraction
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
 from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
@@ -210,6 +211,11 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
         log.warning("the 1-minute load average is %.1f on %d CPU cores: other processes share this host, and the "
                     "calibration and the child timings measure them too. Plan on a quiet host, or set plan.comm_*, "
                     "plan.action_overhead_s and plan.corunning_slowdown from a quiet calibration.json.", load, cores)
+    if cfg.plan.weight_grad_fraction is None:  # measured on the model, as the children are timed
+        cfg = copy.deepcopy(cfg)
+        size = cfg.train.batch_size // (cfg.parallel.dp * min(cfg.plan.microbatches))
+        cfg.plan.weight_grad_fraction = measure_weight_grad_fraction(cfg, max(1, size), device)
+        log.info("M_W / M_B (plan.weight_grad_fraction), measured: %.3f", cfg.plan.weight_grad_fraction)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
     model: Fit | None = None
@@ -277,7 +283,8 @@ def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
     otherwise fail alike, or the calibration run first)."""
     memory_limit("plan.memory_limit", cfg.plan.memory_limit)
-    check_fraction("plan.weight_grad_fraction", cfg.plan.weight_grad_fraction)
+    if cfg.plan.weight_grad_fraction is not None:
+        check_fraction("plan.weight_grad_fraction", cfg.plan.weight_grad_fraction)
     if not cfg.plan.microbatches or min(cfg.plan.microbatches) < 1:
         raise ConfigError(f"plan.microbatches={list(cfg.plan.microbatches)}: the planner needs microbatch counts "
                           "of at least 1 to try. Fix: e.g. plan.microbatches=[2,4,8].")
