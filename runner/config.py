@@ -215,10 +215,11 @@ class PlanConfig(TargetPlanConfig):
     # pipeline; 0 = no probes (the child timings and the calibration alone: 15-27% low in
     # BENCHMARKS.md).
     probe_seconds: float = 4.0
-    # A previous run's directory (or its summary.json) to fit the cost model to instead of probing.
+    # A previous run's directory (or its summary.json) to fit to instead of probing; or a .yaml/.json of costs.
     costs: Optional[str] = None
-    # In-flight activations per rank: bytes (2e9) or with a unit (2GB, 1.5GiB); null = no limit.
+    # Activations per rank: bytes (2e9, 2GB, 1.5GiB), 1f1b (p microbatches') or 2x1f1b; null = no limit.
     memory_limit: Optional[str] = None
+    weight_grad_fraction: Optional[float] = None  # M_W / M_B, what an I keeps for its W; null: measured
     # Message and runtime costs; null = measured on two ranks of this host before planning.
     comm_latency_s: Optional[float] = None  # per message between ranks
     comm_bandwidth: Optional[float] = None  # bytes/s between ranks

@@ -131,7 +131,8 @@ def _check_numbers(cfg: DictConfig) -> None:
                           "(0 = no evaluation) and steps >= 1.")
     if t.ac_every < 1:
         raise ConfigError(f"train.ac_every={t.ac_every} must be at least 1.")
-    parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
+    if str(cfg.plan.memory_limit).strip().lower() not in ("1f1b", "2x1f1b"):  # limits relative to 1F1B's memory
+        parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
     if cfg.plan.probe_seconds < 0:
         raise ConfigError(f"plan.probe_seconds={cfg.plan.probe_seconds} must be >= 0. Fix: seconds of steps per "
                           "probe run (4.0), or 0 to plan without probes.")

@@ -17,6 +17,7 @@ from bench.sections import (
     synthesis,
     target,
     tp,
+    zb_paper,
 )
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
@@ -29,6 +30,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     planner.SECTION,
     synthesis.SECTION,
     target.SECTION,
+    zb_paper.SECTION,
     device.SECTION,
     hf.SECTION,
     tp.SECTION,

@@ -2,6 +2,7 @@
 
     python -m runner.plan parallel.pp=4 model.n_layers=16          # the same overrides as a run
     python -m runner.plan plan.costs=outputs/<date>/<time> plan.memory_limit=2GB
+    python -m runner.plan plan.costs=costs.yaml                    # costs measured elsewhere: no model
 
 Prints the calibration, the ranked table and the ``python -m runner ...`` line of the
 recommended candidate; writes ``plan.json`` (every candidate, fastest first),
@@ -33,6 +34,8 @@ from runner.config import config_dir  # also registers the schemas
 from runner.errors import ConfigError, RunnerError, interrupted_exit_code
 from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes
+from runner.plan.from_costs import plan_from_costs
+from runner.plan.given import is_costs_file, read_costs
 from runner.plan.planner import Candidate, plan
 from runner.plan.report import fit_line, label, search_report, table, within_error
 from runner.plan.target_report import run_target
@@ -49,6 +52,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
         return run_target(cfg, out, HydraConfig.get().overrides.task)
+    if cfg.plan.costs and is_costs_file(cfg.plan.costs):  # costs a user measured: no model, no ranks
+        return main_from_costs(cfg, out)
     candidates, timelines, calibration, model = plan(cfg, out, launch)
     if not any(c.valid for c in candidates):
         raise ConfigError(_no_valid_candidate(candidates))
@@ -91,6 +96,30 @@ def main(cfg: DictConfig) -> None:
         print(f"\nfastest synthesized: python -m runner {shlex.join(overrides + searched.overrides)}")
     # Quoted: a split is a [list].
     print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
+
+
+def main_from_costs(cfg: DictConfig, out: Path) -> None:
+    """``python -m runner.plan plan.costs=<file>``: read and check the file (``ConfigError``:
+    exit 2), plan it, print the table and the search, write ``plan.json``, the synthesized CSV
+    and ``plan_timeline.json`` (the recommended candidate's) into ``out``; ``RunnerError`` (exit
+    3) when nothing fits the file's memory_limit."""
+    given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
+    candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
+                                            tie_tolerance=cfg.plan.tie_tolerance)
+    (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
+    print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
+          f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone)")
+    print(table(candidates))
+    for line in search_report(candidates):
+        print(line)
+    best = next((c for c in candidates if c.recommended), None)
+    if best is None:
+        raise RunnerError(f"no candidate keeps its activations within memory_limit={given.memory_limit} of "
+                          f"{given.path} (table above; plan.json in {out}). Fix: a larger memory_limit, or more "
+                          "microbatches of fewer samples each.")
+    timeline = timelines[id(best)]
+    write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
+    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(best.overrides)}")
 
 
 def _no_valid_candidate(candidates: list[Candidate]) -> str:

@@ -24,7 +24,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from omegaconf import DictConfig
 
-from runner.config import CsvScheduleConfig, parse_bytes  # also registers the schemas
+from runner.config import CsvScheduleConfig  # also registers the schemas
 from runner.dims import ParallelDims
 from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
@@ -33,10 +33,12 @@ from runner.ops import Op
 from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
+from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.memory import annotate_memory, rank_params
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
 from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
+from runner.plan.weight_memory import measure_weight_grad_fraction
 from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
 from runner.split import split_by_cost
 from runner.timeline import write_schedule_csv
@@ -66,7 +68,8 @@ class Candidate:
     predicted_step_time_s: float | None = None
     bubble: float | None = None
     peak_activations: list[int] = field(default_factory=list)  # microbatches in flight, per rank
-    peak_activation_bytes: list[int] = field(default_factory=list)
+    peak_activation_bytes: list[int] = field(default_factory=list)  # per action: an I keeps plan.weight_grad_fraction
+    peak_activation_mb: list[float] = field(default_factory=list)  # the same in microbatches' activations (M_B)
     fits_memory: bool = True
     pipeline_s: float | None = None  # the simulated pipeline with mean action times (no jitter)
     after_pipeline_s: float | None = None  # of the predicted step: the loss/norm all-reduce and the optimizer
@@ -172,14 +175,18 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
     candidate.pipeline_s = max(a.end for a in timeline)
-    candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s))
-    counts, nbytes = peak_in_flight(order), peak_in_flight(order, _saved_bytes(layout, child))
+    problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child))
+    candidate.lower_bound_s = lower_bound(problem)
+    fraction = plan_cfg.weight_grad_fraction
+    counts, nbytes = peak_in_flight(order), peak_in_flight(order, problem.stage_bytes, fraction)
     candidate.peak_activations = [int(counts[r]) for r in sorted(counts)]  # counts: whole numbers
     candidate.peak_activation_bytes = [round(nbytes[r]) for r in sorted(nbytes)]
     candidate.rank_params = rank_params(layout.stages, {n: c.params for n, c in child.items()}, layout.stage_to_rank,
                                         layout.pp)
-    limit = parse_bytes("plan.memory_limit", plan_cfg.memory_limit)
-    candidate.fits_memory = limit is None or max(candidate.peak_activation_bytes) <= limit
+    in_mb = peak_in_flight(order, None, fraction)
+    candidate.peak_activation_mb = [round(in_mb[r], 3) for r in sorted(in_mb)]
+    limit = memory_limit("plan.memory_limit", plan_cfg.memory_limit, problem)
+    candidate.fits_memory = limit is None or max(nbytes.values()) <= limit * (1 + 1e-9)
     return timeline
 
 
@@ -216,6 +223,11 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
         log.warning("the 1-minute load average is %.1f on %d CPU cores: other processes share this host, and the "
                     "calibration and the child timings measure them too. Plan on a quiet host, or set plan.comm_*, "
                     "plan.action_overhead_s and plan.corunning_slowdown from a quiet calibration.json.", load, cores)
+    if cfg.plan.weight_grad_fraction is None:  # measured on the model, as the children are timed
+        cfg = copy.deepcopy(cfg)
+        size = cfg.train.batch_size // (cfg.parallel.dp * min(cfg.plan.microbatches))
+        cfg.plan.weight_grad_fraction = measure_weight_grad_fraction(cfg, max(1, size), device)
+        log.info("M_W / M_B (plan.weight_grad_fraction), measured: %.3f", cfg.plan.weight_grad_fraction)
     child_costs: dict[int, dict[str, ChildCost]] = {}
     calibration: Calibration | None = None
     model: Fit | None = None
@@ -289,7 +301,9 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
 def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
     otherwise fail alike, or the calibration run first)."""
-    parse_bytes("plan.memory_limit", cfg.plan.memory_limit)
+    memory_limit("plan.memory_limit", cfg.plan.memory_limit)
+    if cfg.plan.weight_grad_fraction is not None:
+        check_fraction("plan.weight_grad_fraction", cfg.plan.weight_grad_fraction)
     if not cfg.plan.microbatches or min(cfg.plan.microbatches) < 1:
         raise ConfigError(f"plan.microbatches={list(cfg.plan.microbatches)}: the planner needs microbatch counts "
                           "of at least 1 to try. Fix: e.g. plan.microbatches=[2,4,8].")
@@ -299,7 +313,7 @@ def check_plan_keys(cfg: DictConfig) -> None:
                           f"(train.batch_size={cfg.train.batch_size} / parallel.dp={cfg.parallel.dp}), so there is "
                           "no candidate to plan. Fix: a train.batch_size that one of them divides, or "
                           "plan.microbatches=[<divisors of it>].")
-    if cfg.plan.costs:
+    if cfg.plan.costs and not is_costs_file(cfg.plan.costs):
         read_run(cfg.plan.costs)
 
 
@@ -323,7 +337,9 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
     candidate = Candidate("synthesized", m, spr, _overrides("csv", m, None, str(path), split_points), valid=False,
                           split_points=split_points)
     costs, comm_s = layout_costs(layout.stages, child, calibration, model)
-    problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child), cfg.plan.memory_limit)
+    problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
+                      weight_grad_fraction=cfg.plan.weight_grad_fraction)
+    problem = replace(problem, memory_limit=memory_limit("plan.memory_limit", cfg.plan.memory_limit, problem))
 
     def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns
         write_schedule_csv(path, order)
@@ -363,6 +379,6 @@ def _mark_ties(ranked: list[Candidate], tolerance: float) -> None:
     tied = [c for c in fitting if c.prediction().step_s <= fastest * (1 + tolerance)]
     for c in tied:
         c.tie = len(tied) > 1
-    min(tied, key=lambda c: (max(c.peak_activation_bytes), c.schedule == "synthesized",
-                             c.prediction().step_s)).recommended = True
+    min(tied, key=lambda c: (max(c.peak_activation_bytes), max(c.peak_activation_mb or [0.0]),
+                             c.schedule == "synthesized", c.prediction().step_s)).recommended = True
 

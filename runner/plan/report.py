@@ -46,7 +46,9 @@ def fit_line(model: Fit) -> str:
 def table(candidates: list[Candidate]) -> str:
     """One row per valid candidate; ``*`` marks the recommended one and ``=`` those tied with it.
     *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout;
-    *rank mem*: the whole-rank estimate of the fullest rank (``runner.plan.memory``)."""
+    *peak act*: the most activations a rank holds, per action (an I keeps the weight gradient's
+    share), in microbatches' activations and in MiB ("-" where no bytes are known); *rank mem*: the
+    whole-rank estimate of the fullest rank (``runner.plan.memory``)."""
     rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  rank mem (MiB)  "
             "children per stage"]
     for c in candidates:
@@ -54,11 +56,13 @@ def table(candidates: list[Candidate]) -> str:
             split = "/".join(map(str, c.stage_sizes))
             mark = "*" if c.recommended else "=" if c.tie else " "
             p = c.prediction()
+            held = max(c.peak_activation_mb) if c.peak_activation_mb else max(c.peak_activations)
+            nbytes = max(c.peak_activation_bytes)
             rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
                         f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
-                        f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {max(c.peak_activations):13d}  "
-                        f"{max(c.peak_activation_bytes) / 2**20:14.2f}  {max(c.rank_memory_bytes or [0]) / 2**20:14.1f}"
-                        f"  {split}{_degrees(c)}"
+                        f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {held:13.4g}  "
+                        f"{f'{nbytes / 2**20:14.2f}' if nbytes else '-':>14}  "
+                        f"{max(c.rank_memory_bytes or [0]) / 2**20:14.1f}  {split}{_degrees(c)}"
                         f"{'' if c.fits_memory else '  over limit'}")
     invalid = [c for c in candidates if not c.valid]
     if invalid:
@@ -77,7 +81,8 @@ def search_report(candidates: list[Candidate]) -> list[str]:
     lines = [f"search: {len(searched)} layouts, {evaluated} orders simulated in {seconds:.1f} s"]
     best = next((c for c in candidates if c.valid and c.fits_memory and c.schedule == "synthesized"), None)
     if best is not None:
-        same = [c for c in candidates if c.valid and c.schedule != "synthesized" and c.microbatches == best.microbatches
+        same = [c for c in candidates if c.valid and c.fits_memory and c.schedule != "synthesized"
+                and c.microbatches == best.microbatches
                 and c.stages_per_rank == best.stages_per_rank and c.split_points == best.split_points
                 and _placement(c) == _placement(best)]
         p = best.prediction()

@@ -32,23 +32,6 @@ class SimAction:
     end: float
 
 
-def _inputs(op: Op, num_stages: int, done: Mapping[Op, SimAction]) -> list[Op] | None:
-    """The actions whose outputs ``op`` consumes; None while one of them has not run yet."""
-    s, kind, mb = op
-    if kind == "F":
-        needed = [Op(s - 1, "F", mb)] if s > 0 else []
-    elif kind == "W":
-        needed = [Op(s, "I", mb)]
-    else:  # B or I: the stage's own forward, and the gradient from the next stage
-        needed = [Op(s, "F", mb)]
-        if s < num_stages - 1:
-            grad = next((o for o in (Op(s + 1, "B", mb), Op(s + 1, "I", mb)) if o in done), None)
-            if grad is None:
-                return None
-            needed.append(grad)
-    return needed if all(o in done for o in needed) else None
-
-
 def simulate(
     order: Mapping[int, Sequence[Op]],
     costs: Mapping[tuple[int, str], float] | Mapping[str, float],
@@ -57,43 +40,78 @@ def simulate(
     comm_s: float = 0.0,
     jitter: float = 0.0,
     seed: int = 0,
+    ends_only: bool = False,
 ) -> list[SimAction]:
     """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
     ``jitter`` > 0 each action's time is drawn around its cost (log-normal, mean the cost,
-    that coefficient of variation; ``seed`` picks the draw)."""
+    that coefficient of variation; ``seed`` picks the draw). ``ends_only``: just the action
+    that ends last (what the search scores; building every action costs it half its time)."""
     rng = random.Random(seed)
     sigma = math.sqrt(math.log1p(jitter**2))
     lookup: Mapping[Any, float] = costs  # either form: both keys are tried
 
+    means: dict[tuple[int, str], float] = {}
+
     def cost(op: Op) -> float:
-        mean = lookup.get((op.stage, op.kind), lookup.get(op.kind, 0.0))
+        key = (op.stage, op.kind)
+        mean = means.get(key)
+        if mean is None:
+            mean = means[key] = lookup.get(key, lookup.get(op.kind, 0.0))
         return mean * rng.lognormvariate(-sigma**2 / 2, sigma) if jitter else mean
 
     rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
     position = {rank: 0 for rank in order}
     free_at = {rank: 0.0 for rank in order}
-    done: dict[Op, SimAction] = {}
+    # Ends by action, looked up with plain tuples (an Op is one), the dependencies of the module
+    # docstring written out inline: the search replays tens of thousands of actions per order at p = 32.
+    end: dict[tuple, float] = {}
+    placed: dict[Op, tuple[int, float]] = {}
+    last = num_stages - 1
     remaining = sum(len(ops) for ops in order.values())
     while remaining:
         progressed = False
         for rank, ops in order.items():
             while position[rank] < len(ops):
                 op = ops[position[rank]]
-                inputs = _inputs(op, num_stages, done)
-                if inputs is None:
-                    break
-                ready = max((done[i].end + (comm_s if rank_of[i.stage] != rank else 0.0) for i in inputs),
-                            default=0.0)
-                start = max(free_at[rank], ready)
-                done[op] = SimAction(rank, op, start, start + cost(op))
-                free_at[rank] = done[op].end
+                s, kind, mb = op
+                if kind == "F":
+                    ready = 0.0
+                    if s > 0:
+                        arrived = end.get((s - 1, "F", mb))
+                        if arrived is None:
+                            break
+                        ready = arrived + (comm_s if rank_of[s - 1] != rank else 0.0)
+                elif kind == "W":
+                    arrived = end.get((s, "I", mb))
+                    if arrived is None:
+                        break
+                    ready = arrived
+                else:  # B or I: its forward, and the gradient from the next stage
+                    arrived = end.get((s, "F", mb))
+                    if arrived is None:
+                        break
+                    ready = arrived
+                    if s < last:
+                        grad = end.get((s + 1, "B", mb))
+                        if grad is None:
+                            grad = end.get((s + 1, "I", mb))
+                            if grad is None:
+                                break
+                        ready = max(ready, grad + (comm_s if rank_of[s + 1] != rank else 0.0))
+                begin = max(free_at[rank], ready)
+                end[op] = free_at[rank] = begin + cost(op)
+                placed[op] = (rank, begin)
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = {r: ops[position[r]].name for r, ops in order.items() if position[r] < len(ops)}
             raise ValueError(f"the schedule cannot progress: ranks wait at {stuck}")
-    return sorted(done.values(), key=lambda a: (a.rank, a.start))
+    if ends_only:
+        final = max(placed, key=end.__getitem__)
+        return [SimAction(placed[final][0], final, placed[final][1], end[final])]
+    done = [SimAction(rank, op, begin, end[op]) for op, (rank, begin) in placed.items()]
+    return sorted(done, key=lambda a: (a.rank, a.start))
 
 
 def expected_makespan(
@@ -114,26 +132,31 @@ def expected_makespan(
         for i in range(samples))
 
 
-def peak_in_flight(order: Mapping[int, Sequence[Op]],
-                   weights: Mapping[int, float] | None = None) -> dict[int, float]:
-    """Per rank, the most forward activations held at once, walking the rank's order: a forward
-    adds its stage-microbatch, the backward that frees it removes it (its B, or its W where the
-    backward is split: after an I the weight gradient still needs the layer inputs). Counted in
-    stage-microbatches, or in bytes with ``weights`` (stage -> bytes of one stage-microbatch)."""
+def peak_in_flight(order: Mapping[int, Sequence[Op]], weights: Mapping[int, float] | None = None,
+                   weight_grad_fraction: float = 1.0) -> dict[int, float]:
+    """Per rank, the most forward activations held at once, walking the rank's order, per action
+    (Qi et al. 2024, Table 1): a forward holds its stage-microbatch (M_B); a full backward (B)
+    frees it; a split backward's input-gradient pass (I) frees all but what the weight gradient
+    needs (``weight_grad_fraction`` = M_W / M_B), and its W frees the rest. Counted in
+    stage-microbatches, or in bytes with ``weights`` (stage -> M_B of one stage-microbatch); a
+    fraction of 1 counts a microbatch as held until its W (whole numbers of microbatches)."""
     peaks: dict[int, float] = {}
+    keep = weight_grad_fraction
     for rank, ops in order.items():
-        live: set[tuple[int, int]] = set()
+        live: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> what it still holds
         held = peak = 0.0
         for op in ops:
-            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1)
+            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1.0)
             if op.kind == "F" and key not in live:
-                live.add(key)
+                live[key] = w
                 held += w
+                peak = max(peak, held)
+            elif op.kind == "I" and key in live:
+                held -= live[key] - keep * w
+                live[key] = keep * w
             elif op.kind in "BW" and key in live:
-                live.remove(key)
-                held -= w
-            peak = max(peak, held)
-        peaks[rank] = peak if weights is not None else int(peak)
+                held -= live.pop(key)
+        peaks[rank] = int(peak) if weights is None and keep == 1.0 else peak
     return peaks
 
 

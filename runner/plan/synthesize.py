@@ -17,231 +17,17 @@ every built-in schedule does (the runtime's sends and receives pair up in that o
 
 from __future__ import annotations
 
-import math
 import random
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from runner.ops import Op
+from runner.plan.list_schedule import Policy, list_schedule, policies
+from runner.plan.problem import Order, Problem, lower_bound
 from runner.plan.simulate import peak_in_flight, simulate
 
 __all__ = ["Problem", "Policy", "Synthesis", "lower_bound", "list_schedule", "synthesize"]
-
-Order = dict[int, list[Op]]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What the order is searched for: costs of (stage, F/B/I/W) in seconds, the stage placement,
-    the cost of a message between ranks, and the activation budget per rank."""
-
-    microbatches: int
-    stage_to_rank: Mapping[int, int]
-    costs: Mapping[tuple[int, str], float]
-    comm_s: float = 0.0
-    # Bytes one stage-microbatch's forward keeps until its backward (B, or W after an I) frees
-    # it; None counts stage-microbatches instead. ``memory_limit`` is in the same unit.
-    stage_bytes: Mapping[int, float] | None = None
-    memory_limit: float | None = None
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_to_rank)
-
-    @property
-    def pp(self) -> int:
-        return 1 + max(self.stage_to_rank.values())
-
-    def stages_on(self, rank: int) -> list[int]:
-        return sorted(s for s, r in self.stage_to_rank.items() if r == rank)
-
-    def weight(self, stage: int) -> float:
-        return self.stage_bytes[stage] if self.stage_bytes is not None else 1.0
-
-    def hop(self, a: int, b: int) -> float:
-        return self.comm_s if self.stage_to_rank[a] != self.stage_to_rank[b] else 0.0
-
-    @property
-    def splits(self) -> bool:
-        """Whether I and W have costs (a previous run of whole-B schedules measured none)."""
-        return all((s, k) in self.costs for s in range(1, self.num_stages) for k in "IW")
-
-    @property
-    def whole(self) -> bool:
-        """Whether B has costs (a previous run of a zero-bubble schedule may have only I and W)."""
-        return all((s, "B") in self.costs for s in range(self.num_stages))
-
-
-def lower_bound(p: Problem) -> float:
-    """No order of these actions on this placement finishes sooner: the larger of one
-    microbatch's path through every forward and back, and, per rank, its compute (each backward
-    at the cheaper of B and I + W) after the first forward can reach it, plus what must follow
-    its last action (the rest of that gradient's path, or the extra a split backward costs when
-    the rank ends on a W)."""
-    n, m = p.num_stages, p.microbatches
-
-    def c(s: int, kind: str) -> float:  # an action without a cost cannot be used
-        return p.costs.get((s, kind), math.inf)
-
-    back = {s: min(c(s, "B"), c(s, "I") + c(s, "W")) for s in range(n)}
-    passes_on = {s: min(c(s, "B"), c(s, "I")) for s in range(1, n)}  # what sends the gradient on
-    arrive = [0.0]  # the first microbatch's forward reaches stage s
-    for s in range(1, n):
-        arrive.append(arrive[-1] + c(s - 1, "F") + p.hop(s - 1, s))
-    after = {0: 0.0}  # from the end of stage s's B/I to the end of that microbatch's stage-0 backward
-    for s in range(1, n):
-        after[s] = p.hop(s, s - 1) + (back[0] if s == 1 else passes_on[s - 1]) + after[s - 1]
-    if n == 1:
-        path = c(0, "F") + back[0]
-    else:
-        path = arrive[-1] + c(n - 1, "F") + passes_on[n - 1] + after[n - 1]
-    bound = path
-    for r in range(p.pp):
-        stages = p.stages_on(r)
-        work = sum(m * (c(s, "F") + back[s]) for s in stages)
-        tail = min(0.0 if s == 0 else min(after[s], c(s, "I") + c(s, "W") - back[s]) for s in stages)
-        bound = max(bound, min(arrive[s] for s in stages) + work + tail)
-    return bound
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How a list schedule picks a rank's next action among the ready ones."""
-
-    split: bool  # I then W instead of B (stage 0 keeps B: its I would compute nothing)
-    backward_first: bool  # a ready B/I before a ready F (1F1B-like); else forwards first (GPipe-like)
-    deep_first: bool  # among ready actions of one kind and microbatch, the later stage first
-    in_flight: tuple[int, ...] | None = None  # per rank, at most this many stage-microbatches held
-    slack: float = 0.0  # seconds a rank may wait for a more urgent action rather than start another
-    noise: float = 0.0  # random jitter of microbatch priorities, for variety
-
-    def describe(self) -> str:
-        caps = "memory" if self.in_flight is None else "/".join(map(str, self.in_flight))
-        return (f"list({'I+W' if self.split else 'B'}, {'backward' if self.backward_first else 'forward'} first, "
-                f"{'deep' if self.deep_first else 'shallow'} first, in flight {caps}, slack {self.slack * 1e3:.2f} ms"
-                f"{f', noise {self.noise:.1f}' if self.noise else ''})")
-
-
-def list_schedule(p: Problem, policy: Policy, rng: random.Random) -> Order | None:
-    """Build an order by simulating the ranks and letting each free rank pick, among the actions
-    it could start soonest (within ``policy.slack``), the most urgent by the policy: backward
-    (B/I), forward and fill (W, and stage 0's deferred B when split) classes, then microbatch,
-    then stage. A microbatch enters a rank (its forward on the rank's first stage) only while
-    the budget holds it through all of the rank's stages on top of what the microbatches already
-    inside may still take, so that those can always go on: no order it builds deadlocks on
-    memory. None when the budget cannot hold one microbatch."""
-    n, m = p.num_stages, p.microbatches
-    local = {r: p.stages_on(r) for r in range(p.pp)}
-    end: dict[Op, float] = {}
-    order: Order = {r: [] for r in range(p.pp)}
-    free = {r: 0.0 for r in range(p.pp)}
-    held = {r: 0.0 for r in range(p.pp)}  # bytes (or stage-microbatches) of forwards not yet freed
-    count = {r: 0 for r in range(p.pp)}  # stage-microbatches, for policy.in_flight
-    # What the microbatches inside a rank will still take (their forwards on its later stages).
-    reserved = {r: 0.0 for r in range(p.pp)}
-    reserved_count = {r: 0 for r in range(p.pp)}
-    footprint = {r: sum(p.weight(s) for s in local[r]) for r in range(p.pp)}
-    next_f, next_b = [0] * n, [0] * n
-    waiting_w: list[deque[int]] = [deque() for _ in range(n)]
-    jitter = {(s, i): rng.random() * policy.noise for s in range(n) for i in range(m)} if policy.noise else {}
-    classes = {"back": 0, "F": 1, "fill": 2} if policy.backward_first else {"F": 0, "back": 1, "fill": 2}
-    limit = p.memory_limit if p.memory_limit is not None else math.inf
-    # Stage 0 keeps B where it has a cost: its I would compute nothing, its W everything.
-    split = {s for s in range(n) if policy.split and (s > 0 or (0, "B") not in p.costs)}
-
-    def candidates(r: int) -> list[tuple[float, tuple, Op]]:
-        out = []
-        for s in local[r]:
-            i = next_f[s]
-            enters = s == local[r][0]
-            room = (held[r] + reserved[r] + footprint[r] <= limit and (
-                policy.in_flight is None or count[r] + reserved_count[r] + len(local[r]) <= policy.in_flight[r]))
-            if i < m and (s == 0 or Op(s - 1, "F", i) in end) and (room or not enters):
-                ready = end[Op(s - 1, "F", i)] + p.hop(s - 1, s) if s > 0 else 0.0
-                out.append((ready, "F", Op(s, "F", i)))
-            i = next_b[s]
-            if i < m and Op(s, "F", i) in end:
-                ready = end[Op(s, "F", i)]
-                grad = None
-                if s < n - 1:
-                    grad = next((g for g in (Op(s + 1, "B", i), Op(s + 1, "I", i)) if g in end), None)
-                if s == n - 1 or grad is not None:
-                    if grad is not None:
-                        ready = max(ready, end[grad] + p.hop(s + 1, s))
-                    kind = "I" if s in split else "B"
-                    out.append((ready, "fill" if policy.split and s == 0 and kind == "B" else "back", Op(s, kind, i)))
-            if waiting_w[s]:
-                i = waiting_w[s][0]
-                out.append((end[Op(s, "I", i)], "fill", Op(s, "W", i)))
-        picked = []
-        for ready, cls, op in out:
-            urgency = (classes[cls], op.microbatch + jitter.get((op.stage, op.microbatch), 0.0),
-                       -op.stage if policy.deep_first else op.stage)
-            picked.append((max(free[r], ready), urgency, op))
-        return picked
-
-    remaining = (2 * n + len(split)) * m
-    while remaining:
-        choice = None
-        for r in range(p.pp):
-            cands = candidates(r)
-            if not cands:
-                continue
-            soonest = min(start for start, _, _ in cands)
-            start, _, op = min((c for c in cands if c[0] <= soonest + policy.slack), key=lambda c: c[1])
-            if choice is None or start < choice[0]:
-                choice = (start, r, op)
-        if choice is None:
-            return None
-        start, r, op = choice
-        end[op] = start + p.costs[(op.stage, op.kind)]
-        free[r] = end[op]
-        order[r].append(op)
-        remaining -= 1
-        if op.kind == "F":
-            next_f[op.stage] += 1
-            held[r] += p.weight(op.stage)
-            count[r] += 1
-            if op.stage == local[r][0]:
-                reserved[r] += footprint[r]
-                reserved_count[r] += len(local[r])
-            reserved[r] -= p.weight(op.stage)
-            reserved_count[r] -= 1
-        elif op.kind in "BI":
-            next_b[op.stage] += 1
-            if op.kind == "I":
-                waiting_w[op.stage].append(op.microbatch)
-        if op.kind in "BW":
-            if op.kind == "W":
-                waiting_w[op.stage].popleft()
-            held[r] -= p.weight(op.stage)
-            count[r] -= 1
-    return order
-
-
-def _policies(p: Problem, rng: random.Random, count: int) -> list[Policy]:
-    """The zero-bubble paper's handcrafted points first (1F1B's in-flight count with B, then with
-    I + W, then twice that count: ZB-H1 and ZB-H2 in spirit), then random ones."""
-    v = p.num_stages // p.pp
-    m = p.microbatches
-    mean_cost = sum(v for v in p.costs.values()) / len(p.costs)
-
-    def caps(base: int, slope: int) -> tuple[int, ...]:
-        return tuple(min(v * m, max(v, base + slope * (p.pp - 1 - r))) for r in range(p.pp))
-
-    one_f_one_b = caps(v, v)
-    out = [Policy(False, True, True, one_f_one_b), Policy(True, True, True, one_f_one_b),
-           Policy(True, True, True, tuple(2 * c for c in one_f_one_b)), Policy(True, True, True, None),
-           Policy(False, False, True, None), Policy(True, True, False, one_f_one_b)]
-    while len(out) < count:
-        cap = None if rng.random() < 0.2 else caps(rng.randint(1, 2 * v), rng.randint(0, 2 * v))
-        out.append(Policy(split=rng.random() < 0.6, backward_first=rng.random() < 0.8, deep_first=rng.random() < 0.5,
-                          in_flight=cap, slack=rng.choice([0.0, 0.0, 0.25, 0.5, 1.0]) * mean_cost,
-                          noise=rng.choice([0.0, 0.0, 0.5, 1.5])))
-    usable = [pol for pol in out if (p.splits if pol.split else p.whole)]
-    return usable[:max(count, 0)]
 
 
 def _position(ops: Sequence[Op], op: Op) -> int:
@@ -317,12 +103,12 @@ class Synthesis:
 def _score(p: Problem, order: Order) -> tuple[float, float] | None:
     """(makespan, peak held per rank): None when the order cannot run or exceeds the budget."""
     try:
-        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s)
+        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, ends_only=True)
     except ValueError:
         return None
     weights = dict(p.stage_bytes) if p.stage_bytes is not None else None
-    peak = max(peak_in_flight(order, weights).values())
-    if p.memory_limit is not None and peak > p.memory_limit:
+    peak = max(peak_in_flight(order, weights, p.weight_grad_fraction).values())
+    if p.memory_limit is not None and peak > p.memory_limit * (1 + 1e-9):  # sums of fractions round
         return None
     return max(a.end for a in actions), peak
 
@@ -355,7 +141,7 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
 
     for name, order in seeds.items():
         consider(order, name)
-    for policy in _policies(p, rng, budget // 2 - len(seeds)):
+    for policy in policies(p, rng, budget // 2 - len(seeds)):
         consider(list_schedule(p, policy, rng), policy.describe())
     if not best:
         return None

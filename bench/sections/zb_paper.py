@@ -1,0 +1,97 @@
+"""Synthesis on the Zero Bubble paper's costs: the search (``runner.plan.synthesize``, default
+budget) on the twelve settings of the paper's Table 9 (Qi et al., ICLR 2024: profiled T_F, T_B,
+T_W, T_comm of 1.5B-28.3B models at p = 8-32), at 1F1B's memory and twice it, seeded with the
+built-in orders (ZB-H1 and ZB-H2 among them) and cold (1F1B alone), against ZB-H1 and the lower
+bound. No runs: simulation only, so nothing here depends on this machine but the seconds."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from bench.markdown import meta_line
+from bench.runs import Context
+from bench.section import Page, Section
+
+# Table 9 (milliseconds): (model, p, m) -> T_F, T_B, T_W, T_comm. Replayed with 1F1B's order they
+# give Table 5's 1F1B bubble rates in all twelve settings to the last digit.
+TABLE9 = {("1.5B", 8, 24): (18.522, 18.086, 9.337, 0.601), ("1.5B", 8, 32): (18.513, 18.086, 9.331, 0.626),
+          ("1.5B", 8, 64): (18.546, 18.097, 9.321, 0.762), ("6.2B", 8, 24): (29.718, 29.444, 19.927, 0.527),
+          ("6.2B", 8, 32): (29.802, 29.428, 19.530, 0.577), ("6.2B", 8, 64): (29.935, 29.621, 19.388, 0.535),
+          ("14.6B", 16, 48): (11.347, 11.248, 8.132, 0.377), ("14.6B", 16, 64): (11.307, 11.254, 8.101, 0.379),
+          ("14.6B", 16, 128): (11.325, 11.308, 8.109, 0.378), ("28.3B", 32, 96): (10.419, 10.207, 7.715, 0.408),
+          ("28.3B", 32, 128): (10.408, 10.204, 7.703, 0.408), ("28.3B", 32, 256): (10.402, 10.248, 7.698, 0.460)}
+FRACTION = 0.4  # M_W / M_B: the paper's models are at 0.37-0.43
+
+
+def zb_paper(ctx: Context) -> dict[str, Any]:
+    from runner.plan.from_costs import builtin_orders, given_problem
+    from runner.plan.given import GivenCosts
+    from runner.plan.simulate import simulate
+    from runner.plan.synthesize import synthesize
+
+    rows = []
+    for (model, p, m), (f, b, w, comm) in TABLE9.items():
+        orders = builtin_orders(p, m)
+        for limit in ("1f1b", "2x1f1b"):
+            given = GivenCosts("table9", p, m, [f / 1e3] * p, [b / 1e3] * p, [w / 1e3] * p, comm / 1e3, FRACTION,
+                               limit, None)
+            problem = given_problem(given)
+            row: dict[str, Any] = {"model": model, "pp": p, "microbatches": m, "limit": limit}
+            for name in ("1f1b", "zbh1", "zbh2"):
+                timeline = simulate(orders[name], problem.costs, num_stages=p, comm_s=problem.comm_s)
+                row[f"{name}_s"] = max(a.end for a in timeline)
+            for start, seeds in (("seeded", orders), ("cold", {"1f1b": orders["1f1b"]})):
+                t0 = time.time()
+                found = synthesize(problem, seeds=seeds, budget=200, seed=0)
+                assert found is not None  # 1F1B's order fits both limits
+                row[start] = {"step_s": found.makespan_s, "seconds": found.seconds, "origin": found.origin,
+                              "under_load": ctx.loaded(t0, time.time())}
+                row["lower_bound_s"] = found.lower_bound_s
+            rows.append(row)
+    return {"budget": 200, "weight_grad_fraction": FRACTION, "rows": rows}
+
+
+def _vs(step: float, ref: float) -> str:
+    off = step / ref - 1
+    return "0" if abs(off) < 1e-9 else f"{off:+.2%}"
+
+
+def render(data: Mapping[str, Any], page: Page) -> list[str]:
+    res = data["results"]
+    rows = res["rows"]
+    runs = [r[s] for r in rows for s in ("seeded", "cold")]
+    lines = ["## Synthesis on the Zero Bubble paper's costs", "", meta_line(data["meta"], runs), "",
+             f"The search (`runner.plan.synthesize`, default budget of {res['budget']} orders, seed 0) on the twelve "
+             "settings of the Zero Bubble paper's Table 9 (its profiled T_F, T_B, T_W and T_comm; "
+             f"M_W / M_B = {res['weight_grad_fraction']}), as `python -m runner.plan plan.costs=<file>` gives them "
+             "to it: at 1F1B's memory (p microbatches' activations on every rank, memory counted per action) and "
+             "at twice it; *seeded* with the built-in orders of one stage per rank (GPipe, 1F1B, ZB-H1, ZB-H2), "
+             "*cold* with 1F1B's alone. *vs ZB-H1* and *vs bound*: how much longer the synthesized pipeline is "
+             "(0: equal to the last digit); *s*: seconds of search on this machine (* while other processes "
+             "used the cores: longer than on a quiet one).", "",
+             "| model | p | m | limit | 1F1B (ms) | ZB-H1 (ms) | ZB-H2 (ms) | bound (ms) | seeded vs ZB-H1 | "
+             "seeded vs bound | s | cold vs ZB-H1 | cold vs bound | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h1, bound = r["zbh1_s"], r["lower_bound_s"]
+        cells = [r["model"], str(r["pp"]), str(r["microbatches"]), r["limit"], f"{r['1f1b_s'] * 1e3:.2f}",
+                 f"{h1 * 1e3:.2f}", f"{r['zbh2_s'] * 1e3:.2f}", f"{bound * 1e3:.2f}"]
+        for start in ("seeded", "cold"):
+            s = r[start]
+            cells += [_vs(s["step_s"], h1), _vs(s["step_s"], bound),
+                      f"{s['seconds']:.1f}{'*' if s.get('under_load') else ''}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for limit, target, name in (("1f1b", "zbh1_s", "ZB-H1's step"), ("2x1f1b", "lower_bound_s", "the lower bound")):
+        for start in ("seeded", "cold"):
+            hit = [r for r in rows if r["limit"] == limit and r[start]["step_s"] <= r[target] * (1 + 1e-9)]
+            lines.append(f"- At {limit}, {start}: {name} or better in {len(hit)} of "
+                         f"{sum(r['limit'] == limit for r in rows)} settings.")
+    big = [r[s]["seconds"] for r in rows if r["pp"] == 32 for s in ("seeded", "cold")]
+    if big:
+        lines.append(f"- At p = 32 one search took {min(big):.0f}-{max(big):.0f} s (m = 96-256).")
+    return lines + [""]
+
+
+SECTION = Section("zb_paper", zb_paper, render, ranks=lambda args: 1)

@@ -1,0 +1,103 @@
+"""Plans from given costs (``python -m runner.plan plan.costs=<file.yaml|json>``): the built-in
+schedules of one stage per rank and a synthesized order, simulated with the file's costs (one
+stage per rank, messages between neighbouring ranks, memory per action) without a model, a
+calibration or ranks. A candidate's step is its simulated pipeline: the file has no optimizer or
+all-reduce costs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from runner.ops import Op
+from runner.plan.given import GivenCosts, memory_limit
+from runner.plan.planner import Candidate, _mark_ties
+from runner.plan.problem import Problem, lower_bound
+from runner.plan.simulate import peak_in_flight, simulate
+from runner.plan.synthesize import synthesize
+from runner.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
+from runner.timeline import write_schedule_csv
+
+__all__ = ["given_problem", "builtin_orders", "plan_from_costs"]
+
+
+def given_problem(given: GivenCosts) -> Problem:
+    """The file's costs as a search problem: stage r on rank r, its limit resolved (1F1B's memory
+    is p microbatches' activations on every rank)."""
+    stage_bytes = {s: (given.activation_bytes[s] if given.activation_bytes else 1.0) for s in range(given.pp)}
+    problem = Problem(given.microbatches, {s: s for s in range(given.pp)}, given.costs(), given.comm_s, stage_bytes,
+                      weight_grad_fraction=given.weight_grad_fraction)
+    return replace(problem, memory_limit=memory_limit("memory_limit", given.memory_limit, problem))
+
+
+def builtin_orders(pp: int, microbatches: int) -> dict[str, dict[int, list[Op]]]:
+    """The built-in schedules of one stage per rank that have an order at these counts."""
+    out = {}
+    for name in SCHEDULES:
+        if is_single_stage(name):
+            try:
+                out[name] = schedule_order(name, pp, microbatches, 1)
+            except (ValueError, AssertionError, RuntimeError):
+                continue  # e.g. too few microbatches for its shape
+    return out
+
+
+def _candidate(name: str, order: dict[int, list[Op]], problem: Problem, overrides: list[str],
+               with_bytes: bool) -> tuple[Candidate, list]:
+    timeline = simulate(order, problem.costs, num_stages=problem.num_stages, comm_s=problem.comm_s)
+    pipeline = max(a.end for a in timeline)
+    busy = sum(a.end - a.start for a in timeline)
+    nbytes = peak_in_flight(order, problem.stage_bytes, problem.weight_grad_fraction)
+    in_mb = peak_in_flight(order, None, problem.weight_grad_fraction)
+    counts = peak_in_flight(order)
+    c = Candidate(name, problem.microbatches, 1, overrides, valid=True, predicted_step_time_s=pipeline,
+                  pipeline_s=pipeline, after_pipeline_s=0.0, bubble=1 - busy / (problem.pp * pipeline),
+                  lower_bound_s=lower_bound(problem), peak_activations=[int(counts[r]) for r in sorted(counts)],
+                  # Without activation_bytes there are no bytes to give (0; the table prints "-").
+                  peak_activation_bytes=[round(nbytes[r]) if with_bytes else 0 for r in sorted(nbytes)],
+                  peak_activation_mb=[round(in_mb[r], 3) for r in sorted(in_mb)],
+                  stage_costs_s={f"{s}{k}": v for (s, k), v in sorted(problem.costs.items())})
+    c.fits_memory = problem.memory_limit is None or max(nbytes.values()) <= problem.memory_limit * (1 + 1e-9)
+    return c, timeline
+
+
+def plan_from_costs(given: GivenCosts, out: Path, *, budget: int, seed: int,
+                    tie_tolerance: float) -> tuple[list[Candidate], dict[int, list]]:
+    """Every candidate, fastest within the limit first (ties and the recommended one marked),
+    and each one's timeline by ``id(candidate)``. The synthesized order is written as
+    ``synthesized_pp<p>_m<m>_loop1.csv`` into ``out``, checked as a run checks a user's CSV."""
+    problem = given_problem(given)
+    pp, m = given.pp, given.microbatches
+    results, timelines = [], {}
+    with_bytes = given.activation_bytes is not None
+    seeds = builtin_orders(pp, m)
+    for name, order in seeds.items():
+        c, timeline = _candidate(name, order, problem, [f"parallel.pp={pp}", f"schedule={name}",
+                                                        f"parallel.microbatches={m}", "parallel.stages_per_rank=1"],
+                                  with_bytes)
+        results.append(c)
+        timelines[id(c)] = timeline
+    path = out / f"synthesized_pp{pp}_m{m}_loop1.csv"
+
+    def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns
+        write_schedule_csv(path, order)
+        read_csv_schedule(str(path), pp=pp, stages_per_rank=None, microbatches=m)
+
+    found = synthesize(problem, seeds=seeds, budget=budget, seed=f"{seed}/{path.name}", check=dry_run)
+    overrides = [f"parallel.pp={pp}", "schedule=csv", f"schedule.csv={path}", f"parallel.microbatches={m}",
+                 "parallel.stages_per_rank=null"]
+    if found is None:
+        results.append(Candidate("synthesized", m, 1, overrides, valid=False,
+                                 reason=f"no order holds a microbatch within memory_limit={given.memory_limit}"))
+    else:
+        write_schedule_csv(path, found.order)
+        c, timeline = _candidate("synthesized", found.order, problem, overrides, with_bytes)
+        c.search = {"csv": str(path), "placement": "loop", "origin": found.origin, "evaluated": found.evaluated,
+                    "rejected": found.rejected, "improved_by_moves": found.improved_by_moves,
+                    "seconds": round(found.seconds, 3), "seed": seed}
+        results.append(c)
+        timelines[id(c)] = timeline
+    ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
+    _mark_ties(ranked, tie_tolerance)
+    return ranked, timelines
+
