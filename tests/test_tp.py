@@ -19,7 +19,7 @@ from runner.validate import validate
 
 from helpers.config import EXAMPLES, TINY, compose, resolved
 from helpers.hf import hf_training, write_model
-from helpers.parity import CLIP, GRAD_ATOL, SCHEDULES, assert_matches, reference
+from helpers.parity import CLIP, GRAD_ATOL, SCHEDULES, assert_close_at_bf16, assert_matches, reference
 from helpers.ranks import run_cases
 
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
@@ -41,12 +41,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tp4(models, tmp_path_factory) -> dict[str, dict]:
     """The 4-rank spawn: every schedule for the built-in transformer and Llama at pp=2 x tp=2 with
-    verify, a CSV schedule, activation checkpointing, and Qwen3."""
+    verify, a CSV schedule, ZB-H1, activation checkpointing, bf16, and Qwen3."""
     out = tmp_path_factory.mktemp("tp4")
     cases = {f"builtin-{s}": resolved(*TINY, *CLIP, *TP2, f"schedule={s}", "verify=true") for s in SCHEDULES}
     cases["builtin-csv"] = resolved(*TINY, *CLIP, *TP2, "schedule=csv",
                                     f"schedule.csv={EXAMPLES / 'zero_bubble_pp2_m4.csv'}", "verify=true")
     cases["builtin-ac"] = resolved(*TINY, *CLIP, *TP2, "schedule=zbv", "train.activation_checkpointing=full")
+    cases["builtin-bf16"] = resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.precision=bf16", "verify=true")
+    cases["builtin-zbh1"] = resolved(*TINY, *CLIP, *TP2, "schedule=zbh1", "verify=true")
     for family, schedules in HF_FAMILIES.items():
         cases.update({f"{family}-{s}": resolved(*_hf_base(models[family]), *TP2, f"schedule={s}", "verify=true")
                       for s in schedules})
@@ -56,6 +58,11 @@ def tp4(models, tmp_path_factory) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def builtin_reference(tmp_path_factory) -> dict:
     return reference(tmp_path_factory.mktemp("tp-reference"), *PP2[1:])
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory) -> dict:
+    return reference(tmp_path_factory.mktemp("tp-reference-bf16"), *PP2[1:], "train.precision=bf16")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +77,7 @@ def _assert_verified(got: dict, case: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", [*(f"builtin-{s}" for s in SCHEDULES), "builtin-csv", "builtin-ac"])
+@pytest.mark.parametrize("case", [*(f"builtin-{s}" for s in SCHEDULES), "builtin-csv", "builtin-ac", "builtin-zbh1"])
 def test_every_schedule_at_pp2_tp2_matches_the_unsplit_builtin_transformer(tp4, builtin_reference, case):
     got = tp4[case]
     assert_matches(got, builtin_reference, case)
@@ -86,6 +93,23 @@ def test_hugging_face_plans_at_pp2_tp2_match_transformers_own_training(tp4, hf_r
     got = tp4[case]
     assert_matches(got, hf_references[case.split("-")[0]], case)  # every gradient: Qwen3's q_norm/k_norm too
     _assert_verified(got, case)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_bf16_at_pp2_tp2_matches_the_unsplit_bf16_run(tp4, bf16_reference):
+    """Autocast inside the tp shards: losses and fp32 gradients at bf16 tolerances, verify at bf16's."""
+    assert_close_at_bf16(tp4["builtin-bf16"], bf16_reference, "builtin-bf16")
+    assert tp4["builtin-bf16"]["summary"]["verify"]["passed"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_compile_at_pp2_tp2_matches_the_unsplit_model(tmp_path, builtin_reference):
+    """torch.compile of each unit over tp DTensors (minutes of compilation on CPU: slow tier)."""
+    got = run_cases(tmp_path, 4, {"compile": resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.compile=true")})
+    assert_matches(got["compile"], builtin_reference, "compile")
 
 
 # -- the plans, in process ---------------------------------------------------------------------------
