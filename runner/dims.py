@@ -40,6 +40,10 @@ class ParallelDims:
     dp: int  # replicas of the whole pipeline
     dp_mode: str = "none"  # a runner.dp name
     tp: int = 1  # the shards of each stage's layers (runner.tp)
+    # How the tp shards split what flows between the layers (runner.tp): the sequence between the
+    # blocks, the vocabulary into the loss.
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     # Outermost first: consecutive ranks differ in the last one.
     ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")  # the DeviceMesh's dimensions, in this order
@@ -53,7 +57,8 @@ class ParallelDims:
     def from_config(cls, parallel: Any) -> ParallelDims:
         """From the composed ``cfg.parallel`` (a DictConfig or anything with these attributes)."""
         return cls(pp=int(parallel.pp), dp=int(parallel.dp), dp_mode=str(parallel.dp_mode),
-                   tp=int(parallel.get("tp", 1)))
+                   tp=int(parallel.get("tp", 1)), sequence_parallel=bool(parallel.get("sequence_parallel")),
+                   loss_parallel=bool(parallel.get("loss_parallel")))
 
     @property
     def degrees(self) -> dict[str, int]:

@@ -150,7 +150,7 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     seed, loss_fn = plan.train.seed, build_loss(cfg.loss)
     layout, dp_mode = plan.layout, plan.dp_mode
-    tp = tp_plan(meta.module, cfg.parallel)
+    tp = tp_plan(meta.module, plan.dims)
     loss_parallel = tp is not None and tp.loss_parallel
     styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
 

@@ -60,6 +60,7 @@ from runner.tp_shards import stage_plan, style_of
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from runner.dims import ParallelDims
     from runner.mesh import Mesh
     from runner.split import MetaModel, StageModule
     from runner.units import ModelSpec
@@ -84,11 +85,11 @@ class TPPlan:
     loss_parallel: bool = False
 
 
-def tp_plan(model: nn.Module, parallel: Any) -> TPPlan | None:
-    """The run's plan from the model and ``cfg.parallel`` (None at tp=1)."""
-    if int(parallel.get("tp", 1)) <= 1:
+def tp_plan(model: nn.Module, dims: ParallelDims) -> TPPlan | None:
+    """The run's plan from the model and the run's degrees and options (None at tp=1)."""
+    if dims.tp <= 1:
         return None
-    return TPPlan(model_plan(model), bool(parallel.get("sequence_parallel")), bool(parallel.get("loss_parallel")))
+    return TPPlan(model_plan(model), dims.sequence_parallel, dims.loss_parallel)
 
 
 def _style(name: str, *, sequence: bool = False, head: bool = False, loss_parallel: bool = False) -> Any:
