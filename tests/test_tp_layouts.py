@@ -4,9 +4,9 @@ across stages (vocabulary-sharded in each tp group, an uneven vocabulary, both e
 under a V schedule), and checkpoints that resume at another tp, pp and dp with the same continuing
 losses and export the same weights as a run without tp.
 
-In CI, one 4-rank spawn runs the built-in transformer's and a tiny Llama's cases; the slow tier
-adds a second 4-rank spawn (ddp, a V schedule, a tied checkpoint resumed at pp=1) and the 8-rank spawn
-(pp=2 x tp=2 x dp=2 with FSDP). Module-scoped fixtures; each case is asserted in its own test.
+In CI, one 4-rank spawn runs the built-in transformer's and a tiny Llama's cases, and one 8-rank
+spawn pp=2 x tp=2 x dp=2 with FSDP; the slow tier adds a second 4-rank spawn (ddp, a V schedule,
+a tied checkpoint resumed at pp=1). Module-scoped fixtures; each case is asserted in its own test.
 The unsplit references run in this process, once each."""
 
 from __future__ import annotations
@@ -203,10 +203,10 @@ def test_the_export_of_a_tp_checkpoint_equals_the_export_of_its_weights_saved_wi
         assert (tmp_path / "from-tp" / name).read_bytes() == (tmp_path / "from-tp1" / name).read_bytes(), name
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_pp2_tp2_dp2_with_fsdp_matches_the_unsplit_model(tp8, references):
+    """The one 8-rank case (about 20 s on 2 idle cores): pp x tp x dp with FSDP over the 2-D mesh."""
     assert_matches(tp8["fsdp-pp2-tp2-dp2"], references["tied-47"], "fsdp-pp2-tp2-dp2")
 
 
