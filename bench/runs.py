@@ -91,6 +91,22 @@ def read_run(run_dir: Path, done: subprocess.CompletedProcess | None = None) -> 
     }
 
 
+def alternating_runs(ctx: Context, label: str, layouts: Mapping[str, Sequence[str]], common: Sequence[str]
+                     ) -> list[dict[str, Any]]:
+    """Each layout (name -> overrides) run ``option_repeats`` times on top of ``common``, in forward
+    and then reverse order (so a drifting host load favours none), with the steady step time."""
+    runs = []
+    for repeat in range(ctx.args.option_repeats):
+        for name in layouts if repeat % 2 == 0 else reversed(list(layouts)):
+            run_dir = ctx.work / f"{label}-{name}-{repeat}"
+            run = read_run(run_dir, run_cli(ctx, *common, *layouts[name], f"hydra.run.dir={run_dir}"))
+            if run["status"] == "ok":
+                run["steady_s"] = steady(run["step_times"], skip=2)
+            runs.append(ctx.mark({"config": name, "repeat": repeat, **run}))
+            print(f"[bench] {label} {name} #{repeat}: {run.get('steady_s') or run.get('error')}", flush=True)
+    return runs
+
+
 def _job_overrides(job_dir: Path) -> dict[str, str]:
     import yaml
 

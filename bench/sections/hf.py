@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from bench.common import MIB, median, steady
+from bench.common import MIB, median
 from bench.markdown import meta_line, num
-from bench.runs import Context, read_run, run_cli
+from bench.runs import Context, alternating_runs
 from bench.section import Page, Section
 
 # 8 layers of width 256, an 8192-token vocabulary (random weights saved in its directory: the
@@ -34,15 +34,7 @@ def hf_models(ctx: Context) -> dict[str, Any]:
     common = ["model=hf", f"model.path={model_dir}", f"data.vocab_size={HF_LLAMA['vocab_size']}",
               "train.seq_len=128", "train.batch_size=32", "parallel.microbatches=8", "profile.enabled=false",
               f"train.steps={ctx.args.option_steps}"]
-    runs = []
-    for repeat in range(ctx.args.option_repeats):
-        for name in HF_RUNS if repeat % 2 == 0 else reversed(HF_RUNS):
-            run_dir = ctx.work / f"hf-{name}-{repeat}"
-            run = read_run(run_dir, run_cli(ctx, *common, *HF_RUNS[name], f"hydra.run.dir={run_dir}"))
-            if run["status"] == "ok":
-                run["steady_s"] = steady(run["step_times"], skip=2)
-            runs.append(ctx.mark({"config": name, "repeat": repeat, **run}))
-            print(f"[bench] hf {name} #{repeat}: {run.get('steady_s') or run.get('error')}", flush=True)
+    runs = alternating_runs(ctx, "hf", HF_RUNS, common)
     return {"model": HF_LLAMA, "file_bytes": file_bytes, "overrides": common, "runs": runs}
 
 

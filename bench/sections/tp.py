@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from bench.common import MIB, MODEL, median, steady
+from bench.common import MIB, MODEL, median
 from bench.markdown import meta_line, num
-from bench.runs import Context, read_run, run_cli
+from bench.runs import Context, alternating_runs
 from bench.section import Page, Section
 
 # The same 4 ranks and global batch (32 samples, 8 microbatches per pipeline) each way; the
@@ -27,15 +27,7 @@ def _ranks(args) -> int:
 
 def tp_layouts(ctx: Context) -> dict[str, Any]:
     common = [*MODEL, "schedule=1f1b", "profile.enabled=false", f"train.steps={ctx.args.option_steps}"]
-    runs = []
-    for repeat in range(ctx.args.option_repeats):
-        for name in TP_RUNS if repeat % 2 == 0 else reversed(TP_RUNS):
-            run_dir = ctx.work / f"tp-{name}-{repeat}"
-            run = read_run(run_dir, run_cli(ctx, *common, *TP_RUNS[name], f"hydra.run.dir={run_dir}"))
-            if run["status"] == "ok":
-                run["steady_s"] = steady(run["step_times"], skip=2)
-            runs.append(ctx.mark({"config": name, "repeat": repeat, **run}))
-            print(f"[bench] tp {name} #{repeat}: {run.get('steady_s') or run.get('error')}", flush=True)
+    runs = alternating_runs(ctx, "tp", TP_RUNS, common)
     return {"overrides": common, "layouts": TP_RUNS, "runs": runs}
 
 
