@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from runner.errors import ConfigError
-from runner.tp_shards import stage_plan, style_of
+from runner.tp_shards import param_layouts, stage_plan, style_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,9 +71,6 @@ __all__ = ["STYLE_NAMES", "REPLICATED_WITH_GRAD_SUM", "TPPlan", "tp_plan", "mode
 REPLICATED_WITH_GRAD_SUM = "replicated_with_grad_allreduce"
 # transformers' style names the runner translates (torch's class, and its layouts).
 STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", REPLICATED_WITH_GRAD_SUM)
-# The dimension of a module's weight each style shards (a Linear's [out, in], an Embedding's [vocab,
-# dim]): one weight tied between two modules must be sharded alike in both.
-WEIGHT_SHARD_DIM = {"colwise": 0, "colwise_gather_output": 0, "embedding_rowwise": 0, "rowwise": 1}
 
 
 @dataclass(frozen=True)
@@ -249,10 +246,10 @@ def check_tp(meta: MetaModel, parallel: Any, seq_len: int, loss: Any) -> None:
     if not stage_plan(meta.module, plan):
         raise ConfigError(f"parallel.tp={tp}: the model's tp_plan {sorted(plan)} names none of its modules. "
                           "Fix: patterns of module names (model.layers.*.mlp.up_proj), or parallel.tp=1.")
-    for names in meta.tied:
+    layouts = param_layouts(meta.module, plan)  # the dimension each planned weight is sharded on
+    for names in meta.tied:  # one weight tied between two modules must be sharded alike in both
         owners = {name.rpartition(".")[0] for name in names}
-        dims = {o: WEIGHT_SHARD_DIM.get(style_of(o, plan) or "") for o in owners}
-        if len(set(dims.values())) > 1:
+        if len({layouts.get(n, "whole") for n in names}) > 1:
             raise ConfigError(f"parallel.tp={tp}: the tied weight {names} would be sharded differently in "
                               f"{', '.join(f'{o} ({style_of(o, plan)})' for o in sorted(owners))}. Fix: a tp_plan "
                               "that shards both alike (embedding_rowwise with colwise_gather_output), or untie them.")
