@@ -46,8 +46,13 @@ def main(cfg: DictConfig) -> float | None:
         composed_at = time.time()
         clock = StartupClock(launched_at=_FIRST_LAUNCH.pop() if _FIRST_LAUNCH else composed_at)
         clock.mark("compose", composed_at)
+        import torch
+
         from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
 
+        # Nothing has computed in this process yet: one thread keeps it so, and its ranks forkable
+        # (runner.processes.spawn_reason); a sweep's in-process job is remembered there.
+        torch.set_num_threads(1)
         summary = launch(cfg, run_dir, clock=clock)
     except Exception as e:  # leave the reason in the job directory for the sweep report
         if isinstance(e, RunDirInUseError):  # not this run's directory: another run's, in progress

@@ -159,7 +159,7 @@ class LaunchConfig:
     grace_s: float = 10.0
     # How rank processes start: fork (children inherit the launcher's imports: startup in
     # milliseconds instead of seconds), spawn (fresh interpreters), or auto: fork for CPU runs
-    # on Linux, spawn where fork is unsafe (CUDA, macOS).
+    # on Linux, spawn where fork is unsafe (CUDA, macOS, OpenMP threads: runner.processes).
     start_method: str = field(default="auto", metadata=choices(StartMethod))
 
 

@@ -25,7 +25,7 @@ from runner.console import console_for_run, console_listener, rank_logging, torc
 from runner.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.errors import ConfigError
 from runner.layout import RunPlan
-from runner.processes import spawn, spawn_reason, start_method
+from runner.processes import note_threads, spawn, spawn_reason, start_method
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.supervise import forward_signals, wait_for_ranks
 from runner.train import train
@@ -53,8 +53,11 @@ def _train_rank(env: DistEnv, plan: RunPlan, cfg_dict: dict, results, *, clock: 
 
 def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
     timeout_s, grace_s = cfg.launch.timeout_s, cfg.launch.grace_s
-    method = start_method(cfg.launch.start_method, plan.device)
-    why = spawn_reason(plan.device) if method != "fork" and cfg.launch.start_method == "auto" else ""
+    method = start_method(cfg.launch.start_method, plan.device, plan.threads_per_rank)
+    why = spawn_reason(plan.device, plan.threads_per_rank) if cfg.launch.start_method != "spawn" else ""
+    if why and method == "fork":  # asked for
+        log.warning("launch.start_method=fork although %s. Fix: launch.start_method=auto", why)
+        why = ""
     log.info("starting %d rank processes (%s%s)", plan.world_size, method, f": {why}" if why else "")
     ctx = mp.get_context(method)
     heartbeats = watchdog.Heartbeats(ctx, plan.world_size)
@@ -96,6 +99,7 @@ def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict 
 def _train_here(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | None:
     """One rank: in this process."""
     torch.set_num_threads(plan.threads_per_rank)
+    note_threads()  # a later launch from this process (a sweep's next job) must not fork then
     env = init_distributed(rank=0, world_size=1, device=pick_device(plan.device, 0), timeout_s=cfg.launch.timeout_s)
     with console_for_run(), forward_signals([], cfg.launch.grace_s):
         return train(plan, cfg, env, clock=clock).summary
@@ -113,6 +117,18 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
     # From the launch: the interpreter, Hydra's compose and the checks that need no torch (until
     # "compose"), then the imports a run needs (torch, the pipelining runtime, DCP).
     clock.mark("imports")
+    # The launcher computes on one thread (its checks), so that its ranks can be forked
+    # (``runner.processes.spawn_reason``); a caller that ran torch on several is remembered.
+    threads = torch.get_num_threads()
+    note_threads()
+    torch.set_num_threads(1)
+    try:
+        return _launch(cfg, run_dir, clock, console)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO | None) -> dict | None:
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     plan = validate(cfg, run_dir)
     log.info("run directory: %s (device: %s%s)\n%s", run_dir, plan.device,

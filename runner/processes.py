@@ -40,30 +40,50 @@ from runner.clock import StartupClock
 from runner.dist import cleanup, init_distributed, pick_device
 from runner.errors import ConfigError, interrupted_exit_code
 
-__all__ = ["start_method", "spawn_reason", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop",
-           "raise_if_stopped"]
+__all__ = ["note_threads", "start_method", "spawn_reason", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks",
+           "stop", "raise_if_stopped"]
 
 log = logging.getLogger(__name__)
 
 
-def spawn_reason(device: str) -> str:
+# GNU OpenMP (torch's CPU threads) keeps its worker team across a fork, without the workers: a
+# forked child of a process that ever ran a parallel region waits forever in its own first one.
+# Every rank with more than one thread hung in its first layer norm on a 16-core host. A launcher
+# that may have run torch on several threads therefore spawns ranks that would run on several.
+_ran_threaded = [False]
+
+
+def note_threads() -> None:
+    """Remember whether torch may run (or have run) on several threads in this process: call it
+    whenever this process's setting may have been above one before it computes on one."""
+    _ran_threaded[0] = _ran_threaded[0] or torch.get_num_threads() > 1
+
+
+def spawn_reason(device: str, threads: int | None = 1) -> str:
     """Why ranks cannot be forked from this process ("" where they can): CUDA state and macOS
     frameworks do not survive a fork, nor does a lock another thread holds (it would stay held in
     the child: joblib's loky workers, for one, run helper threads; tqdm's monitor is stopped
-    where ``datasets`` starts it, ``runner.records``)."""
+    where ``datasets`` starts it, ``runner.records``), nor OpenMP's team for ranks of ``threads``
+    threads (None: torch's default, this host's cores) where this process ran torch on several."""
     if device != "cpu":
         return f"device {device}: its state does not survive a fork"
     if not sys.platform.startswith("linux"):
         return f"{sys.platform}: only Linux forks safely"
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-    return f"threads run in the launcher ({', '.join(others)}): a fork would copy the locks they hold" if others else ""
+    if others:
+        return f"threads run in the launcher ({', '.join(others)}): a fork would copy the locks they hold"
+    note_threads()
+    if _ran_threaded[0] and (threads is None or threads > 1):
+        return ("this process ran torch on several threads: OpenMP's thread team does not survive a fork "
+                "(ranks of several threads would hang in their first op)")
+    return ""
 
 
-def start_method(requested: str, device: str) -> str:
+def start_method(requested: str, device: str, threads: int | None = 1) -> str:
     """``requested``, or for ``auto`` fork where it is safe (``spawn_reason``), spawn elsewhere."""
     if requested != "auto":
         return requested
-    return "spawn" if spawn_reason(device) else "fork"
+    return "spawn" if spawn_reason(device, threads) else "fork"
 
 
 # -- meeting: a file, or a TCP store on loopback ----------------------------------------------
@@ -278,7 +298,7 @@ def spawn(world: int, fn: Callable[..., None], *args: Any, device: str = "cpu", 
     setup = _RankSetup(world, where, device, timeout_s, threads, cpus, os.getpid(), prelude, clock)
     try:
         context = mp.start_processes(_rank_main, args=(setup, fn, args), nprocs=world, join=False,
-                                     start_method=start_method(method, device))
+                                     start_method=start_method(method, device, threads))
     except BaseException:
         Ranks(None, where, server, own_dir).close()
         raise

@@ -104,11 +104,17 @@ def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]
 
 
 def _replica_share(batch: Batch, mesh: Mesh, device: torch.device) -> Batch:
-    """This dp replica's rows of the global batch (the same global batch whatever the layout)."""
+    """This dp replica's rows of the global batch (the same global batch whatever the layout),
+    contiguous: datasets hand out views (``window[:, :-1]``), and torch 2.11's first stage refused
+    their strides against the contiguous ones it had inferred (seen on a GPU host)."""
     rows = len(batch[0]) // mesh.dp
     take = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+
+    def share(t: torch.Tensor) -> torch.Tensor:
+        return t[take].to(device).contiguous()
+
     inputs, targets, kwargs = batch
-    return inputs[take].to(device), targets[take].to(device), {k: v[take].to(device) for k, v in kwargs.items()}
+    return share(inputs), share(targets), {k: share(v) for k, v in kwargs.items()}
 
 
 def _non_finite_message(step: int, loss: float, grad_norm: float, last_good) -> str:

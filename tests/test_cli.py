@@ -199,6 +199,13 @@ def test_ranks_are_forked_only_where_forking_is_safe(monkeypatch):
     assert launch_module.start_method("auto", "cpu") == "fork"
     assert launch_module.start_method("auto", "cuda") == "spawn"  # CUDA state does not survive a fork
     assert launch_module.start_method("spawn", "cpu") == "spawn"
+    # OpenMP's team does not survive a fork: after torch ran on several threads here, ranks of
+    # several threads (None: torch's default) spawn; single-threaded ones still fork.
+    monkeypatch.setattr(launch_module, "_ran_threaded", [False])
+    assert launch_module.start_method("auto", "cpu", threads=4) == "fork"  # this test runs on one thread
+    monkeypatch.setattr(launch_module, "_ran_threaded", [True])
+    assert [launch_module.start_method("auto", "cpu", threads=t) for t in (1, 4, None)] == ["fork", "spawn", "spawn"]
+    assert "OpenMP" in launch_module.spawn_reason("cpu", threads=4)
     helper = threading.Thread(name="loky-helper")  # e.g. inside a joblib worker
     monkeypatch.setattr(launch_module.threading, "enumerate", lambda: [*alone, helper])
     assert launch_module.start_method("auto", "cpu") == "spawn"

@@ -26,6 +26,20 @@ def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
 
 
+def test_each_replica_takes_its_rows_of_the_batch_contiguous():
+    from types import SimpleNamespace
+
+    from runner.train import _replica_share
+
+    x, y = SyntheticData(vocab_size=32, signal=0.9, seed=0).batch(1, 8, 16)
+    mask = torch.ones(16, 8, dtype=torch.bool).t()  # a transposed view
+    assert not x.is_contiguous() and not mask.is_contiguous()  # views: of the (batch, seq + 1) window, transposed
+    inputs, targets, kwargs = _replica_share((x, y, {"attention_mask": mask}), SimpleNamespace(dp=2, dp_rank=1),
+                                             torch.device("cpu"))
+    assert torch.equal(inputs, x[4:]) and torch.equal(targets, y[4:]) and kwargs["attention_mask"].shape == (4, 16)
+    assert all(t.is_contiguous() for t in (inputs, targets, kwargs["attention_mask"]))
+
+
 def test_held_out_batches_never_repeat_training_batches():
     data = SyntheticData(vocab_size=32, signal=0.9, seed=0)
     train = {tuple(data.batch(s, 4, 8)[0].flatten().tolist()) for s in range(1, 51)}

@@ -59,6 +59,25 @@ def test_a_sweep_runs_every_job_reports_each_and_fails_listing_the_failures(tmp_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+def test_ranks_of_several_threads_start_after_the_launcher_or_an_earlier_job_computed(tmp_path):
+    # OpenMP's thread team does not survive a fork: ranks of 2 threads hung in their first op when
+    # forked from a launcher that had computed on 2 (its checks), and would after a pp=1 job that
+    # trained in the sweep's process. Job 0 forks from a launcher kept on one thread; job 1 trains
+    # here on 2; job 2 spawns, saying why.
+    done = _sweep("experiment=smoke", "parallel.pp=2,1,2", "train.steps=2", "launch.threads_per_rank=2",
+                  "launch.pin_cpus=false", "launch.timeout_s=60", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    sweep = tmp_path / "sweep"
+    assert [r["status"] for r in _rows(sweep)] == ["ok", "ok", "ok"]
+    logs = [(sweep / str(job) / "runner.log").read_text() for job in range(3)]
+    assert "starting 2 rank processes (fork)" in logs[0]
+    assert "starting 2 rank processes (spawn: this process ran torch on several threads" in logs[2]
+    losses = [json.loads((sweep / str(job) / "summary.json").read_text())["losses"] for job in range(3)]
+    assert losses[0] == pytest.approx(losses[2]) and len(losses[1]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
 def test_joblib_runs_two_jobs_at_once_without_collisions(tmp_path):
     done = _sweep("experiment=smoke", "schedule=gpipe,1f1b", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                   cwd=tmp_path)
