@@ -1,15 +1,16 @@
 """Every use of torch's private distributed internals outside pipelining (``_torch_pp``) and DCP
-(``_torch_dcp``): the caches of DTensor that keep process groups alive. When a torch release moves
-them, this file is the one to change (a group left alive is then named by ``runner.dist.cleanup``'s
-warning, and the tests' spawns fail on it). Tested with torch 2.13.
+(``_torch_dcp``): the caches of DTensor and the meshes' registries that keep process groups alive.
+When a torch release moves them, this file is the one to change (a group left alive is then named
+by ``runner.dist.cleanup``'s warning, and the tests' spawns fail on it). Tested with torch 2.13.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
-__all__ = ["drop_dtensor_caches"]
+__all__ = ["drop_dtensor_caches", "drop_mesh_groups"]
 
 # (module, what to call): each empties a cache whose keys or values hold DTensor specs or meshes,
 # and so the process groups, of every op a DTensor (FSDP's parameters, replicate's) went through.
@@ -35,3 +36,19 @@ def drop_dtensor_caches() -> None:
         except (ImportError, AttributeError):
             continue
         target()  # type: ignore[operator]
+
+
+
+def drop_mesh_groups() -> None:
+    """Empty every live mesh's registry of process groups (``DeviceMesh._pg_registry``, kept for
+    ``torch.compile``). Compiled code keeps meshes alive past the run, copies of the run's that no
+    cache of ours reaches (Dynamo's guards hold copied DTensor specs, and a copied mesh rebuilds its
+    own registry), and so their groups: found on the heap, once, as the rank ends."""
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        # Not isinstance: DeviceMesh's metaclass checks would run on every object of the heap.
+        if DeviceMesh in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runner._torch_dist import drop_dtensor_caches
+from runner._torch_dist import drop_dtensor_caches, drop_mesh_groups
 from runner.dist import DistEnv, release_at_cleanup
 
 if TYPE_CHECKING:  # the owner's instances arrive built (RunPlan.dims): no import chain through here
@@ -84,7 +84,9 @@ def _cached_device_mesh(env: DistEnv, shape: tuple[tuple[str, int], ...]) -> Dev
     return init_device_mesh(env.device.type, tuple(d for _, d in shape), mesh_dim_names=tuple(n for n, _ in shape))
 
 
-# The cached meshes hold their process groups, and DTensor's caches hold the meshes (FSDP's and
-# replicate's parameters are DTensors on them): both go with the groups (runner.dist.cleanup).
+# The meshes hold their process groups: the cached ones, DTensor's caches (FSDP's and replicate's
+# parameters are DTensors on them) and compiled code's guards keep meshes alive. All let go of
+# the groups when they go (runner.dist.cleanup).
 release_at_cleanup(_cached_device_mesh.cache_clear)
+release_at_cleanup(drop_mesh_groups)
 release_at_cleanup(drop_dtensor_caches)

@@ -5,6 +5,7 @@ SIGABRT, a run or test failing at random after its work was done)."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -51,6 +52,22 @@ def test_cleanup_ends_the_threads_of_the_groups_a_cached_mesh_holds(tmp_path, ca
     assert live_group_threads() == []  # before: gloo_tcp_loop and pt_gloo_runloop, the cache's group's
     assert "still running" not in caplog.text
     assert _cached_device_mesh.cache_info().currsize == 0
+
+
+def test_cleanup_ends_the_groups_of_a_mesh_compiled_code_still_holds(tmp_path, caplog):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = _cached_device_mesh(DistEnv(0, 2, torch.device("cpu")), (("pp", 1), ("tp", 1)))
+        assert mesh is not None
+        # Dynamo's guards keep DTensor specs alive past the run, so their meshes: the run's tp
+        # submesh (and its root), and copies, which rebuild their own registry of groups.
+        kept = [mesh["tp"], copy.deepcopy(mesh)]
+        assert kept[0].get_group() is not None and kept[1]._pg_registry and live_group_threads()
+    finally:
+        cleanup()
+    assert live_group_threads() == []  # before: the root mesh's registry kept the groups
+    assert "still running" not in caplog.text
+    del mesh, kept
 
 
 def test_cleanup_names_the_threads_of_a_group_something_still_holds(tmp_path, caplog):

@@ -106,10 +106,6 @@ def test_bf16_at_pp2_tp2_matches_the_unsplit_bf16_run(tp4, bf16_reference):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(reason="compiled units over tp DTensors leave gloo's process-group threads running after "
-                          "dist.cleanup (some C++-side reference; torch._dynamo/inductor resets do not free it): the "
-                          "spawn's exit check fails, a rank may abort at exit after its work; the numbers match "
-                          "(checked by hand: same losses as eager)", strict=False)
 def test_compile_at_pp2_tp2_matches_the_unsplit_model(tmp_path, builtin_reference):
     """torch.compile of each unit over tp DTensors (minutes of compilation on CPU: slow tier)."""
     got = run_cases(tmp_path, 4, {"compile": resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.compile=true")})
