@@ -6,6 +6,7 @@ Steps outside the window pay nothing but a flag check per compute call and ``pro
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import statistics
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import ProfilerActivity
 
+from runner.collectives import Collective, shift_collectives, tp_collectives
 from runner.dist import DistEnv, gather_to_main
 from runner.layout import Layout
 from runner.plan.simulate import UNIT_COSTS, bubble_fractions, simulate
@@ -107,10 +109,13 @@ class _NativeLines:
 
 
 class RunProfiler:
-    def __init__(self, profile_cfg: ProfileConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1):
+    def __init__(self, profile_cfg: ProfileConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1,
+                 tp: int = 1):
         """``steps`` this run trains, numbered from ``first_step`` (1, or N + 1 after resuming
-        from step N)."""
+        from step N); at ``tp`` > 1 the timeline gets each rank's tensor-parallel collectives."""
         self.enabled = profile_cfg.enabled
+        self.tp = tp
+        self.collectives: list[Collective] = []
         self.env = env
         self.run_dir = run_dir
         self.window, clamped = plan_window(profile_cfg.wait, profile_cfg.warmup, profile_cfg.active, steps)
@@ -144,6 +149,9 @@ class RunProfiler:
         traces.mkdir(exist_ok=True)
         partial = traces / f".rank{self.env.rank}.json.partial"
         prof.export_chrome_trace(str(partial))
+        if self.tp > 1:  # the window's steps are recorded by now: the trace goes on the recorder's clock
+            self.collectives = tp_collectives(json.loads(partial.read_text()), self.recorder.actions,
+                                              self.recorder.steps)
         os.replace(partial, traces / f"rank{self.env.rank}.json")  # a killed run leaves no half trace
 
     def begin_step(self, step: int) -> None:
@@ -168,13 +176,14 @@ class RunProfiler:
             with self.native.routed():
                 self.torch_profiler.stop()
             self.native.close()
-        gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock), self.env)
+        gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock, self.collectives), self.env)
         if gathered is None:  # not rank 0
             return None
         first = [gathered[r] for r in pipeline_ranks]  # indexed by pipeline rank
-        offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock) in enumerate(first)})
-        actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _) in enumerate(first)}
-        spans = {rank: shift_spans(steps, offsets[rank]) for rank, (_, steps, _) in enumerate(first)}
+        offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock, _) in enumerate(first)})
+        actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _, _) in enumerate(first)}
+        spans = {rank: shift_spans(steps, offsets[rank]) for rank, (_, steps, _, _) in enumerate(first)}
+        collectives = {rank: shift_collectives(c, offsets[rank]) for rank, (_, _, _, c) in enumerate(first)}
         order = executed_order(actions)
         write_schedule_csv(self.run_dir / "schedule.csv", order)
         costs = mean_costs(actions)
@@ -186,8 +195,8 @@ class RunProfiler:
                                                              stages_per_rank=layout.stages_per_rank)
         if self.enabled:
             ranks = sorted(actions)
-            write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans), ranks=ranks,
-                               clock=clock_note)
+            write_chrome_trace(self.run_dir / "timeline.json", measured_slices(actions, spans, collectives),
+                               ranks=ranks, clock=clock_note)
             write_chrome_trace(self.run_dir / "schedule_sim.json", simulated_slices(simulated), ranks=ranks)
             plot_schedule(self.run_dir / "schedule.png", simulate(order, UNIT_COSTS, num_stages=layout.num_stages),
                           title=f"{layout.schedule}: pp={layout.pp}, {layout.num_stages} stages, "

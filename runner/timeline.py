@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from runner.collectives import Collective
 from runner.ops import Op
 from runner.plan.simulate import SimAction
 from runner.record import Action, StepSpan
@@ -137,8 +138,10 @@ def _slice(pid: int, tid: int, name: str, start_us: float, dur_us: float, args: 
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start_us, "dur": dur_us, "args": args}
 
 
-def measured_slices(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]) -> list[dict]:
-    """Slices in microseconds from the first recorded pipeline step's start (one origin for all)."""
+def measured_slices(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]],
+                    collectives: Mapping[int, Sequence[Collective]] | None = None) -> list[dict]:
+    """Slices in microseconds from the first recorded pipeline step's start (one origin for all):
+    compute, the pipeline steps and (tensor parallelism) each rank's tp collectives."""
     origin = min([s.start_ns for spans in steps.values() for s in spans]
                  + [a.start_ns for acts in actions.values() for a in acts], default=0)
     out = []
@@ -151,6 +154,10 @@ def measured_slices(actions: Mapping[int, Sequence[Action]], steps: Mapping[int,
         for s in spans:
             out.append(_slice(rank, 1, f"step {s.step}", (s.start_ns - origin) / 1e3, (s.end_ns - s.start_ns) / 1e3,
                               {"step": s.step}))
+    for rank, done in (collectives or {}).items():
+        for c in done:
+            out.append(_slice(rank, 2, f"tp:{c.name}", (c.start_ns - origin) / 1e3, (c.end_ns - c.start_ns) / 1e3,
+                              {"waited_us": c.wait_ns / 1e3}))
     return out
 
 
@@ -162,14 +169,17 @@ def simulated_slices(actions: Sequence[SimAction]) -> list[dict]:
 
 def write_chrome_trace(path: Path, slices: list[dict], *, ranks: Sequence[int], clock: str | None = None) -> None:
     """A chrome trace (Perfetto, chrome://tracing): a process per rank, compute on thread 0,
-    pipeline steps on thread 1, flow arrows for the messages between ranks; ``clock`` (how the
-    ranks' times were put on one clock) goes into the trace's ``otherData``."""
+    pipeline steps on thread 1, tensor-parallel collectives (if any) on thread 2, flow arrows for
+    the messages between ranks; ``clock`` (how the ranks' times were put on one clock) goes into
+    the trace's ``otherData``."""
+    lanes = {0: "compute", 1: "pipeline step", 2: "tp collectives"}
+    used = {(s["pid"], s["tid"]) for s in slices}
     meta = []
     for rank in ranks:
         meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
-        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
-        meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "pipeline step"}})
+        meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+                 for tid, name in lanes.items() if tid < 2 or (rank, tid) in used]
     compute = [s for s in slices if s["tid"] == 0]
     trace: dict[str, Any] = {"traceEvents": meta + slices + _flows(compute), "displayTimeUnit": "ms"}
     if clock:

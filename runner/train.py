@@ -179,7 +179,7 @@ class Trainer:
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
         self.first_step = self.checkpointer.load(plan.resume) if plan.resume else 0
         self.profiler = RunProfiler(plan.profile, steps=plan.steps - self.first_step, env=env, run_dir=self.run_dir,
-                                    first_step=self.first_step + 1)
+                                    first_step=self.first_step + 1, tp=plan.dims.tp)
         self.step_fn.attach(self.profiler.recorder)
         self.config = as_ran(cfg, plan)
         self.metrics = (MetricsWriter(self.run_dir, cfg.logging, run_config=self.config,

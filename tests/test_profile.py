@@ -126,3 +126,37 @@ def test_measured_bubble_counts_a_rank_that_returns_early_as_idle_until_the_pipe
     actions = {0: [Action(1, Op(0, "F", 0), 0, 4), Action(1, Op(0, "B", 0), 6, 10)],
                1: [Action(1, Op(1, "F", 0), 4, 5), Action(1, Op(1, "B", 0), 5, 6)]}
     assert measured_bubble(actions, spans) == pytest.approx([0.2, 0.8])
+
+
+def test_tp_collectives_are_read_from_the_trace_paired_by_thread_and_put_on_the_recorders_clock(tmp_path):
+    from runner.collectives import Collective, tp_collectives
+
+    # The recorder's clock (ns) runs 5_000_000 ns ahead of the trace's (us * 1000).
+    actions = [Action(1, Op(0, "F", 0), 5_010_000, 5_020_000), Action(1, Op(0, "B", 0), 5_030_000, 5_050_000)]
+    steps = [StepSpan(1, 5_000_000, 5_060_000)]
+
+    def x(name, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+
+    events = [x("compute:0F0", 10, 10), x("compute:0B0", 30, 20),
+              x("_c10d_functional::all_reduce", 12, 1), x("_c10d_functional::_wrap_tensor_autograd", 13, 1),
+              x("_c10d_functional::wait_tensor", 15, 2),  # issued at 12, done at 17, 2 of it waited
+              x("_c10d_functional::all_gather_into_tensor", 31, 1, tid=2),  # the backward's thread
+              x("_c10d_functional::all_reduce", 32, 1),
+              x("_c10d_functional::wait_tensor", 34, 1),  # pairs with thread 1's issue at 32
+              x("_c10d_functional::wait_tensor", 40, 3, tid=2),
+              x("_c10d_functional::all_reduce", 70, 1), x("_c10d_functional::wait_tensor", 71, 1),  # after the step
+              x("c10d::allreduce_", 20, 1)]  # not a functional collective: not tp's
+    got = tp_collectives({"traceEvents": events}, actions, steps)
+    assert got == [Collective("all_reduce", 5_012_000, 5_017_000, 2_000),
+                   Collective("all_reduce", 5_032_000, 5_035_000, 1_000),
+                   Collective("all_gather_into_tensor", 5_031_000, 5_043_000, 3_000)]
+    # A trace that did not record the same actions cannot be placed: nothing rather than a guess.
+    assert tp_collectives({"traceEvents": events}, actions[:1], steps) == []
+    slices = measured_slices({0: actions}, {0: steps}, {0: got})
+    lane = [(s["name"], s["ts"], s["dur"], s["args"]["waited_us"]) for s in slices if s["tid"] == 2]
+    assert len(lane) == 3 and lane[0] == ("tp:all_reduce", 12.0, 5.0, 2.0)  # microseconds from the first step
+    write_chrome_trace(tmp_path / "timeline.json", slices, ranks=[0, 1])
+    meta = [e for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"] if e["ph"] == "M"]
+    assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name" and e["tid"] == 2} == \
+        {(0, "tp collectives")}  # rank 1 ran no tp collective: no empty lane

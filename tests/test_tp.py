@@ -211,3 +211,21 @@ def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_ve
     for rank in range(4):
         trace = json.loads((tmp_path / "run" / "traces" / f"rank{rank}.json").read_text())
         assert sum(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"]) >= 2 * 6, rank  # 2 per layer
+    # The merged timeline's tp lane: each collective issued inside an action of its rank (the two
+    # clocks agree), and every action of one stage and kind issuing as many (each microbatch and
+    # step alike). An input backward's may end outside it: the gradient is waited for when sent.
+    timeline = [e for e in json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+                if e["ph"] == "X"]
+    compute = [e for e in timeline if e["tid"] == 0]
+    per_action: dict[tuple, list[int]] = {}
+    for a in compute:
+        issued = [c for c in timeline if c["tid"] == 2 and c["pid"] == a["pid"] and 0 <= c["ts"] - a["ts"] <= a["dur"]]
+        per_action.setdefault((a["args"]["stage"], a["args"]["kind"]), []).append(len(issued))
+    # Outside the actions: only step 1's shape inference, a forward of each stage before its first action.
+    first = {pid: min(a["ts"] for a in compute if a["pid"] == pid) for pid in (0, 1)}
+    outside = [c for c in timeline if c["tid"] == 2 and not any(a["pid"] == c["pid"] and 0 <= c["ts"] - a["ts"]
+                                                                 <= a["dur"] for a in compute)]
+    assert all(c["ts"] < first[c["pid"]] for c in outside)
+    assert sum(map(sum, per_action.values())) + len(outside) == sum(e["tid"] == 2 for e in timeline)
+    assert all(len(set(counts)) == 1 for counts in per_action.values()), per_action
+    assert all(per_action[(stage, "F")][0] > 0 for stage in range(4))  # every stage's forward runs tp layers
