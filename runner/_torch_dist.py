@@ -38,7 +38,6 @@ def drop_dtensor_caches() -> None:
         target()  # type: ignore[operator]
 
 
-
 def drop_mesh_groups() -> None:
     """Empty every live mesh's registry of process groups (``DeviceMesh._pg_registry``, kept for
     ``torch.compile``). Compiled code keeps meshes alive past the run, copies of the run's that no

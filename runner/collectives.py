@@ -11,7 +11,6 @@ the recorder's by the ``compute:`` ranges both recorded around the same actions.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from runner.record import Action, StepSpan
 
-__all__ = ["Collective", "tp_collectives", "shift_collectives"]
+__all__ = ["Collective", "tp_collectives"]
 
 _FUNCTIONAL = "_c10d_functional::"
 _WAIT = _FUNCTIONAL + "wait_tensor"
@@ -69,6 +68,3 @@ def tp_collectives(trace: Mapping[str, Any], actions: Sequence[Action], steps: S
             pending[e["tid"]].append((e["name"].removeprefix(_FUNCTIONAL), e["ts"]))
     return [c for c in out if any(s.start_ns <= c.start_ns <= s.end_ns for s in steps)]
 
-
-def shift_collectives(collectives: Sequence[Collective], offset_ns: int) -> list[Collective]:
-    return [dataclasses.replace(c, start_ns=c.start_ns + offset_ns, end_ns=c.end_ns + offset_ns) for c in collectives]

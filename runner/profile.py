@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import ProfilerActivity
 
-from runner.collectives import Collective, shift_collectives, tp_collectives
+from runner.collectives import Collective, tp_collectives
 from runner.dist import DistEnv, gather_to_main
 from runner.layout import Layout
 from runner.plan.simulate import UNIT_COSTS, bubble_fractions, simulate
@@ -37,8 +37,7 @@ from runner.timeline import (
     measured_slices,
     pipeline_spans,
     plot_schedule,
-    shift_actions,
-    shift_spans,
+    shift,
     simulated_slices,
     write_chrome_trace,
     write_schedule_csv,
@@ -181,9 +180,9 @@ class RunProfiler:
             return None
         first = [gathered[r] for r in pipeline_ranks]  # indexed by pipeline rank
         offsets, clock_note = clock_offsets({rank: clock for rank, (_, _, clock, _) in enumerate(first)})
-        actions = {rank: shift_actions(acts, offsets[rank]) for rank, (acts, _, _, _) in enumerate(first)}
-        spans = {rank: shift_spans(steps, offsets[rank]) for rank, (_, steps, _, _) in enumerate(first)}
-        collectives = {rank: shift_collectives(c, offsets[rank]) for rank, (_, _, _, c) in enumerate(first)}
+        actions = {rank: shift(acts, offsets[rank]) for rank, (acts, _, _, _) in enumerate(first)}
+        spans = {rank: shift(steps, offsets[rank]) for rank, (_, steps, _, _) in enumerate(first)}
+        collectives = {rank: shift(done, offsets[rank]) for rank, (_, _, _, done) in enumerate(first)}
         order = executed_order(actions)
         write_schedule_csv(self.run_dir / "schedule.csv", order)
         costs = mean_costs(actions)

@@ -12,14 +12,14 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
 
 from runner.collectives import Collective
 from runner.ops import Op
 from runner.plan.simulate import SimAction
 from runner.record import Action, StepSpan
 
-__all__ = ["HostClock", "host_clock", "clock_offsets", "shift_actions", "shift_spans", "executed_order",
+__all__ = ["HostClock", "host_clock", "clock_offsets", "shift", "executed_order",
            "write_schedule_csv", "mean_costs", "pipeline_spans", "measured_bubble", "write_chrome_trace",
            "measured_slices", "simulated_slices", "plot_schedule"]
 
@@ -54,12 +54,13 @@ def clock_offsets(clocks: Mapping[int, HostClock]) -> tuple[dict[int, int], str]
                      "as the hosts' clock synchronisation (NTP or PTP)")
 
 
-def shift_actions(actions: Sequence[Action], offset_ns: int) -> list[Action]:
-    return [dataclasses.replace(a, start_ns=a.start_ns + offset_ns, end_ns=a.end_ns + offset_ns) for a in actions]
+Timed = TypeVar("Timed", Action, StepSpan, Collective)
 
 
-def shift_spans(spans: Sequence[StepSpan], offset_ns: int) -> list[StepSpan]:
-    return [dataclasses.replace(s, start_ns=s.start_ns + offset_ns, end_ns=s.end_ns + offset_ns) for s in spans]
+def shift(items: Sequence[Timed], offset_ns: int) -> list[Timed]:
+    """``items`` (actions, step spans, collectives: each timed by ``start_ns`` and ``end_ns``) moved
+    by ``offset_ns``, onto rank 0's clock."""
+    return [dataclasses.replace(i, start_ns=i.start_ns + offset_ns, end_ns=i.end_ns + offset_ns) for i in items]
 
 
 def executed_order(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[Op]]:
