@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import sys
 
-__all__ = ["drop_dtensor_caches", "drop_mesh_groups"]
+__all__ = ["drop_dtensor_caches", "drop_mesh_groups", "own_compile_cache"]
 
 # (module, what to call): each empties a cache whose keys or values hold DTensor specs or meshes,
 # and so the process groups, of every op a DTensor (FSDP's parameters, replicate's) went through.
@@ -51,3 +52,18 @@ def drop_mesh_groups() -> None:
         # Not isinstance: DeviceMesh's metaclass checks would run on every object of the heap.
         if DeviceMesh in type(obj).__mro__ and isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()
+
+
+def own_compile_cache(name: str) -> str:
+    """Have torch.compile cache into ``<its cache directory>/<name>`` in this process from now on
+    (the user's ``TORCHINDUCTOR_CACHE_DIR``, else torch's default; Triton's follows it), and return
+    that directory. Calling it again with the same name changes nothing. torch keys its AOTAutograd
+    cache of DTensor programs by their specs, which every rank shares (pytorch/pytorch#188390; the
+    fix that adds the device does not tell CPU ranks apart), so ranks sharing a host's cache load
+    each other's compiled tensor-parallel units, whose shard offsets differ."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    current = cache_dir()
+    if os.path.basename(current) != name:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(current, name)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]

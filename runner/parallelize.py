@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runner._torch_dist import own_compile_cache
 from runner.dp import DP_MODES
 from runner.mesh import Mesh
 from runner.options import ActivationCheckpointing, Precision
@@ -62,6 +63,8 @@ def parallelize(module: StageModule, train: TrainConfig, dp_mode: str, mesh: Mes
         if name in module.units:
             _checkpoint_forward(module.get_submodule(name))
     if train.compile:
+        if mesh.dims.world_size > 1:  # ranks of one host would share (and mix up) compiled programs
+            own_compile_cache(f"runner-{'-'.join(f'{k}{v}' for k, v in mesh.dims.degrees.items())}-rank{mesh.rank}")
         for child in module.unit_modules():
             child.compile()  # in place: no OptimizedModule wrapper, no "_orig_mod." in names
     single = mesh.dp_mesh is None  # one process: nothing to replicate over

@@ -106,13 +106,33 @@ def test_bf16_at_pp2_tp2_matches_the_unsplit_bf16_run(tp4, bf16_reference):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_compile_at_pp2_tp2_matches_the_unsplit_model(tmp_path, builtin_reference):
-    """torch.compile of each unit over tp DTensors (minutes of compilation on CPU: slow tier)."""
-    got = run_cases(tmp_path, 4, {"compile": resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.compile=true")})
-    assert_matches(got["compile"], builtin_reference, "compile")
+def test_compile_at_pp2_tp2_matches_the_unsplit_model_cold_and_from_the_cache(tmp_path, builtin_reference,
+                                                                              monkeypatch):
+    """torch.compile of each unit over tp DTensors (a minute of compilation on CPU: slow tier), then
+    again from the warm cache: with one cache for the host, ranks loaded each other's compiled
+    units (torch keys them alike) and the second run trained other numbers."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    case = {"compile": resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.compile=true")}
+    for run in ("cold", "warm"):
+        got = run_cases(tmp_path / run, 4, case)
+        assert_matches(got["compile"], builtin_reference, f"compile ({run})")
+    caches = sorted(p.name for p in (tmp_path / "inductor").iterdir())
+    assert caches == [f"runner-pp2-dp1-tp2-rank{r}" for r in range(4)]
 
 
 # -- the plans, in process ---------------------------------------------------------------------------
+def test_each_rank_compiles_into_a_cache_of_its_own_beneath_the_users(tmp_path, monkeypatch):
+    import os
+
+    from runner._torch_dist import own_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    mine = own_compile_cache("runner-pp2-dp1-tp2-rank3")
+    assert mine == str(tmp_path / "runner-pp2-dp1-tp2-rank3")
+    assert own_compile_cache("runner-pp2-dp1-tp2-rank3") == mine  # a second stage of the rank: the same
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine
+
+
 def test_the_builtin_plan_shards_every_block_and_the_vocabulary_and_keeps_norms_whole():
     meta = build_meta_model(compose(*TINY).model)
     planned = stage_plan(meta.module, model_plan(meta.module))
