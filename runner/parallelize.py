@@ -63,7 +63,9 @@ def parallelize(module: StageModule, train: TrainConfig, dp_mode: str, mesh: Mes
         if name in module.units:
             _checkpoint_forward(module.get_submodule(name))
     if train.compile:
-        if mesh.dims.world_size > 1:  # ranks of one host would share (and mix up) compiled programs
+        # Under tp the compiled units are DTensor programs, which torch's cache keys alike on every
+        # rank: each rank keeps its own. (Plain programs are shared: ranks reuse each other's.)
+        if mesh.dims.tp > 1:
             own_compile_cache(f"runner-{'-'.join(f'{k}{v}' for k, v in mesh.dims.degrees.items())}-rank{mesh.rank}")
         for child in module.unit_modules():
             child.compile()  # in place: no OptimizedModule wrapper, no "_orig_mod." in names
