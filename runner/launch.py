@@ -25,7 +25,7 @@ from runner.console import console_for_run, console_listener, rank_logging, torc
 from runner.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.errors import ConfigError
 from runner.layout import RunPlan
-from runner.processes import note_threads, spawn, spawn_reason, start_method
+from runner.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
 from runner.rank_env import adopt_slurm_ranks, under_torchrun
 from runner.supervise import forward_signals, wait_for_ranks
 from runner.train import train
@@ -54,10 +54,13 @@ def _train_rank(env: DistEnv, plan: RunPlan, cfg_dict: dict, results, *, clock: 
 def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
     timeout_s, grace_s = cfg.launch.timeout_s, cfg.launch.grace_s
     method = start_method(cfg.launch.start_method, plan.device, plan.threads_per_rank)
-    why = spawn_reason(plan.device, plan.threads_per_rank) if cfg.launch.start_method != "spawn" else ""
-    if why and method == "fork":  # asked for
-        log.warning("launch.start_method=fork although %s. Fix: launch.start_method=auto", why)
-        why = ""
+    if method == "fork" and forked_ranks_would_hang(plan.threads_per_rank):  # asked for: auto would spawn
+        raise ConfigError(
+            f"launch.start_method=fork: this process ran torch on several threads, and OpenMP's thread team does "
+            f"not survive a fork: ranks of {plan.threads_per_rank} threads would hang in their first op. Fix: "
+            "launch.start_method=auto (spawns them), or launch.threads_per_rank=1.")
+    auto = method == "spawn" and cfg.launch.start_method == "auto"
+    why = spawn_reason(plan.device, plan.threads_per_rank) if auto else ""
     log.info("starting %d rank processes (%s%s)", plan.world_size, method, f": {why}" if why else "")
     ctx = mp.get_context(method)
     heartbeats = watchdog.Heartbeats(ctx, plan.world_size)

@@ -40,8 +40,8 @@ from runner.clock import StartupClock
 from runner.dist import cleanup, init_distributed, pick_device
 from runner.errors import ConfigError, interrupted_exit_code
 
-__all__ = ["note_threads", "start_method", "spawn_reason", "Rendezvous", "rendezvous", "connect", "spawn", "Ranks",
-           "stop", "raise_if_stopped"]
+__all__ = ["note_threads", "forked_ranks_would_hang", "start_method", "spawn_reason", "Rendezvous", "rendezvous",
+           "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,17 @@ def spawn_reason(device: str, threads: int | None = 1) -> str:
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return f"threads run in the launcher ({', '.join(others)}): a fork would copy the locks they hold"
-    note_threads()
-    if _ran_threaded[0] and (threads is None or threads > 1):
+    if forked_ranks_would_hang(threads):
         return ("this process ran torch on several threads: OpenMP's thread team does not survive a fork "
                 "(ranks of several threads would hang in their first op)")
     return ""
+
+
+def forked_ranks_would_hang(threads: int | None) -> bool:
+    """Ranks of ``threads`` threads (None: torch's default, this host's cores) forked from this
+    process would wait forever in their first parallel region: it ran torch on several threads."""
+    note_threads()
+    return _ran_threaded[0] and (threads is None or threads > 1)
 
 
 def start_method(requested: str, device: str, threads: int | None = 1) -> str:

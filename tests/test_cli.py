@@ -188,6 +188,17 @@ def test_cuda_run_matches_cpu(tmp_path):
     assert cuda["peak_mem_bytes"][0] > 0
 
 
+def test_fork_asked_for_where_its_ranks_would_hang_is_refused_before_they_start(tmp_path, monkeypatch):
+    import runner.processes as processes
+    from runner.errors import ConfigError
+
+    monkeypatch.setattr(processes, "_ran_threaded", [True])  # as after a sweep's in-process pp=1 job
+    cfg = compose(*TINY, "launch.start_method=fork", "launch.threads_per_rank=2", "launch.pin_cpus=false")
+    with pytest.raises(ConfigError, match=r"launch.start_method=fork: .* ranks of 2 threads would hang .* Fix: "
+                                          r"launch.start_method=auto"):
+        launch(cfg, tmp_path)  # no rank started: this test is not in the multiprocess tier (its check would fail it)
+
+
 def test_ranks_are_forked_only_where_forking_is_safe(monkeypatch):
     import threading
 
