@@ -102,6 +102,18 @@ BAD = [
     (["launch.timeout_s=-1"], ["launch.timeout_s=-1"]),
     (["launch.grace_s=-1"], ["launch.grace_s=-1", ">= 0"]),
     (["plan.probe_seconds=-1"], ["plan.probe_seconds=-1", ">= 0", "0 to plan without probes"]),
+    # ZB-H1 and ZB-H2 by name (runner/zb_orders.py): one stage per rank, enough microbatches, eager.
+    (["schedule=zbh1", "parallel.stages_per_rank=2"],
+     ["schedule=zbh1 runs one stage per rank", "parallel.stages_per_rank=2", "Fix: parallel.stages_per_rank=1"]),
+    (["schedule=zbh2", "parallel.pp=4", "parallel.microbatches=4", "train.batch_size=8"],
+     ["schedule=zbh2 needs at least 7 microbatches at parallel.pp=4", "parallel.microbatches=4",
+      "Fix: parallel.microbatches=7 or more", "or schedule=zbh1 (needs 4)"]),
+    (["schedule=zbh2", "parallel.microbatches=2", "train.batch_size=8"],
+     ["schedule=zbh2 needs at least 3 microbatches at parallel.pp=2", "or schedule=zbh1 (needs 2)"]),
+    (["schedule=zbh1", "parallel.pp=4", "parallel.microbatches=2", "train.batch_size=8"],
+     ["schedule=zbh1 needs at least 4 microbatches at parallel.pp=4", "parallel.microbatches=2"]),
+    (["schedule=zbh2", "train.compile=true"], ["train.compile=true with schedule=zbh2", "I/W actions split backward",
+                                               "Fix: train.compile=false"]),
 ]
 
 
