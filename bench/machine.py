@@ -24,7 +24,7 @@ def device_name(device: str) -> str:
 def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    from runner.provenance import cpu_name
+    from runner.outputs.provenance import cpu_name
 
     return {"arch": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "device": device,

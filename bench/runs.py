@@ -165,7 +165,7 @@ def steady_s(run: Mapping[str, Any]) -> float | None:
 def plan_label(c: Mapping[str, Any]) -> str:
     """A plan.json candidate as ``schedule/m`` (the key of a plain run), plus its stages per rank
     and split where they differ from a plain run's."""
-    from runner.schedule import default_stages_per_rank
+    from runner.pipeline.schedule import default_stages_per_rank
 
     name = c["schedule"] + (f"-{c['search']['placement']}" if c.get("search") else "")
     extra = "" if c["schedule"] == "synthesized" or c["stages_per_rank"] == default_stages_per_rank(c["schedule"]) \

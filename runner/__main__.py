@@ -25,15 +25,15 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.checkpoint_files import RunDirInUseError
-from runner.clock import StartupClock
+from runner.checkpoint.files import RunDirInUseError
 from runner.config import config_dir  # also registers the config schemas
 from runner.errors import EXIT_CONFIG, EXIT_FAILED
 from runner.exits import expand_home, run_entry
-from runner.outputs import format_table
-from runner.provenance import versions
-from runner.rank_env import adopt_slurm_ranks, under_torchrun
-from runner.report import ERROR_FILE, write_report
+from runner.outputs.metrics import format_table
+from runner.outputs.provenance import versions
+from runner.outputs.sweep_report import ERROR_FILE, write_report
+from runner.ranks.clock import StartupClock
+from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.validate import check_config
 
 
@@ -51,7 +51,7 @@ def main(cfg: DictConfig) -> float | None:
         from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
 
         # Nothing has computed in this process yet: one thread keeps it so, and its ranks forkable
-        # (runner.processes.spawn_reason); a sweep's in-process job is remembered there.
+        # (runner.ranks.processes.spawn_reason); a sweep's in-process job is remembered there.
         torch.set_num_threads(1)
         summary = launch(cfg, run_dir, clock=clock)
     except Exception as e:  # leave the reason in the job directory for the sweep report

@@ -15,8 +15,6 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
-from runner.dims import ParallelDims
-from runner.dp import DP_MODES
 from runner.errors import ConfigError
 from runner.options import (
     ActivationCheckpointing,
@@ -28,8 +26,10 @@ from runner.options import (
     WandbMode,
     choices,
 )
+from runner.parallel.dims import ParallelDims
+from runner.parallel.dp import DP_MODES
+from runner.pipeline.registry import schedule_names
 from runner.plan.target_config import TargetPlanConfig  # plan.target's keys
-from runner.schedules import schedule_names
 
 __all__ = ["RunConfig", "register_configs", "config_dir", "parse_bytes", "RANK_OPTIONS", "rank_options"]
 
@@ -64,7 +64,7 @@ def parse_bytes(key: str, value: Any) -> int | None:
 
 @dataclass
 class ScheduleConfig:
-    # A schedule of the registry runner.schedules (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
+    # A schedule of the registry runner.pipeline.registry (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
     # interleaved_zb, zbv, dualpipev), or csv.
     name: str = field(default=MISSING, metadata=choices(schedule_names, set_as="schedule"))
 
@@ -79,11 +79,11 @@ class CsvScheduleConfig(ScheduleConfig):
 @dataclass
 class ParallelConfig:
     pp: int = 2  # pipeline ranks; 1 = the unsplit model in one process (the reference)
-    dp: int = 1  # data-parallel replicas of the whole pipeline (ranks: runner.dims)
+    dp: int = 1  # data-parallel replicas of the whole pipeline (ranks: runner.parallel.dims)
     # How each stage is replicated over dp: none (dp must be 1), ddp (torch's FSDP-based
     # replicate: gradients all-reduced, correct for every schedule), fsdp (FSDP2 fully_shard).
-    dp_mode: str = field(default="none", metadata=choices(DP_MODES))  # runner.dp
-    # Tensor parallelism inside each stage (runner.tp): the model's own tp_plan shards its layers
+    dp_mode: str = field(default="none", metadata=choices(DP_MODES))  # runner.parallel.dp
+    # Tensor parallelism inside each stage (runner.parallel.tp): the model's own tp_plan shards its layers
     # over tp consecutive ranks (one node's fast links); parallel.pp x dp x tp = the ranks.
     tp: int = 1
     sequence_parallel: bool = False  # with tp: norms and the activations between blocks sharded on the sequence
@@ -159,7 +159,7 @@ class LaunchConfig:
     grace_s: float = 10.0
     # How rank processes start: fork (children inherit the launcher's imports: startup in
     # milliseconds instead of seconds), spawn (fresh interpreters), or auto: fork for CPU runs
-    # on Linux, spawn where fork is unsafe (CUDA, macOS, OpenMP threads: runner.processes).
+    # on Linux, spawn where fork is unsafe (CUDA, macOS, OpenMP threads: runner.ranks.processes).
     start_method: str = field(default="auto", metadata=choices(StartMethod))
 
 
@@ -257,22 +257,22 @@ class ModelConfig:
 
 @dataclass
 class TransformerConfig(ModelConfig):
-    _target_: str = "runner.models.transformer"
+    _target_: str = "runner.models.builtin.transformer"
     n_heads: int = 4
     ffn_mult: int = 4
 
 
 @dataclass
 class MLPConfig(ModelConfig):
-    _target_: str = "runner.models.mlp"
+    _target_: str = "runner.models.builtin.mlp"
     ffn_mult: int = 4
 
 
 @dataclass
 class HFModelConfig:
-    """``model=hf``: a Hugging Face causal LM from a local directory (runner.hf)."""
+    """``model=hf``: a Hugging Face causal LM from a local directory (runner.models.hf)."""
 
-    _target_: str = "runner.hf.causal_lm"
+    _target_: str = "runner.models.hf.causal_lm"
     path: str = MISSING  # a directory with config.json, optionally *.safetensors and tokenizer files
     pretrained: bool = True  # read the directory's weights (each rank its own stages'); false = random init
     # Run a family outside the tested list (Llama-like reading of its pipeline plan); verify then runs on the
@@ -286,7 +286,7 @@ class HFModelConfig:
 
 @dataclass
 class SyntheticDataConfig:
-    _target_: str = "runner.data.SyntheticData"
+    _target_: str = "runner.data.datasets.SyntheticData"
     vocab_size: int = 64
     # Probability that a token follows the hidden bigram rule instead of being uniform noise.
     signal: float = 0.9
@@ -297,7 +297,7 @@ class SyntheticDataConfig:
 
 @dataclass
 class TextDataConfig:
-    _target_: str = "runner.data.TextData"
+    _target_: str = "runner.data.datasets.TextData"
     path: str = MISSING  # a local text file (bytes), or with a tokenizer also a directory or glob of them
     tokenizer: Optional[str] = None  # a local Hugging Face tokenizer directory; null = bytes (vocabulary 256)
     vocab_size: Optional[int] = II("runner_vocab:${.tokenizer},256")  # the tokenizer's, or 256 bytes
@@ -312,7 +312,7 @@ class TextDataConfig:
 class HFDataConfig:
     """Local json/jsonl/parquet/arrow/csv files through ``datasets``, tokenized once and cached."""
 
-    _target_: str = "runner.data.HFData"
+    _target_: str = "runner.data.datasets.HFData"
     path: str = MISSING  # a file, directory or glob of one format
     field: str = "text"  # the column holding each document
     tokenizer: str = MISSING  # a local Hugging Face tokenizer directory (a model=hf directory has one)
@@ -326,7 +326,7 @@ class HFDataConfig:
 class TokensDataConfig:
     """A pre-tokenized corpus: one flat binary of token ids (numpy memmap), or a .npy file."""
 
-    _target_: str = "runner.data.TokensData"
+    _target_: str = "runner.data.datasets.TokensData"
     path: str = MISSING
     dtype: str = "uint16"  # uint16 (vocabularies up to 65536) | uint32
     vocab_size: Optional[int] = None  # needed by the built-in models; checked against every batch
@@ -359,7 +359,7 @@ class RunConfig:
 
 
 def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
-    from runner.tokens import tokenizer_vocab  # reads tokenizer.json only when one is named
+    from runner.data.tokens import tokenizer_vocab  # reads tokenizer.json only when one is named
 
     return tokenizer_vocab(tokenizer, default)
 
@@ -377,7 +377,7 @@ def rank_options(cfg: DictConfig) -> dict[str, Any]:
 
 
 def register_configs() -> None:
-    if not OmegaConf.has_resolver("world_size"):  # ${world_size:${parallel}}: ranks per job (runner.dims)
+    if not OmegaConf.has_resolver("world_size"):  # ${world_size:${parallel}}: ranks per job (runner.parallel.dims)
         OmegaConf.register_new_resolver("world_size", lambda parallel: ParallelDims.from_config(parallel).world_size)
     if not OmegaConf.has_resolver("runner_vocab"):  # ${runner_vocab:<tokenizer dir or null>,<default>}
         OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from runner._torch_dcp import read_model_tensors
-from runner.checkpoint import verify_checkpoint
-from runner.checkpoint_files import TOKENIZER_DIR, find_checkpoint, read_train_state
+from runner._torch.dcp import read_model_tensors
+from runner.checkpoint.checkpointer import verify_checkpoint
+from runner.checkpoint.files import TOKENIZER_DIR, find_checkpoint, read_train_state
 from runner.config import parse_bytes
-from runner.dist import DistEnv
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
-from runner.remote_code import remote_code_problem
-from runner.units import tied_groups
+from runner.models.hf_dirs import remote_code_problem
+from runner.models.units import tied_groups
+from runner.ranks.dist import DistEnv
 
 __all__ = ["DTYPES", "export", "checkpoint_of", "source_dtype", "main"]
 
@@ -128,7 +128,7 @@ def _model(checkpoint: Path):
 def _ship_files(checkpoint: Path, target: Path) -> None:
     """The tokenizer the run trained with (the checkpoint's ``tokenizer/``; checkpoints that
     predate it: the model directory's, in ``hf/``) and the model's generation config."""
-    from runner.hf import copy_model_files
+    from runner.models.hf import copy_model_files
 
     trained = checkpoint / TOKENIZER_DIR
     copy_model_files(trained if trained.is_dir() else checkpoint / "hf", target)

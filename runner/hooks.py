@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
 
-    from runner.dist import DistEnv
     from runner.layout import RunPlan
-    from runner.mesh import Mesh
-    from runner.split import StageModule
+    from runner.models.split import StageModule
+    from runner.parallel.mesh import Mesh
+    from runner.ranks.dist import DistEnv
 
 __all__ = ["StepContext", "StepState", "Hook"]
 

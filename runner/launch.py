@@ -1,6 +1,6 @@
 """Launching a run: the config is validated into its ``RunPlan`` (``runner.validate``), then the
-ranks start one of three ways: ``plan.world_size`` processes spawned on this host (``runner.processes``,
-watched by ``runner.supervise``), the ranks ``torchrun`` (or SLURM) started, or, for one rank,
+ranks start one of three ways: ``plan.world_size`` processes spawned on this host (``runner.ranks.processes``,
+watched by ``runner.ranks.supervise``), the ranks ``torchrun`` (or SLURM) started, or, for one rank,
 right here. The run directory is locked while the run is in progress."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from runner import watchdog
-from runner.checkpoint_files import hold_run_lock
-from runner.clock import StartupClock
-from runner.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
-from runner.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
+from runner.checkpoint.files import hold_run_lock
 from runner.errors import ConfigError
 from runner.layout import RunPlan
-from runner.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
-from runner.rank_env import adopt_slurm_ranks, under_torchrun
-from runner.supervise import forward_signals, wait_for_ranks
+from runner.ranks import watchdog
+from runner.ranks.clock import StartupClock
+from runner.ranks.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
+from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
+from runner.ranks.env import adopt_slurm_ranks, under_torchrun
+from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
+from runner.ranks.supervise import forward_signals, wait_for_ranks
 from runner.train import train
 from runner.validate import validate
 
@@ -121,7 +121,7 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
     # "compose"), then the imports a run needs (torch, the pipelining runtime, DCP).
     clock.mark("imports")
     # The launcher computes on one thread (its checks), so that its ranks can be forked
-    # (``runner.processes.spawn_reason``); a caller that ran torch on several is remembered.
+    # (``runner.ranks.processes.spawn_reason``); a caller that ran torch on several is remembered.
     threads = torch.get_num_threads()
     note_threads()
     torch.set_num_threads(1)

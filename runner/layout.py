@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.dims import ParallelDims
+from runner.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:  # the schemas' objects arrive built (validate): no import of Hydra's config store here
     from runner.config import CheckpointConfig, EvalConfig, ProfileConfig, TrainConfig
@@ -29,11 +29,11 @@ def microbatch_size(batch_size: int, *, dp: int, microbatches: int) -> int:
 class Layout:
     """Where every part of the model runs: derived once from the config, never configured twice."""
 
-    schedule: str  # a runner.schedules name, or "csv"
+    schedule: str  # a runner.pipeline.registry name, or "csv"
     csv: str | None  # the schedule file, when the run follows one: its own key, whatever the name
     pp: int
     microbatches: int
-    stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.units)
+    stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.models.units)
     stage_to_rank: dict[int, int]
 
     @property
@@ -50,7 +50,7 @@ class Layout:
     def describe(self) -> str:
         lines = [f"schedule={self.schedule} pp={self.pp} stages={self.num_stages} "
                  f"microbatches={self.microbatches}"]
-        from runner.units import describe_names
+        from runner.models.units import describe_names
 
         for s, names in enumerate(self.stages):
             lines.append(f"  stage {s} on pipeline rank {self.stage_to_rank[s]}: {describe_names(names)}")
@@ -65,7 +65,7 @@ class RunPlan:
     take only the factories' keys, ``model``, ``data`` and ``loss``, from the composed config)."""
 
     layout: Layout
-    dims: ParallelDims  # the parallel degrees and the ranks' order (runner.dims)
+    dims: ParallelDims  # the parallel degrees and the ranks' order (runner.parallel.dims)
     batch_size: int  # global samples per optimizer step
     seq_len: int
     steps: int  # the last step (numbered from 1) of the run

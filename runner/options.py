@@ -3,8 +3,8 @@ string, and prints and serialises (f-strings, ``json.dumps``) as it, so the conf
 strings and code may use either. The schemas (``runner.config``) name them as a field's choices,
 and the checks before launch refuse any other value, naming the key, the value and the fix.
 
-The options that users extend are registries instead: schedules (``runner.schedules``) and
-data-parallel modes (``runner.dp``). Imports nothing heavy: the command line reads these before
+The options that users extend are registries instead: schedules (``runner.pipeline.registry``) and
+data-parallel modes (``runner.parallel.dp``). Imports nothing heavy: the command line reads these before
 torch is imported."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A run directory that belongs to a run in progress is refused before Hydra writes into it.
 
 Hydra creates the run directory, saves ``.hydra/`` (config, overrides) and opens the job's log
-before the task function runs, so the run's own lock check (``runner.checkpoint_files.hold_run_lock``,
+before the task function runs, so the run's own lock check (``runner.checkpoint.files.hold_run_lock``,
 taken by the launcher) comes too late to keep a rejected command out of a live run's directory.
 ``RunDirGuard`` (a Hydra callback, registered in ``conf/config.yaml``) checks the lock in
 ``on_run_start``, before any of that. Hydra turns an exception a callback raises into a warning,
@@ -17,9 +17,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checkpoint_files import in_use_error, run_in_progress
+from runner.checkpoint.files import in_use_error, run_in_progress
 from runner.errors import Rejected
-from runner.rank_env import under_torchrun
+from runner.ranks.env import under_torchrun
 
 __all__ = ["RunDirGuard"]
 

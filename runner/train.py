@@ -23,25 +23,32 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
-from runner.checkpoint import Checkpointer
-from runner.clock import StartupClock
-from runner.console import step_record
-from runner.data import build_dataset, get_batch
-from runner.dist import DistEnv, all_reduce_sum, gather_to_main
+from runner.checkpoint.checkpointer import Checkpointer
+from runner.data.datasets import build_dataset, get_batch
 from runner.errors import NonFiniteLossError
 from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import RunPlan
-from runner.mesh import Mesh, build_mesh
+from runner.models.split import StageModule
 from runner.optim import build_optimizer
-from runner.outputs import MetricsWriter, as_ran, make_summary, peak_memory_bytes, write_resolved_config, write_summary
-from runner.pipeline import Batch, build_step
-from runner.processes import raise_if_stopped
-from runner.profile import RunProfiler
-from runner.provenance import device_name
-from runner.split import StageModule
+from runner.outputs.metrics import (
+    MetricsWriter,
+    as_ran,
+    make_summary,
+    peak_memory_bytes,
+    write_resolved_config,
+    write_summary,
+)
+from runner.outputs.profile import RunProfiler
+from runner.outputs.provenance import device_name
+from runner.parallel.mesh import Mesh, build_mesh
+from runner.pipeline.step import Batch, build_step
+from runner.ranks.clock import StartupClock
+from runner.ranks.console import step_record
+from runner.ranks.dist import DistEnv, all_reduce_sum, gather_to_main
+from runner.ranks.processes import raise_if_stopped
+from runner.ranks.watchdog import beat, busy
 from runner.verify import VerifyFirstStep
-from runner.watchdog import beat, busy
 
 __all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm"]
 

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any, Iterator
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from runner.checkpoint.resume_check import resume_checkpoint
 from runner.config import parse_bytes, rank_options
 from runner.config_nodes import check_model_vocab, missing_keys
-from runner.dims import ParallelDims
-from runner.dp import DP_MODES
 from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size
-from runner.loggers import check_loggers
 from runner.options import allowed
-from runner.rank_env import under_torchrun
-from runner.resume_check import resume_checkpoint
-from runner.schedules import CSV, SCHEDULES
+from runner.outputs.loggers import check_loggers
+from runner.parallel.dims import ParallelDims
+from runner.parallel.dp import DP_MODES
+from runner.pipeline.registry import CSV, SCHEDULES
+from runner.ranks.env import under_torchrun
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +79,7 @@ def _check_unknown_keys(cfg: DictConfig) -> None:
 
 def _check_choices(cfg: DictConfig) -> None:
     """Every string option against its schema field's choices (``runner.options``, or a registry:
-    ``runner.schedules``, ``runner.dp``)."""
+    ``runner.pipeline.registry``, ``runner.parallel.dp``)."""
     for path, node, fields in _schema_nodes(cfg, ""):
         for f in fields:
             if "choices" not in f.metadata or f.name not in node:
@@ -170,7 +170,7 @@ def _check_batches(cfg: DictConfig) -> tuple[Any, dict[str, torch.Tensor]]:
     """Draw the first batch of each split the run uses; returns the dataset, one microbatch's keyword inputs."""
     import torch
 
-    from runner.data import build_dataset, get_batch
+    from runner.data.datasets import build_dataset, get_batch
 
     t, p = cfg.train, cfg.parallel
     data = build_dataset(cfg.data, seed=t.seed)  # e.g. a missing text file fails here
@@ -234,7 +234,7 @@ def _log_tied(meta, stages, stage_to_rank: dict[int, int], per_stage: bool) -> N
 
 def _schedule_layout(cfg: DictConfig, csv: str | None) -> tuple[int, dict[int, int]]:
     """(number of stages, stage → rank) as the schedule, or the schedule file ``csv``, dictates."""
-    from runner import schedule as sched
+    from runner.pipeline import schedule as sched
 
     p, name = cfg.parallel, cfg.schedule.name
     if p.pp == 1:  # the unsplit reference: one stage, no schedule
@@ -256,7 +256,7 @@ def _splits_backward(layout: Layout) -> bool:
     """Whether the schedule runs separate input (I) and weight (W) backward actions."""
     if layout.csv is None:
         return SCHEDULES[layout.schedule].splits_backward
-    from runner.schedule import csv_order
+    from runner.pipeline.schedule import csv_order
 
     return any(op.kind in ("I", "W") for ops in csv_order(layout.csv).values() for op in ops)
 
@@ -315,7 +315,7 @@ def _resume_point(cfg: DictConfig, run_dir: Path) -> Path:
     complete one, or (``latest``) the newest of the runs under ``checkpoint.latest_root``."""
     try:
         latest_root = _launch_dir() / Path(cfg.checkpoint.latest_root).expanduser()
-        from runner.split import build_meta_model  # the model the checkpoint's tensors must fit
+        from runner.models.split import build_meta_model  # the model the checkpoint's tensors must fit
         path, step = resume_checkpoint(cfg, run_dir, latest_root, build_meta_model)  # its tokenizer checked too
     except CheckpointError as e:  # before any rank starts: the configuration names a bad checkpoint
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
@@ -339,9 +339,9 @@ def check_config(cfg: DictConfig) -> None:
 
 def _layout(cfg: DictConfig, csv: str | None) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
-    from runner.data import check_vocab
-    from runner.split import build_meta_model, check_init, check_shapes, plan_split
-    from runner.tp import check_tp
+    from runner.data.datasets import check_vocab
+    from runner.models.split import build_meta_model, check_init, check_shapes, plan_split
+    from runner.parallel.tp import check_tp
 
     p = cfg.parallel
     num_stages, stage_to_rank = _schedule_layout(cfg, csv)
@@ -380,8 +380,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     into the run's plan: its layout, the device ``auto`` picks here, threads per rank and, for a
     run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
     run (the planner's candidates); no checkpoint is looked for."""
-    from runner.dist import resolve_device
-    from runner.hf import resolve_verify
+    from runner.models.hf import resolve_verify
+    from runner.ranks.dist import resolve_device
 
     check_config(cfg)
     csv = _schedule_file(cfg)

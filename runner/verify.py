@@ -18,15 +18,15 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from runner.dist import DistEnv, gather_to_main
 from runner.errors import VerifyError
 from runner.hooks import Hook, StepContext, StepState
 from runner.losses import build_loss
-from runner.parallelize import PRECISIONS
-from runner.pipeline import Batch, UnsplitStep
-from runner.split import build_meta_model, materialize
-from runner.units import SequentialSpec, tied_groups
-from runner.watchdog import busy
+from runner.models.split import build_meta_model, materialize
+from runner.models.units import SequentialSpec, tied_groups
+from runner.parallel.parallelize import PRECISIONS
+from runner.pipeline.step import Batch, UnsplitStep
+from runner.ranks.dist import DistEnv, gather_to_main
+from runner.ranks.watchdog import busy
 
 __all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step", "VerifyFirstStep"]
 
@@ -66,7 +66,7 @@ def gather_grads(modules: Sequence[nn.Module], env: DistEnv,
 def _load_checkpoint_weights(units: nn.Module, tied: list[list[str]], checkpoint: Path) -> None:
     """The checkpoint's model tensors into the unsplit model's units: what the stages resumed
     with. A tied weight is stored once, under its first name."""
-    from runner._torch_dcp import read_model_tensors
+    from runner._torch.dcp import read_model_tensors
 
     tensors = read_model_tensors(checkpoint)  # the ranks checked its manifests when they loaded it
     for first, *others in tied:

@@ -14,9 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-from runner.ops import Op
-from runner.plan.simulate import SimAction
-from runner.timeline import plot_schedule
+from runner.outputs.timeline import plot_schedule
+from runner.pipeline.ops import Op
+from runner.pipeline.simulate import SimAction
 
 
 def window(actions: list[SimAction], first: int, count: int) -> tuple[float, float]:

@@ -3,7 +3,7 @@ schedule (``python -m runner schedule=csv schedule.csv=<file>``).
 
     python scripts/schedule_csv.py interleaved_1f1b --pp 2 --microbatches 4 > my_schedule.csv
 
-The order is the one that runs (``runner.schedule.schedule_order``: torch's declared order with
+The order is the one that runs (``runner.pipeline.schedule.schedule_order``: torch's declared order with
 overlapped F;B cells expanded and 1F1B's last rank renumbered as torch runs it; the test suite
 compares it with what real runs recorded), and the file is linted exactly as a run lints it.
 """
@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from runner.errors import ConfigError
-from runner.schedule import SCHEDULES, default_stages_per_rank, read_csv_schedule, schedule_order
+from runner.pipeline.schedule import SCHEDULES, default_stages_per_rank, read_csv_schedule, schedule_order
 
 
 def main() -> int:

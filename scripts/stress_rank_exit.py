@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from runner.processes import spawn  # noqa: E402
+from runner.ranks.processes import spawn  # noqa: E402
 
 from helpers.config import TINY, resolved  # noqa: E402
 from helpers.ranks import train_cases  # noqa: E402

@@ -8,9 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from runner.dp import DP_MODES
-from runner.schedule import default_stages_per_rank, placement, schedule_order
-from runner.schedules import SCHEDULES, schedule_names
+from runner.parallel.dp import DP_MODES
+from runner.pipeline.registry import SCHEDULES, schedule_names
+from runner.pipeline.schedule import default_stages_per_rank, placement, schedule_order
 
 from helpers.config import ROOT
 

@@ -21,12 +21,12 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from runner.checkpoint import Checkpointer
-from runner.checkpoint_files import find_checkpoint, hold_run_lock, run_in_progress, write_manifest
-from runner.dist import DistEnv
+from runner.checkpoint.checkpointer import Checkpointer
+from runner.checkpoint.files import find_checkpoint, hold_run_lock, run_in_progress, write_manifest
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
 from runner.optim import build_optimizer
+from runner.ranks.dist import DistEnv
 from runner.train import train
 from runner.validate import validate
 
@@ -196,8 +196,8 @@ def test_a_full_disk_during_a_save_says_so_and_leaves_no_partial_directory(tmp_p
 
 
 def test_a_checkpoint_never_holds_a_non_finite_value(tmp_path):
-    from runner.split import StageModule
-    from runner.units import SequentialSpec
+    from runner.models.split import StageModule
+    from runner.models.units import SequentialSpec
 
     whole = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with torch.no_grad():

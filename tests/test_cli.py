@@ -13,7 +13,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from runner.launch import launch
-from runner.provenance import git_commit
+from runner.outputs.provenance import git_commit
 
 from helpers.cli import finish, run_cli, start_cli
 from helpers.config import ROOT, TINY, compose
@@ -189,7 +189,7 @@ def test_cuda_run_matches_cpu(tmp_path):
 
 
 def test_fork_asked_for_where_its_ranks_would_hang_is_refused_before_they_start(tmp_path, monkeypatch):
-    import runner.processes as processes
+    import runner.ranks.processes as processes
     from runner.errors import ConfigError
 
     monkeypatch.setattr(processes, "_ran_threaded", [True])  # as after a sweep's in-process pp=1 job
@@ -202,7 +202,7 @@ def test_fork_asked_for_where_its_ranks_would_hang_is_refused_before_they_start(
 def test_ranks_are_forked_only_where_forking_is_safe(monkeypatch):
     import threading
 
-    import runner.processes as launch_module
+    import runner.ranks.processes as launch_module
 
     alone = [threading.current_thread()]
     monkeypatch.setattr(launch_module.threading, "enumerate", lambda: alone)

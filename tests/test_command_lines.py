@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.dist import init_distributed
 from runner.errors import ConfigError
 from runner.exits import expand_home
 from runner.launch import launch
 from runner.plan.__main__ import _no_valid_candidate
 from runner.plan.planner import Candidate, check_plan_keys, plan
+from runner.ranks.dist import init_distributed
 from runner.validate import validate
 
 from helpers.cli import finish, start_cli
@@ -131,7 +131,7 @@ def test_spawned_ranks_put_gloo_on_loopback_whatever_the_shell_set(monkeypatch):
 
 
 def test_a_short_profiled_run_prints_nothing_of_the_profilers_own(tmp_path, capfd, caplog):
-    caplog.set_level(logging.DEBUG, logger="runner.profile")
+    caplog.set_level(logging.DEBUG, logger="runner.outputs.profile")
     cfg = compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4", "train.steps=2",
                   "profile.enabled=true")
     with warnings.catch_warnings(record=True) as caught:
@@ -140,6 +140,7 @@ def test_a_short_profiled_run_prints_nothing_of_the_profilers_own(tmp_path, capf
     err = capfd.readouterr().err
     assert "USDT" not in err and "profiler_st" not in err, err
     assert not [w for w in caught if "warmup" in str(w.message)]
-    markers = [r.getMessage() for r in caplog.records if r.name == "runner.profile" and r.levelno == logging.DEBUG]
+    markers = [r.getMessage() for r in caplog.records
+               if r.name == "runner.outputs.profile" and r.levelno == logging.DEBUG]
     assert any(m.startswith("torch profiler: USDT") and m.endswith("profiler_start") for m in markers), markers
     assert (tmp_path / "traces" / "rank0.json").is_file() and (tmp_path / "timeline.json").is_file()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.console import Console, console_listener, rank_logging, step_record
+from runner.ranks.console import Console, console_listener, rank_logging, step_record
 
 
 def _logger(console: Console) -> logging.Logger:

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from runner.data import SyntheticData, TextData, get_batch
+from runner.data.datasets import SyntheticData, TextData, get_batch
 from runner.errors import ConfigError
-from runner.models import transformer
+from runner.models.builtin import transformer
 from runner.optim import lr_factor, param_groups
 from runner.verify import compare
 

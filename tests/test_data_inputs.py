@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from runner import token_files
-from runner.data import HFData, TextData, TokensData, check_vocab
-from runner.data_files import text_files
+from runner.data import token_files
+from runner.data.datasets import HFData, TextData, TokensData, check_vocab
+from runner.data.files import text_files
+from runner.data.tokens import load_tokenizer
 from runner.errors import ConfigError
-from runner.processes import spawn_reason, start_method
-from runner.tokens import load_tokenizer
+from runner.ranks.processes import spawn_reason, start_method
 from runner.validate import check_config, validate
 
 from helpers import datasets
@@ -54,7 +54,7 @@ def docs(tmp_path):
 
 
 def test_a_directory_takes_its_text_files_only_and_logs_what_it_skipped(docs, tokenizer, caplog):
-    with caplog.at_level(logging.INFO, logger="runner.data_files"):
+    with caplog.at_level(logging.INFO, logger="runner.data.files"):
         files = text_files(str(docs))
     assert files == [docs / "README", docs / "guide" / "usage.rst", docs / "index.md"]
     taken, skipped = (r.getMessage() for r in caplog.records)
@@ -63,7 +63,7 @@ def test_a_directory_takes_its_text_files_only_and_logs_what_it_skipped(docs, to
                               "1 .txt (0.1 KB), 1 .dat (0.1 KB) (e.g. ")
     assert "figure0.png: not a text suffix (.png)" in skipped
     for built in ("tokenized", "from the cache"):  # the tokens per type are logged on every run
-        with caplog.at_level(logging.INFO, logger="runner.token_cache"):
+        with caplog.at_level(logging.INFO, logger="runner.data.token_cache"):
             caplog.clear()
             data = TextData(path=str(docs), vocab_size=None, seed=0, tokenizer=str(tokenizer),
                             cache_dir=str(docs.parent / "c"))
@@ -212,7 +212,7 @@ def test_building_a_hf_dataset_leaves_the_launcher_able_to_fork(tmp_path, tokeni
 
 
 def test_a_user_dataset_is_asked_for_steps_numbered_from_1_and_a_resume_continues_them(tmp_path):
-    from runner.dist import DistEnv
+    from runner.ranks.dist import DistEnv
     from runner.train import train
 
     def run(run_dir, *overrides):

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint_files import find_checkpoint
-from runner.dist import DistEnv
+from runner.checkpoint.files import find_checkpoint
 from runner.errors import ConfigError, RunnerError
-from runner.schedule import schedule_order
+from runner.pipeline.schedule import schedule_order
+from runner.ranks.dist import DistEnv
 from runner.train import train
 from runner.validate import validate
 
@@ -91,7 +91,7 @@ def test_pp2_dp2_matches_the_unsplit_model(dp, ref, mode, name):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_the_executed_schedule_is_one_pipeline_of_the_first_replica(dp):
-    # pp=2 x dp=2: replica 0's pipeline is ranks 0 and 2 (runner.dims); ranks 0 and 1 hold stage 0 twice.
+    # pp=2 x dp=2: replica 0's pipeline is ranks 0 and 2 (runner.parallel.dims); ranks 0 and 1 hold stage 0 twice.
     rows = (dp[0] / "ddp-1f1b" / "schedule.csv").read_text().splitlines()
     order = schedule_order("1f1b", 2, 4, 1)
     assert rows == [",".join(op.name for op in order[r]) for r in range(2)]

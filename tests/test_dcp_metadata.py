@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from runner._torch_dcp import SafeReader, UnsafeCheckpointError
+from runner._torch.dcp import SafeReader, UnsafeCheckpointError
 
 
 class _EnumsByGetattr(pickle.Pickler):

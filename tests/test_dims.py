@@ -1,4 +1,4 @@
-"""The one owner of the parallel layout (``runner.dims.ParallelDims``): each rank's coordinates,
+"""The one owner of the parallel layout (``runner.parallel.dims.ParallelDims``): each rank's coordinates,
 the groups along each dimension, the one check of the degrees against the ranks a job has, and the
 resolver the SLURM launcher config counts its tasks with. In-process: pure arithmetic."""
 
@@ -11,10 +11,10 @@ import torch
 from omegaconf import OmegaConf
 
 import runner.config  # noqa: F401  registers the world_size resolver
-from runner.dims import Coords, ParallelDims
-from runner.dist import DistEnv
 from runner.errors import ConfigError
-from runner.mesh import build_mesh
+from runner.parallel.dims import Coords, ParallelDims
+from runner.parallel.mesh import build_mesh
+from runner.ranks.dist import DistEnv
 
 DIMS = ParallelDims(pp=2, dp=3, dp_mode="ddp")
 
@@ -93,8 +93,8 @@ def test_the_planner_calibrates_on_the_cores_of_two_ranks_of_one_pipeline():
 
 
 def test_torchrun_with_other_ranks_than_the_degrees_is_a_config_error_before_the_process_group(monkeypatch):
-    from runner.clock import StartupClock
     from runner.launch import _join_torchrun
+    from runner.ranks.clock import StartupClock
     from runner.validate import validate
 
     from helpers.config import TINY, compose

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint_files import TOKENIZER_DIR
-from runner.dist import DistEnv
+from runner.checkpoint.files import TOKENIZER_DIR
+from runner.checkpoint.resume_check import tokenizer_record
 from runner.errors import ConfigError
 from runner.export import export, main
-from runner.resume_check import tokenizer_record
+from runner.ranks.dist import DistEnv
 from runner.train import train
 from runner.validate import validate
 

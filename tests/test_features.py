@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.models import transformer
+from runner.models.builtin import transformer
 from runner.verify import TOLERANCES
 
 from helpers.config import TINY, resolved
@@ -127,8 +127,8 @@ def test_compiled_stages_match_the_eager_unsplit_model(pp2, name):
 
 
 def test_the_attention_mask_reaches_every_block_and_changes_only_what_it_should():
-    from runner.split import StageModule
-    from runner.units import SequentialSpec
+    from runner.models.split import StageModule
+    from runner.models.units import SequentialSpec
 
     torch.manual_seed(0)
     whole = transformer(vocab_size=16, max_seq_len=8, dim=16, n_layers=2, n_heads=2, ffn_mult=2)

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from runner.errors import ConfigError
+from runner.models.split import MetaModel, build_meta_model, materialize, plan_split
+from runner.models.units import SequentialSpec, tied_groups
 from runner.optim import param_groups
-from runner.split import MetaModel, build_meta_model, materialize, plan_split
-from runner.units import SequentialSpec, tied_groups
 from runner.verify import compare, reference_model
 
 from helpers.config import compose
@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 
 
 def _hf_cfg(path, **extra):
-    return OmegaConf.create({"_target_": "runner.hf.causal_lm", "path": str(path), "pretrained": True,
+    return OmegaConf.create({"_target_": "runner.models.hf.causal_lm", "path": str(path), "pretrained": True,
                              "allow_unlisted": False, "config_overrides": {}, "attn_implementation": None, **extra})
 
 
@@ -176,6 +176,6 @@ def test_weight_decay_spares_every_1d_parameter_and_embeddings_by_shape_and_role
 
 
 def test_family_configs_cover_the_tested_list():
-    from runner.hf import FAMILIES
+    from runner.models.hf import FAMILIES
 
     assert set(family_configs()) == set(FAMILIES)

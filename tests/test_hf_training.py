@@ -137,7 +137,7 @@ def test_verify_fails_a_forward_that_adds_residuals_its_listed_units_do_not(pp2)
 def test_a_trained_model_exports_to_hugging_face_format_and_loads_with_from_pretrained(pp2, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from runner._torch_dcp import read_model_tensors
+    from runner._torch.dcp import read_model_tensors
     from runner.export import export
 
     out, results = pp2

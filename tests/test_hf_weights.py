@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner.dist import DistEnv
 from runner.errors import ConfigError, VerifyError
-from runner.hf import resolve_verify
-from runner.split import build_meta_model, materialize
+from runner.models.hf import resolve_verify
+from runner.models.split import build_meta_model, materialize
+from runner.ranks.dist import DistEnv
 from runner.train import Trainer
 from runner.validate import validate
 
@@ -73,7 +73,7 @@ def test_a_config_dtype_that_disagrees_with_the_stored_tensors_is_logged(tmp_pat
     path = write_model(tmp_path / "m", "llama", weights=True)  # float32 tensors
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
-    with caplog.at_level(logging.WARNING, logger="runner.hf"):
+    with caplog.at_level(logging.WARNING, logger="runner.models.hf"):
         meta = build_meta_model(_cfg(path).model)
     assert "names dtype bfloat16 but the weights are stored in float32" in caplog.text
     assert meta.spec.source_dtype == torch.bfloat16 and next(meta.module.parameters()).dtype == torch.float32
@@ -141,7 +141,7 @@ def _remote_code_dir(directory, marker, *, tokenizer: bool = False):
 
 
 def test_an_auto_map_in_a_model_or_tokenizer_directory_is_refused_naming_file_and_entry(tmp_path):
-    from runner.tokens import load_tokenizer
+    from runner.data.tokens import load_tokenizer
 
     marker = tmp_path / "marker"
     model = _remote_code_dir(tmp_path / "model", marker)
@@ -292,12 +292,12 @@ def gemma2(tmp_path):
 
 
 def test_an_unlisted_family_is_verified_unless_verify_false_is_given(tmp_path, gemma2, caplog):
-    with caplog.at_level(logging.WARNING, logger="runner.hf"):
+    with caplog.at_level(logging.WARNING, logger="runner.models.hf"):
         plan = validate(compose(*BASE, *gemma2))
     assert plan.verify is True and plan.resolved_values()["verify"] is True  # resolved_config.yaml says so
     assert "a 'gemma2' model, outside the tested list" in caplog.text and "verify=false turns it off" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="runner.hf"):
+    with caplog.at_level(logging.WARNING, logger="runner.models.hf"):
         assert resolve_verify(compose(*BASE, *gemma2, "verify=false")) is False
     assert "verify=false: nothing checks" in caplog.text
     listed = write_model(tmp_path / "llama", "llama", weights=False)

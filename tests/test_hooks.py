@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import runner.faults
-from runner.dist import DistEnv
 from runner.errors import NonFiniteLossError
 from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
+from runner.ranks.dist import DistEnv
 from runner.train import Trainer
 from runner.validate import validate
 

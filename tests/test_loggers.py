@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from runner.errors import ConfigError
-from runner.outputs import MetricsWriter
-from runner.provenance import git_commit
+from runner.outputs.metrics import MetricsWriter
+from runner.outputs.provenance import git_commit
 from runner.validate import validate
 
 from helpers.config import TINY, compose
@@ -233,7 +233,7 @@ def test_loggers_compose_as_a_group_of_targets_and_the_older_keys_pick_the_same_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = compose(*TINY, "logger=[tensorboard,mlflow]", "logger.mlflow.experiment=grouped")
-    assert cfg.logger.mlflow._target_ == "runner.loggers.mlflow.MLflowLogger"
+    assert cfg.logger.mlflow._target_ == "runner.outputs.loggers.mlflow.MLflowLogger"
     writer = MetricsWriter(tmp_path, cfg.logging, run_config=cfg)
     assert [type(logger).__name__ for logger in writer.loggers] == ["TensorBoardLogger", "MLflowLogger"]
     for record in RECORDS:

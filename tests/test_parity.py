@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from runner.outputs.timeline import write_schedule_csv
+from runner.pipeline.schedule import placement, schedule_order
 from runner.plan.synthesize import Problem, synthesize
-from runner.schedule import placement, schedule_order
-from runner.timeline import write_schedule_csv
 
 from helpers.config import EXAMPLES, TINY, resolved
 from helpers.parity import CLIP, GRAD_ATOL, assert_matches, reference
@@ -22,7 +22,7 @@ from helpers.plan import synthetic_costs
 from helpers.ranks import run_cases
 
 # Every schedule by name: torch's, and the Zero Bubble paper's ZB-H1 and ZB-H2 that the runner
-# generates (runner.zb_orders; held here, not in helpers.parity's list, which the HF tests also run).
+# generates (runner.pipeline.zb_orders; held here, not in helpers.parity's list, which the HF tests also run).
 SCHEDULES = [*TORCH_SCHEDULES, "zbh1", "zbh2"]
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 PP4 = ["parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]

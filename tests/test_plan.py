@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
-from runner.ops import Op
+from runner.outputs.timeline import write_schedule_csv
+from runner.pipeline.ops import Op
+from runner.pipeline.schedule import schedule_order
+from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.calibrate import Calibration, calibrate, solve_action_overhead
 from runner.plan.costs import ChildCost, stage_costs
 from runner.plan.planner import plan
 from runner.plan.probe import PROBED, Fit, Measured, Observation, fit, predicted_pipelines, probe_layouts, probe_steps
-from runner.plan.simulate import peak_in_flight, simulate
-from runner.schedule import schedule_order
-from runner.timeline import write_schedule_csv
 from runner.validate import validate
 
 from helpers.cli import run_cli
@@ -283,8 +283,8 @@ def test_calibration_measures_messages_and_the_runtime_on_two_ranks():
 def test_plan_times_children_on_the_device_a_run_would_use(device):
     import torch
 
+    from runner.models.split import build_meta_model
     from runner.plan.costs import measure_child_costs
-    from runner.split import build_meta_model
 
     cfg = compose(*TINY, "train.batch_size=8")
     costs = measure_child_costs(cfg, 4, 3, torch.device(device, 0) if device == "cuda" else torch.device(device))

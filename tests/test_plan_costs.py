@@ -12,17 +12,17 @@ import yaml
 
 from bench.sections.zb_paper import TABLE9  # the paper's Table 9: (model, p, m) -> T_F, T_B, T_W, T_comm (ms)
 from runner.errors import ConfigError
-from runner.ops import Op
+from runner.pipeline.ops import Op
+from runner.pipeline.simulate import peak_in_flight, simulate
+from runner.pipeline.zb_orders import zbh1_order
 from runner.plan.__main__ import main_from_costs
 from runner.plan.from_costs import builtin_orders, given_problem
 from runner.plan.given import GivenCosts, read_costs
 from runner.plan.list_schedule import Policy, list_schedule
 from runner.plan.planner import plan
 from runner.plan.problem import Problem
-from runner.plan.simulate import peak_in_flight, simulate
 from runner.plan.synthesize import synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction, saved_split
-from runner.zb_orders import zbh1_order
 
 from helpers.cli import run_cli
 from helpers.config import TINY, compose

@@ -11,13 +11,13 @@ import pytest
 
 from bench.accuracy import accuracy, percentile
 from runner.errors import ConfigError
+from runner.pipeline.schedule import schedule_order
+from runner.pipeline.simulate import peak_in_flight
 from runner.plan.memory import rank_memory
 from runner.plan.planner import Candidate, plan
 from runner.plan.report import MEASURED_ERROR, table, within_error
 from runner.plan.roofline import device_peaks
-from runner.plan.simulate import peak_in_flight
 from runner.plan.target import count_units, plan_target
-from runner.schedule import schedule_order
 
 from helpers.cli import run_cli
 from helpers.config import ROOT, TINY, compose
@@ -124,7 +124,7 @@ def test_probed_plan_rows_carry_the_whole_rank_memory():
 
 
 def _tiny_model():
-    from runner.models import transformer
+    from runner.models.builtin import transformer
 
     return transformer(vocab_size=48, max_seq_len=16, dim=32, n_layers=6, n_heads=4, ffn_mult=4)
 

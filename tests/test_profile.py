@@ -9,14 +9,9 @@ import runpy
 import pytest
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from runner import _torch_pp
-from runner.ops import Op
-from runner.plan.simulate import UNIT_COSTS, bubble_fractions, expected_makespan, simulate
-from runner.profile import Window, plan_window
-from runner.record import Action, StepSpan
-from runner.schedule import SCHEDULES, schedule_order
-from runner.schedules import theoretical_bubble
-from runner.timeline import (
+from runner._torch import pp as _torch_pp
+from runner.outputs.profile import Window, plan_window
+from runner.outputs.timeline import (
     HostClock,
     clock_offsets,
     measured_bubble,
@@ -25,6 +20,11 @@ from runner.timeline import (
     simulated_slices,
     write_chrome_trace,
 )
+from runner.pipeline.ops import Op
+from runner.pipeline.recorder import Action, StepSpan
+from runner.pipeline.registry import theoretical_bubble
+from runner.pipeline.schedule import SCHEDULES, schedule_order
+from runner.pipeline.simulate import UNIT_COSTS, bubble_fractions, expected_makespan, simulate
 
 from helpers.config import ROOT
 
@@ -129,7 +129,7 @@ def test_measured_bubble_counts_a_rank_that_returns_early_as_idle_until_the_pipe
 
 
 def test_tp_collectives_are_read_from_the_trace_paired_by_thread_and_put_on_the_recorders_clock(tmp_path):
-    from runner.collectives import Collective, tp_collectives
+    from runner.outputs.collectives import Collective, tp_collectives
 
     # The recorder's clock (ns) runs 5_000_000 ns ahead of the trace's (us * 1000).
     actions = [Action(1, Op(0, "F", 0), 5_010_000, 5_020_000), Action(1, Op(0, "B", 0), 5_030_000, 5_050_000)]

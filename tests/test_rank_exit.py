@@ -1,4 +1,4 @@
-"""How a rank ends: ``runner.dist.cleanup`` leaves no process-group thread behind, so no C++
+"""How a rank ends: ``runner.ranks.dist.cleanup`` leaves no process-group thread behind, so no C++
 thread of torch's can touch Python while the interpreter finalizes (in Python 3.11 such a thread,
 asking for the GIL, is ended by ``pthread_exit``: "terminate called without an active exception",
 SIGABRT, a run or test failing at random after its work was done)."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runner.dims import ParallelDims
-from runner.dist import DistEnv, cleanup, live_group_threads
-from runner.mesh import _cached_device_mesh, build_mesh
-from runner.processes import spawn
+from runner.parallel.dims import ParallelDims
+from runner.parallel.mesh import _cached_device_mesh, build_mesh
+from runner.ranks.dist import DistEnv, cleanup, live_group_threads
+from runner.ranks.processes import spawn
 
 
 def _collective_finishing_at_exit(env: DistEnv) -> None:

@@ -40,7 +40,7 @@ from helpers.config import ROOT, TINY, compose
 PLACEHOLDERS = {
     "<run>/schedule.csv": "examples/gpipe_pp2_m4.csv",  # a run's recorded order (pp=2, m=4)
     "outputs/<date>/<time>": "outputs/day/time",  # a finished run (the `workdir` fixture's)
-    "mypkg.models.build": "runner.models.transformer",  # the user's factory
+    "mypkg.models.build": "runner.models.builtin.transformer",  # the user's factory
 }
 FILL = "experiment=smoke"  # for a `...` standing for the rest of a command
 # What follows `runner`, `python -m runner`, `python -m runner.plan` or `python -m runner.export`.

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.multiprocessing import ProcessExitedException
 
 from runner.errors import CheckpointError
-from runner.processes import connect, rendezvous, spawn
-from runner.supervise import rank_failure
-from runner.watchdog import Heartbeats
+from runner.ranks.processes import connect, rendezvous, spawn
+from runner.ranks.supervise import rank_failure
+from runner.ranks.watchdog import Heartbeats
 
 from helpers.cli import start_cli
 from helpers.config import ROOT, TINY, compose
@@ -177,7 +177,7 @@ def test_ranks_die_with_a_killed_launcher_even_with_sigint_ignored(tmp_path):
             proc.kill()
         for rank in _rank_processes(run_dir, proc):
             rank.kill()
-    from runner.checkpoint_files import run_in_progress
+    from runner.checkpoint.files import run_in_progress
 
     assert not run_in_progress(run_dir)  # the run's lock went with its processes
 
@@ -286,7 +286,7 @@ def test_the_watchdog_names_the_rank_silent_longest():
 
 
 def test_every_torch_load_is_weights_only():
-    for path in (ROOT / "runner").glob("*.py"):
+    for path in (ROOT / "runner").rglob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
             assert "weights_only=True" in call, f"{path.name}: {call}"
 

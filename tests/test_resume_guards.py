@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner._torch_dcp import SafeReader, read_model_tensors
-from runner.checkpoint_files import find_checkpoint, hold_run_lock
-from runner.dist import DistEnv
+from runner._torch.dcp import SafeReader, read_model_tensors
+from runner.checkpoint.files import find_checkpoint, hold_run_lock
 from runner.errors import CheckpointError, ConfigError, Rejected
+from runner.ranks.dist import DistEnv
 from runner.rundir import RunDirGuard
 from runner.train import train
 from runner.validate import validate

@@ -13,7 +13,13 @@ from bench.machine import LoadMonitor
 from bench.runs import Context
 from bench.sections import SECTIONS
 from bench.sections.planner import planner_rows, separated_pairs
-from runner.schedule import SCHEDULES, csv_order, default_stages_per_rank, read_csv_schedule, schedule_order
+from runner.pipeline.schedule import (
+    SCHEDULES,
+    csv_order,
+    default_stages_per_rank,
+    read_csv_schedule,
+    schedule_order,
+)
 
 from helpers.cli import run_cli
 from helpers.config import ROOT

@@ -8,8 +8,15 @@ import torch
 from torch import nn
 
 from runner.errors import ConfigError
-from runner.split import MetaModel, build_meta_model, check_init, materialize, plan_split, split_by_cost
-from runner.units import SequentialSpec
+from runner.models.split import (
+    MetaModel,
+    build_meta_model,
+    check_init,
+    materialize,
+    plan_split,
+    split_by_cost,
+)
+from runner.models.units import SequentialSpec
 
 from helpers.config import TINY, compose
 

@@ -14,9 +14,9 @@ import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
-from runner import report
 from runner.errors import ConfigError
-from runner.rank_env import adopt_slurm_ranks, slurm_rank_env
+from runner.outputs import sweep_report as report
+from runner.ranks.env import adopt_slurm_ranks, slurm_rank_env
 
 from helpers.cli import run_cli
 from helpers.config import ROOT

@@ -8,13 +8,20 @@ import random
 
 import pytest
 
-from runner.ops import Op
+from runner.outputs.timeline import write_schedule_csv
+from runner.pipeline.ops import Op
+from runner.pipeline.schedule import (
+    SCHEDULES,
+    V_SHAPED,
+    is_single_stage,
+    placement,
+    read_csv_schedule,
+    schedule_order,
+)
+from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.planner import Candidate, _mark_ties, plan
 from runner.plan.report import search_report, table
-from runner.plan.simulate import peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
-from runner.schedule import SCHEDULES, V_SHAPED, is_single_stage, placement, read_csv_schedule, schedule_order
-from runner.timeline import write_schedule_csv
 
 from helpers.config import TINY, compose
 from helpers.plan import FIXED, synthetic_costs

@@ -13,11 +13,11 @@ import re
 import numpy as np
 import pytest
 
-from runner import token_cache
-from runner.data_files import text_files
+from runner.data import token_cache
+from runner.data.files import text_files
+from runner.data.token_cache import chunks, tokenize_to_cache, tokenizer_digest
+from runner.data.tokens import load_tokenizer, text_documents
 from runner.errors import ConfigError
-from runner.token_cache import chunks, tokenize_to_cache, tokenizer_digest
-from runner.tokens import load_tokenizer, text_documents
 
 from helpers.hf import write_trained_tokenizer
 
@@ -117,10 +117,10 @@ def test_a_tokenizer_that_prepends_to_every_text_is_found_out_and_its_cuts_are_w
     tok = load_tokenizer(tokenizers["prepend"])
     assert not token_cache._chunk_safe(tok)  # '▁' + ' the' != the whole text's ids
     short = ["the pipeline runs", "a stage waits"]
-    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
         tokens = cached(corpus(tmp_path, short), tokenizers["prepend"], tmp_path / "cache")
     assert tokens.tolist() == whole(tokenizers["prepend"], short) and not caplog.records  # no cut: exact
-    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
         cached(corpus(tmp_path / "long", DOCUMENTS[:1]), tokenizers["prepend"], tmp_path / "cache", chunk_chars=100)
     [record] = caplog.records
     cuts = [cut for _, _, cut in chunks([(DOCUMENTS[0], True)], 100)]
@@ -139,7 +139,7 @@ def test_a_long_line_is_tokenized_in_bounded_pieces_and_a_run_without_spaces_is_
     assert max(len(t) for call in calls for t in call) <= 1000 and len(sum(calls, [])) == 37
     calls.clear()
     spaceless = "a" * 2500 + " the end"
-    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
         cached(corpus(tmp_path / "x", [spaceless]), tokenizers["byte_level"], tmp_path / "cache", chunk_chars=1000)
     assert [len(t) for call in calls for t in call] == [1000, 1000, 508]
     assert "2 runs of more than 1000 characters without a space" in caplog.records[0].getMessage()
@@ -161,7 +161,7 @@ def test_an_edit_that_keeps_size_and_modification_time_is_tokenized_again(tmp_pa
 
 
 def test_by_content_a_copy_reuses_the_cache_and_any_edit_rebuilds_it(tmp_path, tokenizers):
-    from runner.data import build_dataset
+    from runner.data.datasets import build_dataset
 
     from helpers.config import compose
 
@@ -205,12 +205,12 @@ def test_a_truncated_or_altered_cache_file_is_rebuilt_with_a_warning_naming_it(t
         monkeypatch.setattr(token_cache, "_memo", {})  # a later run
         monkeypatch.setenv(token_cache._MEMO_ENV, "{}")
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
+        with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
             assert cached(path, tok, cache).tolist() == expected
         assert f"token cache {file} {says}" in caplog.text and "rebuilding it" in caplog.text
     (cache / f"{file.name}.json").unlink()  # a file without its manifest (a run killed between the two)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
         assert cached(path, tok, cache).tolist() == expected
     assert "has no readable manifest" in caplog.text
 
@@ -264,7 +264,7 @@ def test_no_partial_file_survives_a_failure_and_those_of_killed_runs_are_removed
 
 
 def test_a_cache_directory_that_cannot_be_written_is_one_error_naming_it_and_the_key(tmp_path, tokenizers):
-    from runner.data import build_dataset
+    from runner.data.datasets import build_dataset
 
     from helpers.config import compose
 
@@ -304,7 +304,7 @@ def test_the_tokenizer_digest_is_its_pipeline_not_the_weights_beside_it(tmp_path
 
 
 def test_an_edit_of_a_dataset_file_that_keeps_size_and_modification_time_is_read_again(tmp_path, tokenizers):
-    from runner.data import HFData
+    from runner.data.datasets import HFData
 
     records = tmp_path / "a.jsonl"
     records.write_text(json.dumps({"text": "the pipeline runs forward"}) + "\n")

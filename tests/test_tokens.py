@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner.data import HFData, TextData, TokensData
+from runner.data.datasets import HFData, TextData, TokensData
+from runner.data.tokens import text_documents, window_index
 from runner.errors import ConfigError
-from runner.tokens import text_documents, window_index
 
 from helpers.config import compose
 from helpers.hf import write_tokenizer

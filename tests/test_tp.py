@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from runner.errors import ConfigError
-from runner.split import build_meta_model
-from runner.tp import model_plan, stage_plan
+from runner.models.split import build_meta_model
+from runner.parallel.tp import model_plan, stage_plan
 from runner.validate import validate
 
 from helpers.config import EXAMPLES, TINY, compose, resolved
@@ -124,7 +124,7 @@ def test_compile_at_pp2_tp2_matches_the_unsplit_model_cold_and_from_the_cache(tm
 def test_each_rank_compiles_into_a_cache_of_its_own_beneath_the_users(tmp_path, monkeypatch):
     import os
 
-    from runner._torch_dist import own_compile_cache
+    from runner._torch.dist import own_compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     mine = own_compile_cache("runner-pp2-dp1-tp2-rank3")
@@ -190,7 +190,7 @@ def test_hugging_face_models_without_a_plan_or_with_too_few_heads_are_refused(tm
 
 
 def test_a_plan_with_a_style_the_runner_does_not_translate_is_refused(monkeypatch):
-    from runner import models
+    from runner.models import builtin as models
 
     monkeypatch.setattr(models, "TP_PLAN", {**models.TP_PLAN, "block*.ffn.up": "colwise_split_input"})
     with pytest.raises(ConfigError, match=r"style\(s\) \['colwise_split_input'\].*Fix: parallel.tp=1"):

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner._torch_dcp import read_model_tensors
-from runner.dist import DistEnv
+from runner._torch.dcp import read_model_tensors
 from runner.export import export
+from runner.ranks.dist import DistEnv
 from runner.train import Trainer, train
 from runner.validate import validate
 

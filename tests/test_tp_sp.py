@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from runner.errors import ConfigError
-from runner.split import build_meta_model
-from runner.tp import TPPlan, _torch_styles, check_tp, model_plan
+from runner.models.split import build_meta_model
+from runner.parallel.tp import TPPlan, _torch_styles, check_tp, model_plan
 from runner.validate import validate
 
 from helpers.config import EXAMPLES, TINY, compose, resolved

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from runner.hooks import Hook
-from runner.tp_shards import param_layouts, shard_range
+from runner.models.shards import param_layouts, shard_range
 
 from helpers.config import compose, resolved
 from helpers.hf import hf_training, write_model
@@ -52,8 +52,8 @@ def test_shard_ranges_are_torch_chunks_of_the_dimension(size, count):
 
 
 def test_the_llama_plan_shards_rows_of_colwise_columns_of_rowwise_and_vocabulary_rows(tmp_path):
-    from runner.split import build_meta_model
-    from runner.tp import model_plan
+    from runner.models.split import build_meta_model
+    from runner.parallel.tp import model_plan
 
     cfg = compose(*_base(write_model(tmp_path / "llama", "llama", weights=False, vocab_size=VOCAB)),
                   "model.pretrained=false")

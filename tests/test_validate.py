@@ -10,8 +10,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner.dims import ParallelDims
 from runner.errors import ConfigError
+from runner.parallel.dims import ParallelDims
 from runner.validate import validate
 
 from helpers.config import EXAMPLES, TINY, compose
@@ -102,7 +102,7 @@ BAD = [
     (["launch.timeout_s=-1"], ["launch.timeout_s=-1"]),
     (["launch.grace_s=-1"], ["launch.grace_s=-1", ">= 0"]),
     (["plan.probe_seconds=-1"], ["plan.probe_seconds=-1", ">= 0", "0 to plan without probes"]),
-    # ZB-H1 and ZB-H2 by name (runner/zb_orders.py): one stage per rank, enough microbatches, eager.
+    # ZB-H1 and ZB-H2 by name (runner/pipeline/zb_orders.py): one stage per rank, enough microbatches, eager.
     (["schedule=zbh1", "parallel.stages_per_rank=2"],
      ["schedule=zbh1 runs one stage per rank", "parallel.stages_per_rank=2", "Fix: parallel.stages_per_rank=1"]),
     (["schedule=zbh2", "parallel.pp=4", "parallel.microbatches=4", "train.batch_size=8"],
@@ -248,7 +248,7 @@ def test_csv_schedule_gives_stage_count_and_placement():
 
 def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line(tmp_path, caplog):
     """Pre-2.6 names (B = input backward, BW = full), compute+comms cells and OVERLAP_F_B cells."""
-    from runner.schedule_file import read_schedule_file
+    from runner.pipeline.csv_file import read_schedule_file
 
     path = tmp_path / "schedule.csv"
     path.write_text("0F0,0SEND_F0,,0RECV_B0,0B0,0W0\n1RECV_F0,1F0,(1F1;1BW0)OVERLAP_F_B,1SEND_B0,1REDUCE_GRAD\n")
@@ -263,7 +263,7 @@ def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line
     path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0\n")  # F/B only: today's notation, nothing converted
     assert read_schedule_file(path).notes == ()
     path.write_text("0F0,0F1,0F2,0F3,0BW0,0BW1,0BW2,0BW3\n1F0,1F1,1F2,1F3,1BW0,1BW1,1BW2,1BW3\n")
-    with caplog.at_level("WARNING", logger="runner.schedule"):
+    with caplog.at_level("WARNING", logger="runner.pipeline.schedule"):
         layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}")).layout
     assert layout.num_stages == 2 and "BW -> B" in caplog.text
 

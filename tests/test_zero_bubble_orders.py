@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from runner import _torch_pp
-from runner.ops import Op
+from runner._torch import pp as _torch_pp
+from runner.pipeline.ops import Op
+from runner.pipeline.registry import SCHEDULES, theoretical_bubble
+from runner.pipeline.schedule import placement, schedule_order
+from runner.pipeline.simulate import bubble_fractions, peak_in_flight, simulate
+from runner.pipeline.zb_orders import zbh1_order, zbh2_order
 from runner.plan.planner import _candidates
-from runner.plan.simulate import bubble_fractions, peak_in_flight, simulate
-from runner.schedule import placement, schedule_order
-from runner.schedules import SCHEDULES, theoretical_bubble
 from runner.validate import validate
-from runner.zb_orders import zbh1_order, zbh2_order
 
 from helpers.config import TINY, compose
 

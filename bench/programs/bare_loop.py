@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from runner.data import SyntheticData
+from runner.data.datasets import SyntheticData
 from runner.losses import cross_entropy
-from runner.split import build_meta_model, materialize, plan_split
+from runner.models.split import build_meta_model, materialize, plan_split
 
 
 def rank(r: int, cfg: dict, store: str, out: str) -> None:

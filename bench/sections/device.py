@@ -28,8 +28,8 @@ def single_device(ctx: Context) -> dict[str, Any]:
     memory: ``max_memory_allocated`` on a GPU, RSS on CPU)."""
     import torch
 
+    from runner.models.split import build_meta_model, plan_split
     from runner.plan.costs import measure_child_costs, stage_costs
-    from runner.split import build_meta_model, plan_split
 
     cfg = compose(SWEEP_MODEL)
     device = torch.device("cuda", 0) if ctx.args.device == "cuda" else torch.device("cpu")

@@ -43,7 +43,7 @@ def _ranks_agree(pairs: Sequence[tuple[float, float]]) -> float | None:
 
 
 def _plan_round(ctx: Context, out: Path, microbatches: Sequence[int], model: Sequence[str] = MODEL) -> dict[str, Any]:
-    from runner.schedule import default_stages_per_rank
+    from runner.pipeline.schedule import default_stages_per_rank
 
     started = time.time()
     plan = run_plan(ctx, out, model, microbatches)

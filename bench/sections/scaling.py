@@ -21,7 +21,7 @@ def activation_bytes_per_sample(overrides: Sequence[str], samples: int = 4) -> d
     import torch
 
     from runner.losses import cross_entropy
-    from runner.split import build_meta_model, materialize
+    from runner.models.split import build_meta_model, materialize
 
     cfg = compose(overrides)
     meta = build_meta_model(cfg.model)
@@ -69,8 +69,8 @@ def _efficiency_rows(ctx: Context) -> list[dict[str, Any]]:
 def scaling(ctx: Context) -> dict[str, Any]:
     """Step time over pp and m, and peak memory per rank against the activations each schedule's
     order keeps in flight (no runs of its own: the efficiency sweep's)."""
-    from runner.plan.simulate import peak_in_flight
-    from runner.schedule import is_single_stage, schedule_order
+    from runner.pipeline.schedule import is_single_stage, schedule_order
+    from runner.pipeline.simulate import peak_in_flight
 
     runs = _efficiency_rows(ctx)
     per_sample = activation_bytes_per_sample(SWEEP_MODEL)
@@ -118,7 +118,8 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
     lines += _wider_pipeline(rows, (data["meta"].get("machine") or {}).get("cores"))
     lines += ["", "### Peak memory per rank against activations in flight", "",
               "Expected in flight: per rank, the most stage-microbatches whose forward has run and whose activations "
-              "are not yet freed, walking the rank's op order from `runner.schedule.schedule_order` (freed by B, or by "
+              "are not yet freed, walking the rank's op order from "
+              "`runner.pipeline.schedule.schedule_order` (freed by B, or by "
               "W for schedules that split backward into I and W: an upper bound there, as I may free part of them). "
               "Interleaved and V schedules count stages of half the size, so the expected activation MiB (each "
               "stage's saved-for-backward bytes per microbatch, measured in-process from autograd's saved tensors, "

@@ -25,9 +25,9 @@ FRACTION = 0.4  # M_W / M_B: the paper's models are at 0.37-0.43
 
 
 def zb_paper(ctx: Context) -> dict[str, Any]:
+    from runner.pipeline.simulate import simulate
     from runner.plan.from_costs import builtin_orders, given_problem
     from runner.plan.given import GivenCosts
-    from runner.plan.simulate import simulate
     from runner.plan.synthesize import synthesize
 
     rows = []

@@ -34,12 +34,12 @@ from runner.config import config_dir  # also registers the schemas
 from runner.errors import ConfigError, RunnerError, interrupted_exit_code
 from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes
+from runner.outputs.timeline import simulated_slices, write_chrome_trace
 from runner.plan.from_costs import plan_from_costs
 from runner.plan.given import is_costs_file, read_costs
 from runner.plan.planner import Candidate, plan
 from runner.plan.report import fit_line, label, search_report, table, within_error
 from runner.plan.target_report import run_target
-from runner.timeline import simulated_slices, write_chrome_trace
 
 _STARTED: list[bool] = []
 

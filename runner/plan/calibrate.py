@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from runner.dist import DistEnv, synchronize
-from runner.plan.simulate import simulate
-from runner.processes import spawn
-from runner.schedule import schedule_order
+from runner.pipeline.schedule import schedule_order
+from runner.pipeline.simulate import simulate
+from runner.ranks.dist import DistEnv, synchronize
+from runner.ranks.processes import spawn
 
 __all__ = ["Calibration", "calibrate", "solve_action_overhead"]
 

@@ -14,10 +14,10 @@ from typing import Mapping, Sequence
 import torch
 from omegaconf import DictConfig
 
-from runner import _torch_pp
-from runner.dist import synchronize
+from runner._torch import pp as _torch_pp
 from runner.losses import build_loss
-from runner.split import StageModule, build_meta_model, materialize
+from runner.models.split import StageModule, build_meta_model, materialize
+from runner.ranks.dist import synchronize
 
 __all__ = ["ChildCost", "measure_child_costs", "stage_costs"]
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from runner.ops import Op
+from runner.outputs.timeline import write_schedule_csv
+from runner.pipeline.ops import Op
+from runner.pipeline.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
+from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.given import GivenCosts, memory_limit
 from runner.plan.planner import Candidate, _mark_ties
 from runner.plan.problem import Problem, lower_bound
-from runner.plan.simulate import peak_in_flight, simulate
 from runner.plan.synthesize import synthesize
-from runner.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
-from runner.timeline import write_schedule_csv
 
 __all__ = ["given_problem", "builtin_orders", "plan_from_costs"]
 

@@ -9,7 +9,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from runner.ops import Op
+from runner.pipeline.ops import Op
 from runner.plan.problem import Order, Problem
 
 __all__ = ["Policy", "list_schedule", "policies"]

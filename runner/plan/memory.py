@@ -2,7 +2,7 @@
 sharded over dp with ``parallel.dp_mode=fsdp``, plus the activations its schedule holds at its
 peak. Used by every plan row: the target plans (``runner.plan.target``) and the probed ones.
 
-What FSDP holds besides its shards follows ``runner.dp``: parameters stay gathered between
+What FSDP holds besides its shards follows ``runner.parallel.dp``: parameters stay gathered between
 microbatches (``reshard_after_forward=False``), in the compute dtype, and torch's pipeline stages
 accumulate unsharded gradients (fp32) until the last backward of the step, when they are
 reduce-scattered. Not counted: the process itself (interpreter, libraries, CUDA context),

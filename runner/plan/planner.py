@@ -4,7 +4,7 @@ running it, and recommend one (``python -m runner.plan``, in ``__main__.py``).
 Candidates are schedule x microbatches x stages per rank x split (the run's own, and the one
 balancing measured time where it differs), plus the run's CSV schedule if it has one. Each is
 checked with every check a run makes before spawning; the valid ones are simulated
-(``runner.plan.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
+(``runner.pipeline.simulate``) with per-stage F/B/I/W costs measured here, child by child on one
 microbatch in this process (``runner.plan.costs``), scaled as fitted to a few steps of real runs of
 the model or to a previous run (``runner.plan.probe``), plus a message cost per send
 (``runner.plan.calibrate``). With ``plan.synthesize=true`` it also searches action orders for these costs under
@@ -25,23 +25,30 @@ from typing import Mapping, NamedTuple, Sequence
 from omegaconf import DictConfig
 
 from runner.config import CsvScheduleConfig  # also registers the schemas
-from runner.dims import ParallelDims
-from runner.dist import pick_device, resolve_device
 from runner.errors import ConfigError
 from runner.layout import Layout, RunPlan
-from runner.ops import Op
+from runner.models.split import split_by_cost
+from runner.outputs.timeline import write_schedule_csv
+from runner.parallel.dims import ParallelDims
+from runner.pipeline.ops import Op
+from runner.pipeline.schedule import (
+    SCHEDULES,
+    V_SHAPED,
+    csv_order,
+    is_single_stage,
+    read_csv_schedule,
+    schedule_order,
+)
+from runner.pipeline.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.memory import annotate_memory, rank_params
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
-from runner.plan.simulate import expected_makespan, peak_in_flight, simulate
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction
-from runner.schedule import SCHEDULES, V_SHAPED, csv_order, is_single_stage, read_csv_schedule, schedule_order
-from runner.split import split_by_cost
-from runner.timeline import write_schedule_csv
+from runner.ranks.dist import pick_device, resolve_device
 from runner.validate import usable_cpus, validate
 
 __all__ = ["Candidate", "PlanResult", "check_plan_keys", "plan"]

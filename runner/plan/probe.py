@@ -30,11 +30,11 @@ from typing import Callable, Mapping, Sequence
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError
-from runner.ops import Op
+from runner.pipeline.ops import Op
+from runner.pipeline.schedule import csv_order, schedule_order
+from runner.pipeline.simulate import expected_makespan, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost, stage_costs
-from runner.plan.simulate import expected_makespan, simulate
-from runner.schedule import csv_order, schedule_order
 from runner.validate import validate
 
 __all__ = ["PROBED", "Fit", "Measured", "Observation", "fit", "fitted_model", "layout_costs", "predicted_pipelines",

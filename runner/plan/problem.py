@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from runner.ops import Op
+from runner.pipeline.ops import Op
 
 __all__ = ["Order", "Problem", "lower_bound"]
 

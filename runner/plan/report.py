@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from runner.pipeline.schedule import V_SHAPED
 from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
-from runner.schedule import V_SHAPED
 
 __all__ = ["label", "table", "search_report", "fit_line", "MEASURED_ERROR", "within_error"]
 

@@ -7,7 +7,7 @@ forwards while memory allows, a backward as soon as its gradient arrives, the we
 (W) of a split backward into the slots where the rank would otherwise wait. It then improves the
 best order by local moves: a W moved, two neighbouring actions swapped, an I and its W merged
 into one B (cheaper: one autograd pass) or a B split into both (its W can then wait). Every
-order is scored by the jitter-free simulation (``runner.plan.simulate``); the search is bounded by
+order is scored by the jitter-free simulation (``runner.pipeline.simulate``); the search is bounded by
 the number of orders it evaluates, so its result depends on the costs and the seed only, never
 on how busy the machine is.
 
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from runner.ops import Op
+from runner.pipeline.ops import Op
+from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.list_schedule import Policy, list_schedule, policies
 from runner.plan.problem import Order, Problem, lower_bound
-from runner.plan.simulate import peak_in_flight, simulate
 
 __all__ = ["Problem", "Policy", "Synthesis", "lower_bound", "list_schedule", "synthesize"]
 

@@ -7,7 +7,7 @@ unit's forward, input-gradient (I) and weight-gradient (W) passes are counted op
 ``plan.efficiency``), with the bytes its forward keeps for backward. Candidates are pp x dp (the
 product is ``plan.world_size``; a tp degree is one more factor of ``Degrees``) x dp mode x schedule
 x microbatches; each is simulated as the planner simulates probed candidates
-(``runner.plan.simulate``), with a message of ``latency + bytes / bandwidth`` per cross-rank
+(``runner.pipeline.simulate``), with a message of ``latency + bytes / bandwidth`` per cross-rank
 dependency, then the step's gradient synchronisation over dp and the slowest rank's AdamW update.
 Memory per rank is ``runner.plan.memory``'s whole-rank estimate. Nothing here needs a GPU.
 """
@@ -22,16 +22,22 @@ import torch
 from omegaconf import DictConfig, open_dict
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from runner.dims import ParallelDims
 from runner.errors import ConfigError
 from runner.losses import build_loss
-from runner.ops import Op
-from runner.parallelize import checkpointed_blocks
+from runner.models.split import StageModule, build_meta_model, split_by_cost
+from runner.parallel.dims import ParallelDims
+from runner.parallel.parallelize import checkpointed_blocks
+from runner.pipeline.ops import Op
+from runner.pipeline.schedule import (
+    SCHEDULES,
+    check_schedule,
+    default_stages_per_rank,
+    placement,
+    schedule_order,
+)
+from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.memory import FP32, rank_memory, rank_params
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
-from runner.plan.simulate import peak_in_flight, simulate
-from runner.schedule import SCHEDULES, check_schedule, default_stages_per_rank, placement, schedule_order
-from runner.split import StageModule, build_meta_model, split_by_cost
 
 __all__ = ["UnitCount", "Degrees", "TargetCandidate", "Link", "count_units", "degrees", "plan_target"]
 
@@ -55,7 +61,7 @@ class UnitCount:
 class Degrees(NamedTuple):
     pp: int
     dp: int
-    tp: int = 1  # not planned yet (runner.tp's costs are not modelled): always 1
+    tp: int = 1  # not planned yet (runner.parallel.tp's costs are not modelled): always 1
 
 
 class Link(NamedTuple):
@@ -68,7 +74,7 @@ class Link(NamedTuple):
 
 @dataclass
 class TargetCandidate:
-    schedule: str  # a runner.schedules name, or "none" (pp=1: the unsplit model, microbatches accumulated)
+    schedule: str  # a runner.pipeline.registry name, or "none" (pp=1: the unsplit model, microbatches accumulated)
     pp: int
     dp: int
     tp: int

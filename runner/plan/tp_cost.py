@@ -1,7 +1,7 @@
 """Tensor parallelism in the planner: the layouts of the same ranks over pp x dp x tp
 (``plan.search_degrees``), and what tp changes in each child's measured costs.
 
-A child whose layers the model's plan shards (``runner.tp``) computes its sharded part on 1/tp of
+A child whose layers the model's plan shards (``runner.parallel.tp``) computes its sharded part on 1/tp of
 the weights, and adds the collectives torch's styles run per microbatch: a rowwise layer's
 all-reduce of its output in the forward, a colwise layer's all-reduce of its input gradient in
 the backward (each colwise layer its own: q, k and v are three), the vocabulary-sharded
@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.dims import ParallelDims
+from runner.parallel.dims import ParallelDims
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost
 
@@ -105,8 +105,8 @@ def degree_overrides(variant: DictConfig, cfg: DictConfig) -> list[str]:
 def _collectives_of(model_yaml: str, stage_modules: str) -> dict[str, UnitCollectives]:
     from torch import nn
 
-    from runner.split import build_meta_model
-    from runner.tp import model_plan, stage_plan
+    from runner.models.split import build_meta_model
+    from runner.parallel.tp import model_plan, stage_plan
 
     listed = OmegaConf.create(stage_modules) if stage_modules != "null" else None
     meta = build_meta_model(OmegaConf.create(model_yaml), listed)  # type: ignore[arg-type]

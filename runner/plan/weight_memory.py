@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from runner.losses import build_loss
-from runner.split import StageModule, build_meta_model, materialize
+from runner.models.split import StageModule, build_meta_model, materialize
 
 __all__ = ["saved_split", "measure_weight_grad_fraction"]
 

@@ -112,10 +112,10 @@ def write_trained_tokenizer(directory: Path, kind: str) -> Path:
 def hf_training(cfg: DictConfig, steps: int) -> dict:
     """transformers' own model (the class itself, with the run's initial weights) trained as the
     runner trains: the same batches, microbatches, AdamW groups, LR schedule and global clip."""
-    from runner.data import build_dataset, get_batch
+    from runner.data.datasets import build_dataset, get_batch
     from runner.losses import build_loss
     from runner.optim import build_optimizer
-    from runner.pipeline import UnsplitStep
+    from runner.pipeline.step import UnsplitStep
     from runner.verify import collect_grads, reference_model
 
     model, forward = reference_model(cfg)

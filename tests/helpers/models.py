@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 from torch import nn
 
-from runner.models import mlp
+from runner.models.builtin import mlp
 
 
 def dropout_mlp(**kwargs) -> nn.Sequential:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from runner.dist import DistEnv
+from runner.ranks.dist import DistEnv
 from runner.train import train
 from runner.validate import validate
 from runner.verify import TOLERANCES

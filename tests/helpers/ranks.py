@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks, spawned once (``runner.processes.spawn``, as runs start
+"""Run a function on N gloo ranks, spawned once (``runner.ranks.processes.spawn``, as runs start
 theirs); the tests put many cases into one spawn (``run_cases``) and assert each case apart."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from runner.errors import RunnerError
 from runner.hooks import Hook, StepContext, StepState
-from runner.processes import spawn as spawn_ranks
+from runner.ranks.processes import spawn as spawn_ranks
 from runner.train import train
 from runner.validate import validate
 from runner.verify import gather_grads
@@ -22,7 +22,7 @@ from runner.verify import gather_grads
 def spawn(world: int, fn, *args) -> None:
     """``fn(env, *args)`` on ``world`` ranks; ``args[0]`` is the cases' directory (made here). Every
     rank must also end cleanly: no process-group thread left running into its interpreter's exit
-    (``runner.dist.cleanup`` warns; a rank with such threads could abort after all its work)."""
+    (``runner.ranks.dist.cleanup`` warns; a rank with such threads could abort after all its work)."""
     directory = Path(args[0])
     directory.mkdir(parents=True, exist_ok=True)
     with spawn_ranks(world, fn, *args, directory=directory, timeout_s=120, method="spawn", threads=1,
@@ -33,10 +33,10 @@ def spawn(world: int, fn, *args) -> None:
 
 
 def _keep_exit_warnings(directory: str, rank: int) -> None:
-    """In each rank: ``runner.dist``'s warnings (its cleanup's) go to a file the spawn looks for."""
+    """In each rank: ``runner.ranks.dist``'s warnings (its cleanup's) go to a file the spawn looks for."""
     handler = logging.FileHandler(Path(directory) / f"exit-warnings-rank{rank}.log", delay=True)  # made if used
     handler.setLevel(logging.WARNING)
-    logging.getLogger("runner.dist").addHandler(handler)
+    logging.getLogger("runner.ranks.dist").addHandler(handler)
 
 
 class FirstGrads(Hook):

@@ -1,0 +1,121 @@
+"""Every use of torch's private pipelining internals, in one place.
+
+torch.distributed.pipelining keeps its schedule IR (``_Action``), its CSV runtime and its schedule
+validator private; when a torch release moves them, this file is the one to change. Tested with
+torch 2.13.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence, cast
+from unittest import mock
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+    _simulate_comms_compute,
+    _validate_schedule,
+)
+
+__all__ = [
+    "Action",
+    "stage_to_rank_mapping",
+    "stand_in_stages",
+    "to_actions",
+    "check_actions",
+    "csv_schedule",
+    "replicate",
+    "allow_eval",
+    "backward_input",
+    "backward_weight",
+]
+
+Action = _Action
+
+
+def stage_to_rank_mapping(pp: int, num_stages: int, *, v_shape: bool) -> dict[int, int]:
+    return generate_stage_to_rank_mapping(pp, num_stages, style="v" if v_shape else "loop")
+
+
+def stand_in_stages(pp: int, num_stages: int, num_local: int, *, compiled: bool = False) -> list:
+    """Stand-ins for ``PipelineStage`` that let a schedule class be constructed (and so run its
+    own argument checks and compute its action order) without processes or a model, the way
+    torch's own schedule visualizer does. ``compiled`` gives them a ``torch.compile``d module
+    (never called, so nothing compiles), for the schedules' own compile check."""
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank = 0
+    stage.group_size = pp
+    stage.num_stages = num_stages
+    # torch.compile(module) returns an OptimizedModule (a module), though typed as a callable.
+    stage.submod = torch.nn.Sequential(cast(torch.nn.Module, torch.compile(torch.nn.Identity()))) if compiled else None
+    return [stage] * num_local
+
+
+def to_actions(order: Mapping[int, Sequence]) -> dict[int, list[_Action]]:
+    """torch's actions for a compute-only order (``runner.pipeline.ops.Op``s per rank)."""
+    return {rank: [_Action(op.stage, _ComputationType(op.kind), op.microbatch) for op in ops]
+            for rank, ops in order.items()}
+
+
+def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatches: int) -> dict[int, int]:
+    """torch's validator (every F before its B/I, I before W, counts per stage) followed by a
+    dry run with the communication it implies, which fails on a schedule that would deadlock.
+    Returns the stage-to-rank placement the file implies."""
+    pp = len(actions)
+    # Typed as taking idle (None) slots too; a list of actions is one, but list is invariant.
+    stage_to_rank = _validate_schedule(actions, pp, num_stages, microbatches)  # type: ignore[arg-type]
+    with_comms = _add_send_recv(actions, stage_to_rank=lambda s: stage_to_rank[s], num_stages=num_stages)
+    _simulate_comms_compute(with_comms, lambda s: stage_to_rank[s], num_stages)
+    return stage_to_rank
+
+
+def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, order: Mapping[int, Sequence]):
+    """The schedule runtime executing a compute-only order (read from a file by
+    ``runner.pipeline.csv_file``): what ``_load_csv(format="compute_only")`` does after reading, so
+    torch lowers it with the sends, receives, FSDP unshard/reshard and the gradient reduce."""
+    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    for rank, actions in to_actions(order).items():
+        schedule.pipeline_order[rank] = list(actions)  # as torch's type: a list that may hold idle (None) slots
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    return schedule
+
+
+def allow_eval(stage: PipelineStage) -> None:
+    """Let ``schedule.eval()`` run V-shaped schedules (ZBV, DualPipeV). In torch 2.13 the runtime
+    still performs the backward actions in eval (each a no-op without backward), but then hands
+    the absent input gradient to the same-rank previous stage, which asserts. Without backward,
+    that hand-off becomes a no-op too; with backward nothing changes."""
+    get, put = stage.get_local_bwd_output, stage.set_local_bwd_input
+    # Replaced on this one stage object (not its class): mypy refuses assigning to a method.
+    stage.get_local_bwd_output = (  # type: ignore[method-assign]
+        lambda mb_index: get(mb_index) if stage.has_backward else ())
+    stage.set_local_bwd_input = (  # type: ignore[method-assign]
+        lambda next_stage_bwd_outputs, mb_index: put(next_stage_bwd_outputs, mb_index) if stage.has_backward else None)
+
+
+def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, inputs: list[torch.Tensor],
+                   module: torch.nn.Module) -> list[dict]:
+    """What a zero-bubble stage's I runs: the input gradient only, keeping what its W needs.
+    Returns the parameter groups to hand to ``backward_weight``."""
+    _, param_groups = stage_backward_input([output], None if output_grad is None else [output_grad], inputs,
+                                           module.parameters())
+    return param_groups
+
+
+def backward_weight(module: torch.nn.Module, param_groups: list[dict]) -> None:
+    """What a zero-bubble stage's W runs after its I: the weight gradients, group by group."""
+    stage_backward_weight(module.parameters(), param_groups)
+
+
+def replicate(module, *, mesh):
+    """torch's FSDP-based replicate (DDP semantics). Unlike ``DistributedDataParallel`` it also
+    reduces the gradients that zero-bubble schedules' weight-backward sets directly."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+
+    return _replicate(module, mesh=mesh)

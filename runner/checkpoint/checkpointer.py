@@ -1,0 +1,318 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), keyed by full-model parameter names, so a
+checkpoint written under one layout (pp, dp, schedule) loads under any other.
+
+A checkpoint counts only once complete. DCP writes shards and then ``.metadata`` into the target
+directory, overwriting in place, so every save goes into a fresh ``.partial-*`` directory that rank 0
+renames to ``step-N`` once all ranks have written: a crash mid-save leaves the previous checkpoints
+untouched and the partial one ignored (and removed when a run next starts in that directory). A
+save that fails (a full disk) removes its partial directory and ends the run with the reason.
+
+Integrity: at the commit each rank writes ``manifest-rank<R>.json``, the size and sha256 of every
+file it wrote (``runner.checkpoint.files``: finding, completeness, manifests, run locks); a resume
+checks them and names the file that does not match. This detects damage,
+not forgery: whoever can write the checkpoint can rewrite its manifests. Loading runs no code from
+the checkpoint either way (``runner._torch.dcp``): ``.metadata`` and the non-tensor entries are
+unpickled by allowlist. A checkpoint never holds a non-finite value: the save refuses them.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from runner._torch.dcp import SafePlanner, SafeReader, UnsafeCheckpointError, root_causes
+from runner.checkpoint.files import (
+    complete_steps,
+    files_of,
+    manifest_problems,
+    read_train_state,
+    write_manifest,
+)
+from runner.checkpoint.resume_check import copy_tokenizer, tokenizer_record
+from runner.errors import CheckpointError, NonFiniteLossError
+from runner.models.split import StageModule
+from runner.parallel.tied import TiedWeights
+from runner.ranks.dist import DistEnv
+from runner.ranks.watchdog import busy
+
+__all__ = ["verify_checkpoint", "Checkpointer"]
+
+log = logging.getLogger(__name__)
+
+# Optimizer state keyed by parameter name ("state.block0.ffn.up.weight.exp_avg"), not by position.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _gather(obj, env: DistEnv) -> list:
+    if env.world_size == 1:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify_checkpoint(path: Path, saved_world_size: int, env: DistEnv) -> None:
+    """Check every file of ``path`` against its manifest, the hashing shared among the ranks;
+    every rank raises the same ``CheckpointError`` if one does not match."""
+    mine = [r for r in range(saved_world_size) if r % env.world_size == env.rank]
+    problems = [p for found in _gather([p for r in mine for p in manifest_problems(path, r)], env) for p in found]
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}. Nothing was loaded. Fix: "
+                              "resume from an older checkpoint of that run, or restore the file.")
+
+
+# -- saving and loading ------------------------------------------------------------------------
+
+def _named(modules: list[StageModule]) -> StageModule:
+    """This rank's stage modules seen as one module holding their units under the full model's
+    names, so state-dict keys are the unsplit model's (``block3.attn.qkv.weight``) on every rank."""
+    spec = modules[0].spec
+    units = [u for m in modules for u in m.units]
+    return StageModule(spec, units, {n: m.get_submodule(n) for m in modules for u in m.units
+                                     for n in spec.unit(u).modules})
+
+
+def _shared_names(model: StageModule) -> dict[str, str]:
+    """Each second name of a parameter the module holds under two (an embedding and head tied in
+    one stage, or in the unsplit model at pp=1) -> its first: stored once, under the first name,
+    as a tied weight is stored whatever the layout, so pp=1 and pp>1 checkpoints load into each
+    other."""
+    first: dict[int, str] = {}
+    return {name: f for name, p in model.named_parameters(remove_duplicate=False)
+            if (f := first.setdefault(id(p), name)) != name}
+
+
+def _renamed(state: dict, stored: dict[str, str], equal: dict[str, str]) -> dict:
+    """Model or (flattened) optimizer state with each tied copy stored once, under the unsplit
+    model's name: ``stored`` renames a rank's copy, the keys of ``equal``'s copies are dropped."""
+    def new_key(key: str) -> str | None:
+        for prefix in ("", "state.", "param_groups."):
+            for local, canonical in stored.items():
+                if key == f"{prefix}{local}" or key.startswith(f"{prefix}{local}."):
+                    return f"{prefix}{canonical}{key[len(prefix) + len(local):]}"
+            if any(key == f"{prefix}{n}" or key.startswith(f"{prefix}{n}.") for n in equal):
+                return None
+        return key
+
+    return {k2: v for k, v in state.items() if (k2 := new_key(k)) is not None}
+
+
+def _fill_copies(state: dict, equal: dict[str, str]) -> None:
+    """Give the dropped copies' entries the loaded values of the copy stored in their place."""
+    for key in state:
+        for prefix in ("", "state.", "param_groups."):
+            for copy, rep in equal.items():
+                if key == f"{prefix}{copy}" or key.startswith(f"{prefix}{copy}."):
+                    source = f"{prefix}{rep}{key[len(prefix) + len(copy):]}"
+                    if isinstance(state[key], torch.Tensor):
+                        state[key].copy_(state[source])
+                    else:
+                        state[key] = state[source]
+
+
+def _non_finite(state: dict) -> list[str]:
+    names = []
+    for group, entries in state.items():
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                names.append(f"{group}.{key}")
+    return names
+
+
+def _save_failure(error: BaseException, rank: int) -> str:
+    """One line for a failed write: ENOSPC said plainly, with the file it hit."""
+    for failed_rank, exc in root_causes(error):
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return f"no space left on device (rank {rank if failed_rank is None else failed_rank}: {exc})"
+    failed_rank, exc = root_causes(error)[0]
+    return f"rank {rank if failed_rank is None else failed_rank}: {type(exc).__name__}: {exc}"
+
+
+def _load_failure(path: Path, error: BaseException) -> str:
+    rank, exc = root_causes(error)[0]
+    where = "" if rank is None else f" (rank {rank})"
+    if isinstance(exc, UnsafeCheckpointError):
+        return (f"checkpoint {path} was refused{where}: {exc}. Fix: resume only from checkpoints this runner "
+                "wrote; a checkpoint from elsewhere may have been tampered with.")
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"checkpoint {path} could not be loaded{where}: {type(exc).__name__}: {first_line}"
+
+
+@contextmanager
+def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """torch 2.13's ``set_optimizer_state_dict`` indexes the first parameter of every group and
+    fails (IndexError) on an empty one, e.g. the no-decay group with ``train.no_decay=[]`` or on a
+    stage without biases or norms. Such groups hold no state: hide them during the load and put
+    them back in place."""
+    groups = optimizer.param_groups
+    empty = {i for i, g in enumerate(groups) if not g["params"]}
+    if not empty:
+        yield
+        return
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [groups[i] if i in empty else next(loaded) for i in range(len(groups))]
+
+
+class Checkpointer:
+    def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
+                 *, tied: TiedWeights | None = None, run_config=None,
+                 before_commit: Callable[[int], None] | None = None):
+        """``run_config``: the run's whole config, for what a checkpoint records of it: the
+        tokenizer it trains with (files and digest: export ships it, a resume checks it) and
+        ``model.path`` (export never writes over it). ``before_commit(step)``: called on rank 0
+        once every rank's files of that step are written, just before the rename that commits
+        them (the reliability tests kill the run there: ``runner.faults``)."""
+        self.before_commit = before_commit
+        self.every, self.keep = cfg.every, cfg.keep
+        self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
+        model_path = run_config.model.get("path") if run_config is not None else None
+        self.model_path = str(Path(model_path).expanduser().resolve()) if model_path else None
+        self.dir = run_dir / "checkpoints"
+        self.env = env
+        self.model = _named(modules)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.stored, self.equal = tied.renames() if tied else ({}, {})
+        self.equal.update({n: f for n, f in _shared_names(self.model).items() if n not in self.stored})
+        self.last_good: Path | None = None  # the newest checkpoint this run saved or resumed from
+        if env.is_main:
+            self._remove_partials()
+
+    def _remove_partials(self) -> None:
+        """Partial directories of saves that crashed hold space and are never loaded. Only this
+        run writes here (``hold_run_lock``)."""
+        for partial in self.dir.glob(".partial-step-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+            log.warning("removed %s, left by a checkpoint save that did not finish", partial)
+
+    def _local_state(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model, options=_OPTIONS),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS),
+        }
+
+    def _state(self) -> dict:
+        return {k: _renamed(v, self.stored, self.equal) for k, v in self._local_state().items()}
+
+    def maybe_save(self, steps_done: int) -> None:
+        if self.every and steps_done % self.every == 0:
+            self.save(steps_done)
+
+    def _agree(self, problem: tuple[str, str] | None, partial: Path, steps_done: int) -> None:
+        """Every rank learns whether any rank failed, and all raise the same error."""
+        failed = next((p for p in _gather(problem, self.env) if p is not None), None)
+        if failed is None:
+            return
+        if self.env.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        kind, text = failed
+        last = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was saved before"
+        if kind == "non-finite":
+            raise NonFiniteLossError(f"checkpoint step-{steps_done} was not written: non-finite values in {text}; "
+                                     f"{last}. Fix: a lower train.lr or a tighter train.grad_clip.")
+        fix = ("free space there, a smaller checkpoint.keep or a larger checkpoint.every, or hydra.run.dir=<a "
+               "larger filesystem>" if text.startswith("no space left") else "make that directory writable")
+        raise CheckpointError(f"checkpoint step-{steps_done} was not saved in {self.dir}: {text}. The partial "
+                              f"checkpoint was removed; {last}. Fix: {fix}.")
+
+    def save(self, steps_done: int) -> None:
+        busy(f"saving checkpoint step-{steps_done}")
+        name = [f".partial-step-{steps_done}-{uuid.uuid4().hex[:8]}"]
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(name, src=0)
+        partial = self.dir / name[0]
+        state = self._state()
+        problem = None
+        bad = _non_finite(state)
+        if bad:
+            more = " and more" if len(bad) > 3 else ""
+            problem = ("non-finite", f"{', '.join(bad[:3])}{more} (rank {self.env.rank})")
+        else:
+            try:
+                partial.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                problem = ("save", _save_failure(e, self.env.rank))
+        self._agree(problem, partial, steps_done)
+        try:  # DCP gathers a failure on any rank and raises it on every rank
+            dcp.save(state, checkpoint_id=str(partial))
+            if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
+                self.model.spec.save_metadata(partial / "hf")
+            torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
+            if self.env.is_main:
+                copy_tokenizer(self.tokenizer, partial)
+                (partial / "train_state.json").write_text(json.dumps(
+                    {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict(),
+                     "tokenizer": self.tokenizer, "model_path": self.model_path}))
+            write_manifest(partial, self.env.rank, files_of(partial, self.env.rank, self.env.is_main))
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            problem = ("save", _save_failure(e, self.env.rank))
+        self._agree(problem, partial, steps_done)  # also: every rank's files are on disk
+        final = self.dir / f"step-{steps_done}"
+        if self.env.is_main:
+            if self.before_commit is not None:
+                self.before_commit(steps_done)
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)  # the commit: atomic on one filesystem
+            for old in complete_steps(self.dir, log_skipped=False)[:-self.keep]:
+                shutil.rmtree(old)
+            log.info("checkpoint saved: %s", final)
+        if self.env.world_size > 1:
+            dist.barrier()
+        self.last_good = final
+
+    def load(self, path: Path) -> int:
+        """Restore model, optimizer, LR schedule and (same world size) RNG; returns steps done.
+        The data position is the step: every batch is a function of (seed, step)."""
+        busy(f"loading checkpoint {path}")
+        train_state = read_train_state(path)
+        verify_checkpoint(path, train_state["world_size"], self.env)
+        local = self._local_state()
+        stored = {k: _renamed(v, self.stored, self.equal) for k, v in local.items()}  # the same tensors
+        reader = SafeReader(path)
+        try:
+            reader.read_metadata()  # here first: inside dcp.load, its error would be reworded
+            dcp.load(stored, checkpoint_id=str(path), storage_reader=reader, planner=SafePlanner())
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            raise CheckpointError(_load_failure(path, e)) from e
+        for key in local:  # values DCP placed in new objects (non-tensor entries), and the tied copies
+            renamed = _renamed({k: k for k in local[key]}, self.stored, self.equal)
+            local[key].update({orig: stored[key][new] for new, orig in renamed.items()})
+            _fill_copies(local[key], self.equal)
+        set_model_state_dict(self.model, local["model"], options=_OPTIONS)
+        with _empty_param_groups_set_aside(self.optimizer):
+            set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
+        steps_done = train_state["step"]
+        self.scheduler.load_state_dict(train_state["lr_scheduler"])
+        rng = path / f"rng-rank{self.env.rank}.pt"
+        if train_state["world_size"] == self.env.world_size and rng.is_file():
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+        self.last_good = path
+        log.info("resumed from %s at step %d", path, steps_done)
+        return steps_done

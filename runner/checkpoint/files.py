@@ -1,0 +1,224 @@
+"""What a checkpoint directory holds, read without torch: which checkpoint ``checkpoint.resume``
+names (``latest``: the newest complete one of the runs under ``checkpoint.latest_root``), whether it
+is complete, the manifests (size and sha256 of every file a rank wrote) that show damage, and the
+lock that marks a run directory as in progress. Saving and loading: ``runner.checkpoint``."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from runner.errors import CheckpointError, ConfigError
+
+__all__ = ["LOCK_FILE", "RunDirInUseError", "in_use_error", "hold_run_lock", "run_in_progress", "read_train_state",
+           "checkpoint_step", "complete_steps", "find_checkpoint", "write_manifest", "files_of", "manifest_problems",
+           "TOKENIZER_DIR", "TOKENIZER_FILES"]
+
+log = logging.getLogger("runner.checkpoint")  # its lines are the checkpoints' (as before the split)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+LOCK_FILE = ".runner.lock"  # held (flock) by a run's launcher while the run is in progress
+_MANIFEST = "manifest-rank{}.json"
+TOKENIZER_DIR = "tokenizer"  # in a checkpoint: the files of the tokenizer the run trained with
+# The files of a tokenizer as transformers saves them (runner.models.hf adds a model's generation config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+# Where checkpoint.resume=latest looks under its root: the root itself, and run directories one,
+# two (Hydra's outputs/<date>/<time>) and three (multirun/<date>/<time>/<job>) levels down.
+_LATEST_PATTERNS = ("checkpoints", "*/checkpoints", "*/*/checkpoints", "*/*/*/checkpoints")
+
+
+# -- runs in progress -------------------------------------------------------------------------
+
+class RunDirInUseError(ConfigError):
+    """The run directory belongs to a run in progress: nothing may be written into it."""
+
+
+def in_use_error(run_dir: Path) -> RunDirInUseError:
+    return RunDirInUseError(f"hydra.run.dir={str(run_dir)!r} is in use by another run that is still in progress; "
+                            "nothing was written into it. Fix: another hydra.run.dir, or wait for that run to end.")
+
+
+@contextmanager
+def hold_run_lock(run_dir: Path) -> Iterator[None]:
+    """Mark ``run_dir`` as in progress for as long as this block runs (and any forked rank
+    lives: they inherit the lock). A second run in the same directory is refused."""
+    with open(run_dir / LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise in_use_error(run_dir) from None
+        except OSError as e:  # a filesystem without locks (some network mounts)
+            log.warning("cannot lock %s (%s): checkpoint.resume=latest will not see this run as in progress",
+                        f.name, e)
+        yield
+
+
+def run_in_progress(run_dir: Path) -> bool:
+    lock = run_dir / LOCK_FILE
+    if not lock.is_file():
+        return False
+    try:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # unreadable, or a filesystem without locks: nothing says it is running
+        return False
+    return False
+
+
+# -- what a checkpoint directory holds ---------------------------------------------------------
+
+def read_train_state(path: Path) -> dict:
+    """``train_state.json``, or a ``CheckpointError`` naming the file and what is wrong with it.
+    Its ``world_size`` is bounded by what is on disk (each rank wrote at least its manifest and
+    RNG state) before anything (manifest names, hashing work) is sized by it."""
+    file = path / "train_state.json"
+    try:
+        state = json.loads(file.read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("step"), int)
+                and isinstance(state.get("world_size"), int) and isinstance(state.get("lr_scheduler"), dict)):
+            raise ValueError("expected an object with an integer step and world_size and lr_scheduler")
+        if state["step"] < 0 or state["world_size"] < 1:
+            raise ValueError(f"step {state['step']} and world_size {state['world_size']}: expected step >= 0 "
+                             "and world_size >= 1")
+        on_disk = sum(1 for _ in path.glob("rng-rank*.pt"))
+        if state["world_size"] > on_disk:
+            raise ValueError(f"world_size {state['world_size']}, but the directory holds the RNG state of only "
+                             f"{on_disk} ranks (rng-rank<R>.pt)")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file} is unreadable or corrupt ({e}).") from None
+    return state
+
+
+def checkpoint_step(path: Path) -> int:
+    """Optimizer steps done when the checkpoint was saved."""
+    return read_train_state(path)["step"]
+
+
+def _incomplete(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None."""
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata (its save did not finish, or the file was removed)"
+    try:
+        world_size = read_train_state(path)["world_size"]
+    except CheckpointError as e:
+        return str(e)
+    missing = [_MANIFEST.format(r) for r in range(world_size) if not (path / _MANIFEST.format(r)).is_file()]
+    if missing:
+        return f"it has no {', '.join(missing)} (its save did not finish, or they were removed)"
+    return None
+
+
+def complete_steps(directory: Path, *, log_skipped: bool = True) -> list[Path]:
+    """The complete ``step-N`` checkpoints in ``directory``, oldest first; the others are logged."""
+    found = []
+    for p in directory.glob("step-*"):
+        if not _STEP_DIR.match(p.name):
+            continue
+        reason = _incomplete(p)
+        if reason is None:
+            found.append(p)
+        elif log_skipped:
+            log.warning("skipping checkpoint %s: %s", p, reason)
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _latest(root: Path, run_dir: Path) -> Path:
+    """The newest complete checkpoint of the runs under ``root`` that are not in progress."""
+    candidates = []
+    for checkpoints in sorted({d for pattern in _LATEST_PATTERNS for d in root.glob(pattern) if d.is_dir()}):
+        run = checkpoints.parent
+        if run.resolve() != run_dir.resolve() and run_in_progress(run):
+            log.warning("checkpoint.resume=latest: skipping the checkpoints of %s: that run is still in "
+                        "progress (it holds %s), and its checkpoint.keep may delete them", run, LOCK_FILE)
+            continue
+        candidates += complete_steps(checkpoints)
+    if not candidates:
+        raise ConfigError(f"checkpoint.resume=latest: no complete checkpoint in the runs under {root} "
+                          "(checkpoint.latest_root). Fix: checkpoint.resume=<a checkpoint or run directory>, "
+                          "or checkpoint.latest_root=<the directory your runs are in>.")
+    return max(candidates, key=lambda p: (p / "train_state.json").stat().st_mtime)
+
+
+def find_checkpoint(resume: str, run_dir: Path, latest_root: Path | None = None, *, label: str | None = None) -> Path:
+    """The checkpoint directory ``checkpoint.resume`` names (checked before any rank starts).
+    ``latest`` searches the runs under ``latest_root`` only (default: ``outputs`` of the
+    working directory), never the parents of a custom run directory. ``label``: what named the
+    directory in the errors (``python -m runner.export``'s source), instead of ``checkpoint.resume``."""
+    if resume == "latest" and label is None:
+        return _latest((latest_root or Path("outputs")).expanduser().resolve(), run_dir)
+    what = label or f"checkpoint.resume={resume!r}"
+    path = Path(resume).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"{what}: no such directory. Fix: a checkpoint directory (…/checkpoints/step-N), a run "
+                          f"directory{'' if label else ', or latest'}.")
+    if (path / "checkpoints").is_dir():
+        steps = complete_steps(path / "checkpoints")
+        if not steps:
+            raise ConfigError(f"{what}: the run has no complete checkpoint (the log names each one skipped and why). "
+                              "Fix: a run that saved one (checkpoint.every=K saves every K steps).")
+        path = steps[-1]
+    else:
+        reason = _incomplete(path)
+        if reason is not None:
+            raise ConfigError(f"{what} is not a complete checkpoint: {reason}. Fix: a checkpoint directory "
+                              "(…/checkpoints/step-N) or a run directory that has checkpoints/.")
+    run = path.parent.parent
+    if run.resolve() != run_dir.resolve() and run_in_progress(run):
+        log.warning("%s: %s belongs to a run still in progress; its checkpoint.keep may delete it while it is "
+                    "read", what, path)
+    return path
+
+
+# -- manifests --------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path, rank: int, names: list[str]) -> None:
+    """Size and sha256 of the files ``rank`` wrote into the checkpoint ``directory``."""
+    files = {name: {"size": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+             for name in sorted(names)}
+    (directory / _MANIFEST.format(rank)).write_text(json.dumps({"rank": rank, "files": files}, indent=1))
+
+
+def files_of(directory: Path, rank: int, is_main: bool) -> list[str]:
+    """What ``rank`` writes into a checkpoint: its DCP shards (``__<rank>_<n>.distcp``), its RNG
+    state and, on rank 0, ``.metadata``, ``train_state.json``, a Hugging Face model's ``hf/`` and the
+    run's tokenizer (``tokenizer/``)."""
+    names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [f"rng-rank{rank}.pt"]
+    if not is_main:
+        return names
+    extra = [str(p.relative_to(directory)) for sub in ("hf", TOKENIZER_DIR)
+             for p in sorted((directory / sub).rglob("*")) if p.is_file()]
+    return names + [".metadata", "train_state.json", *extra]
+
+
+def manifest_problems(directory: Path, rank: int) -> list[str]:
+    manifest = directory / _MANIFEST.format(rank)
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{manifest} is unreadable or corrupt ({e})"]
+    problems = []
+    for name, size, digest in entries:
+        file = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts or not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{file} has {file.stat().st_size} bytes, its manifest {manifest.name} says {size} "
+                            "(truncated or overwritten)")
+        elif _sha256(file) != digest:
+            problems.append(f"{file} does not match the sha256 in {manifest.name} (changed after it was saved)")
+    return problems

@@ -1,0 +1,121 @@
+"""What a checkpoint records about the run that saved it, and the checks a resume makes against it
+before any rank starts: the tokenizer the run trained with (its files travel in the checkpoint's
+``tokenizer/``, its digest in ``train_state.json``) and the model's tensors (a checkpoint holding
+tensors the configured model lacks would lose them silently: DCP loads only what the model asks
+for). Torch and the meta model are imported inside the checks: ``runner.validate`` imports this
+module before torch."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from runner.checkpoint.files import TOKENIZER_DIR, TOKENIZER_FILES, find_checkpoint, read_train_state
+from runner.errors import CheckpointError, ConfigError
+
+__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_checkpoint"]
+
+log = logging.getLogger("runner.checkpoint")
+
+
+def tokenizer_files(directory: Path) -> list[Path]:
+    """The tokenizer's own files in ``directory``."""
+    return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+
+
+def tokenizer_record(tokenizer: str | None) -> dict | None:
+    """``{"path", "sha256"}`` of the tokenizer directory ``data.tokenizer`` names (the digest of
+    its files' names and bytes); None for a run without one (bytes, token ids, synthetic data)."""
+    if not tokenizer:
+        return None
+    directory = Path(tokenizer).expanduser().resolve()
+    digest = hashlib.sha256()
+    for file in tokenizer_files(directory):
+        digest.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    return {"path": str(directory), "sha256": digest.hexdigest()}
+
+
+def copy_tokenizer(record: dict | None, checkpoint: Path) -> None:
+    """The tokenizer's files into ``checkpoint/tokenizer/`` (what ``runner.export`` ships)."""
+    if record is None:
+        return
+    target = checkpoint / TOKENIZER_DIR
+    target.mkdir(exist_ok=True)
+    for file in tokenizer_files(Path(record["path"])):
+        shutil.copy2(file, target / file.name)
+
+
+def _described(record: dict | None) -> str:
+    return f"{record['path']} (sha256 {record['sha256'][:12]})" if record else "no tokenizer (bytes or token ids)"
+
+
+def _check_tokenizer(cfg: DictConfig, path: Path, state: dict) -> None:
+    if "tokenizer" not in state:  # saved before checkpoints recorded it
+        log.warning("checkpoint.resume: %s does not record the tokenizer it was trained with; not checked", path)
+        return
+    saved, mine = state["tokenizer"], tokenizer_record(cfg.data.get("tokenizer"))
+    if (saved or {}).get("sha256") == (mine or {}).get("sha256"):
+        return
+    problem = (f"checkpoint.resume: {path} was trained with tokenizer {_described(saved)}, this run's data.tokenizer "
+               f"is {_described(mine)}: the same token ids would stand for other text")
+    if cfg.checkpoint.allow_tokenizer_change:
+        log.warning("%s (checkpoint.allow_tokenizer_change=true: continuing)", problem)
+        return
+    restore = f"data.tokenizer={saved['path']} (its files are also in {path / TOKENIZER_DIR})" if saved else \
+        "the data the checkpoint was trained on"
+    raise ConfigError(f"{problem}. Fix: {restore}, or checkpoint.allow_tokenizer_change=true to continue with "
+                      "this tokenizer on purpose.")
+
+
+def _by_module(names: list[str], model: dict) -> dict[str, int]:
+    """``names`` counted by the outermost module the model lacks (``block5``, ``model.layers.3``)."""
+    prefixes = {".".join(n.split(".")[:i]) for n in model for i in range(1, n.count(".") + 2)}
+    counts: dict[str, int] = {}
+    for name in sorted(names):
+        parts = name.split(".")
+        module = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in prefixes),
+                      name)
+        counts[module] = counts.get(module, 0) + 1
+    return counts
+
+
+def _check_tensors(cfg: DictConfig, path: Path, build_meta_model: Callable[..., Any]) -> None:
+    """Every model tensor of the checkpoint exists in the configured model, with its shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from runner._torch.dcp import SafeReader, UnsafeCheckpointError
+
+    try:
+        metadata = SafeReader(str(path)).read_metadata()
+    except UnsafeCheckpointError as e:
+        raise CheckpointError(f"checkpoint {path} was refused: {e}.") from None
+    saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    model = {n: tuple(t.shape) for n, t in
+             build_meta_model(cfg.model, cfg.parallel.get("stage_modules")).module.state_dict(keep_vars=True).items()}
+    lacks = _by_module([n for n in saved if n not in model], model)
+    shapes = [f"{n} {saved[n]} (the model's {model[n]})" for n in sorted(saved) if n in model and saved[n] != model[n]]
+    if lacks or shapes:
+        listed = ", ".join(f"{m} ({k} tensors)" if k > 1 else m for m, k in list(lacks.items())[:8])
+        found = (f"{sum(lacks.values())} tensors the configured model lacks: {listed}{' …' if len(lacks) > 8 else ''}"
+                 if lacks else f"tensors of other shapes: {', '.join(shapes[:4])}")
+        raise ConfigError(f"checkpoint.resume: {path} holds {found}; resuming would drop or mangle trained weights "
+                          "and their optimizer state. Fix: the model config the checkpoint was trained with (the same "
+                          "model.n_layers, model.dim, model.path, ...), or another checkpoint.")
+
+
+def resume_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path,
+                      build_meta_model: Callable[..., Any]) -> tuple[Path, int]:
+    """The checkpoint ``checkpoint.resume`` names and its step, checked against this run's config
+    and its model (``runner.models.split.build_meta_model``, passed in: imported here, it would make the
+    planner's import chain too long)."""
+    path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
+    state = read_train_state(path)
+    _check_tokenizer(cfg, path, state)
+    _check_tensors(cfg, path, build_meta_model)
+    return path, state["step"]

@@ -1,0 +1,41 @@
+"""Weights & Biases (``logger=wandb``). Offline by default, so a run needs no network or account:
+``wandb sync <run dir>/wandb/offline-run-*`` uploads it later; ``mode=online`` logs live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from runner.config import WANDB_MODES
+from runner.errors import ConfigError
+from runner.outputs.loggers import Logger
+
+
+class WandbLogger(Logger):
+    EXTRA = "wandb"
+
+    @staticmethod
+    def requires(options) -> list[str]:
+        return ["wandb"]
+
+    @staticmethod
+    def check(options, key_of) -> None:
+        mode = options.get("mode", "offline")
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"{key_of('mode')}={mode!r} is not one of {', '.join(WANDB_MODES)}.")
+
+    def __init__(self, *, run_dir: Path, hparams: dict, name: str, group: str | None, project: str = "runner",
+                 mode: Literal["offline", "online", "disabled"] = "offline"):  # WANDB_MODES: check() refuses others
+        import wandb  # optional extra: runner[wandb]
+
+        # The process-wide settings must carry the mode too: with only the run's mode offline,
+        # wandb 0.31's telemetry still contacts the server (a DNS lookup and a POST at exit).
+        wandb.setup(settings=wandb.Settings(mode=mode))
+        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=hparams, name=name, group=group)
+
+    def log(self, numbers: dict[str, float], step: int) -> None:
+        self.run.log(numbers, step=step)
+
+    def finish(self, final: dict[str, float], step: int, *, failed: bool, artifacts: list[Path]) -> None:
+        self.run.summary.update(final)  # one number per run: the summary, not a time series
+        self.run.finish(exit_code=1 if failed else 0)

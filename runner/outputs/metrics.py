@@ -1,0 +1,200 @@
+"""What a run leaves behind: ``metrics.jsonl`` (a line per step), ``summary.json``, and the
+final table on stdout. Written by rank 0 only. Imports no torch at the top: the command line
+checks the loggers and prints the table from here before (and without) a run's heavy imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from runner.outputs.loggers import build_loggers
+from runner.outputs.provenance import provenance
+
+if TYPE_CHECKING:
+    from runner.layout import RunPlan
+    from runner.ranks.clock import StartupClock
+
+__all__ = ["MetricsWriter", "peak_memory_bytes", "as_ran", "write_resolved_config", "make_summary",
+           "write_summary", "format_table"]
+
+
+def _metric_name(key: str) -> str:
+    """``loss`` → ``train/loss``, ``val_loss`` → ``val/loss``: the dashboards group by prefix."""
+    return f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+
+
+def _numbers(record: dict) -> dict[str, float]:
+    """Every numeric entry of a step's record but the step itself, under its logger name."""
+    return {_metric_name(k): float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def run_identity(run_dir: Path) -> tuple[str, str | None]:
+    """(name, group) of a run in the loggers' UIs: named by its command-line overrides (Hydra's
+    ``.hydra/overrides.yaml``; the directory name without any), grouped by the sweep it belongs
+    to (the sweep directory, which ``runner.outputs.sweep_report.SweepReport`` exports for the jobs)."""
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else None
+    sweep = os.environ.get("RUNNER_SWEEP_DIR")
+    group = f"{Path(sweep).parent.name}/{Path(sweep).name}" if sweep else None
+    return " ".join(overrides or []) or run_dir.name, group
+
+
+class MetricsWriter:
+    """``metrics.jsonl``, plus the loggers the ``logger`` group (or the older ``logging.*`` keys)
+    enables (``runner.outputs.loggers``: TensorBoard, Weights & Biases, MLflow). Every numeric key of a
+    record is logged, as ``train/<key>`` (``val_<key>`` as ``val/<key>``); the pipeline bubble at
+    close as ``pipeline/bubble``. ``run_config`` (the composed config) is logged as the run's
+    hyperparameters, and its ``logger`` entries name the loggers; ``options`` is ``cfg.logging``.
+    Both were checked by ``check_loggers`` before launch. Runs are named and grouped by
+    ``run_identity``."""
+
+    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, resumed_after: int = 0):
+        hparams = _plain(run_config) if isinstance(run_config, DictConfig) else dict(run_config or {})
+        path = run_dir / "metrics.jsonl"
+        # Resumed from a checkpoint of step N into a run directory: its records of steps 1..N stay
+        # (``history``); the steps after N are trained again and replace the old ones.
+        self.history = _history(path, resumed_after)
+        if resumed_after:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            os.replace(tmp, path)
+        self.file = open(path, "a" if resumed_after else "w")
+        self.last_step = 0
+        name, group = run_identity(run_dir)
+        self.loggers = build_loggers(options, hparams.get("logger"), run_dir=run_dir, hparams=hparams, name=name,
+                                     group_name=group)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # a crashed run keeps every finished step
+        step = self.last_step = record["step"]
+        numbers = _numbers(record)
+        for logger in self.loggers:
+            logger.log(numbers, step)
+
+    def close(self, bubble: dict | None = None, *, failed: bool = False, artifacts: Sequence[Path] = ()) -> None:
+        """Finish every logger; ``failed`` marks the W&B and MLflow runs as failed (a crashed or
+        stopped run must not stay "running" in their UIs); ``artifacts`` (the summary, the
+        pictures) are copied into the loggers that keep files (MLflow)."""
+        self.file.close()
+        final = {}
+        if bubble:
+            final = {"pipeline/bubble": bubble["mean"], "pipeline/bubble_theoretical": bubble["theoretical"]}
+        for logger in self.loggers:
+            logger.finish(final, self.last_step, failed=failed, artifacts=list(artifacts))
+
+
+def _history(path: Path, steps_done: int) -> list[dict]:
+    """The records of steps up to ``steps_done`` (numbered from 1) in an existing ``metrics.jsonl``."""
+    if not steps_done or not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= steps_done:
+            kept.append(record)
+    return kept
+
+
+def peak_memory_bytes(device) -> int:
+    """GPU: the allocator's high-water mark. CPU: the process's resident-set high-water mark."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _plain(cfg: DictConfig) -> dict:
+    """``cfg`` as plain dicts and lists, interpolations resolved."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)  # the container of a DictConfig
+    return config
+
+
+def as_ran(cfg: DictConfig, plan: RunPlan) -> dict:
+    """The config as the ranks ran it: interpolations resolved, and what the launcher decided
+    (``RunPlan.resolved_values``: the device, threads per rank, the checkpoint a resume found)
+    filled in. A copy: the composed config itself stays as composed."""
+    config = _plain(cfg)
+    for key, value in plan.resolved_values().items():
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config
+
+
+def write_resolved_config(run_dir: Path, config: Mapping) -> Path:
+    """``resolved_config.yaml``: ``config`` as ``as_ran`` gives it."""
+    path = run_dir / "resolved_config.yaml"
+    path.write_text(OmegaConf.to_yaml(config))
+    return path
+
+
+def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses: list[float],
+                 step_times: list[float], peak_mem: list[int], device_names: list[str], config_path: Path) -> dict:
+    steady = step_times[1:] or step_times  # the first step includes shape inference and warm-up
+    step_time = statistics.median(steady)
+    layout = plan.layout
+    return {
+        "schedule": layout.schedule,
+        "pp": layout.pp,
+        "dp": plan.dp,
+        "tp": plan.dims.tp,
+        "microbatches": layout.microbatches,
+        "num_stages": layout.num_stages,
+        "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
+        "steps": len(losses),
+        "first_step": first_step,  # > 0 when resumed from a checkpoint
+        "losses": losses,
+        "final_loss": losses[-1],
+        "step_time_s": step_time,
+        "tokens_per_s": plan.tokens_per_step / step_time,
+        "startup_s": clock.since_launch("setup"),  # to the end of setup: the first step is measured apart
+        "started_at": clock.launched_at,  # epoch seconds: when this job was launched, and when it ended
+        "finished_at": time.time(),
+        "peak_mem_bytes": peak_mem,
+        # Provenance: what produced these numbers.
+        **provenance(),
+        "device_names": device_names,  # per rank
+        "config": str(config_path.resolve()),
+    }
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def format_table(summary: dict) -> str:
+    rows = [
+        ("schedule", f"{summary['schedule']} (pp={summary['pp']}, "
+                     + "".join(f"{k}={summary[k]}, " for k in ("dp", "tp") if summary.get(k, 1) > 1)
+                     + f"stages={summary['num_stages']}, microbatches={summary['microbatches']})"),
+        ("loss", f"{summary['losses'][0]:.4f} -> {summary['final_loss']:.4f} over {summary['steps']} steps"),
+        ("step time", f"{summary['step_time_s'] * 1e3:.1f} ms (median)"),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
+        ("startup", f"{summary['startup_s']:.1f} s"),
+        ("bubble", f"{summary['bubble']['mean']:.3f} measured, {summary['bubble']['theoretical']:.3f} "
+                   f"theoretical ({summary['bubble']['theoretical_source']})"),
+        ("peak memory", ", ".join(f"{b / 2**20:.0f} MiB" for b in summary["peak_mem_bytes"])),
+    ]
+    if "verify" in summary:
+        v = summary["verify"]
+        rows.append(("verify", f"{'passed' if v['passed'] else 'FAILED'} (max abs grad diff "
+                               f"{v['max_abs_diff']:.2g}, max rel {v['max_rel_diff']:.2g})"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,123 @@
+"""The one owner of the parallel layout: the degree of each parallel dimension, the order of the
+ranks, and the arithmetic between a rank and its coordinates. ``runner.parallel.mesh`` builds the
+``DeviceMesh`` from it; validation, the launcher, the planner, the config's resolvers and the
+ranks read it. Nothing else multiplies degrees or divides ranks.
+
+Rank order, outermost first: ``pp``, ``dp``, ``tp``, as torchtitan and Megatron-LM order them: a
+tensor-parallel group (the most communication) on consecutive ranks, one node's fast links, then
+the replicas, the pipeline outermost (a message per microbatch, between nodes): with pp=2 x dp=2
+x tp=2, ranks 0 and 1 are one tensor-parallel group, ranks 0-3 the first pipeline rank's stages
+in both replicas. Changing the order is a change of ``ParallelDims.ORDER`` alone: every group
+below is derived.
+
+Pure arithmetic, no ``torch.distributed``: cheap for the modules that run before any rank starts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from runner.errors import ConfigError
+
+__all__ = ["Coords", "ParallelDims"]
+
+
+@dataclass(frozen=True)
+class Coords:
+    """One rank's coordinate along each parallel dimension."""
+
+    pp: int  # which pipeline rank (its stages: ``Layout.stages_on(pp)``)
+    dp: int  # which replica of the whole pipeline
+    tp: int  # which shard of a tensor-parallel group
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The run's parallel degrees, built once from ``cfg.parallel`` (``from_config``)."""
+
+    pp: int  # pipeline ranks of one replica
+    dp: int  # replicas of the whole pipeline
+    dp_mode: str = "none"  # a runner.parallel.dp name
+    tp: int = 1  # the shards of each stage's layers (runner.parallel.tp)
+    # How the tp shards split what flows between the layers (runner.parallel.tp): the sequence between the
+    # blocks, the vocabulary into the loss.
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+    # Outermost first: consecutive ranks differ in the last one.
+    ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")  # the DeviceMesh's dimensions, in this order
+    # The config key of each degree, for messages.
+    KEYS: ClassVar[dict[str, str]] = {"pp": "parallel.pp", "dp": "parallel.dp", "tp": "parallel.tp"}
+    # The dimensions the mesh always has (the ranks read their groups even at degree 1); any
+    # other one only where it is used (degree > 1), so a run without it creates no groups for it.
+    ALWAYS: ClassVar[tuple[str, ...]] = ("pp", "dp")
+
+    @classmethod
+    def from_config(cls, parallel: Any) -> ParallelDims:
+        """From the composed ``cfg.parallel`` (a DictConfig or anything with these attributes)."""
+        return cls(pp=int(parallel.pp), dp=int(parallel.dp), dp_mode=str(parallel.dp_mode),
+                   tp=int(parallel.get("tp", 1)), sequence_parallel=bool(parallel.get("sequence_parallel")),
+                   loss_parallel=bool(parallel.get("loss_parallel")))
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Each dimension's degree, in rank order (outermost first)."""
+        return {name: getattr(self, name) for name in self.ORDER}
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks that hold each stage (its replicas and its tensor-parallel shards): a value
+        every one of them adds to a world-wide sum counts this many times."""
+        return self.world_size // self.pp
+
+    @property
+    def mesh_dims(self) -> dict[str, int]:
+        """The dimensions the ``DeviceMesh`` has, in rank order (``ALWAYS``, and the others used)."""
+        return {name: d for name, d in self.degrees.items() if name in self.ALWAYS or d > 1}
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        out = {}
+        for name in reversed(self.ORDER):  # innermost first: the fastest-changing digit
+            rank, out[name] = divmod(rank, getattr(self, name))
+        return Coords(**out)
+
+    def rank_of(self, coords: Coords) -> int:
+        rank = 0
+        for name in self.ORDER:
+            rank = rank * getattr(self, name) + getattr(coords, name)
+        return rank
+
+    def ranks_of(self, dim: str, rank: int) -> list[int]:
+        """The ranks of ``rank``'s group along ``dim`` (the ranks that differ from it in ``dim``
+        alone), indexed by their coordinate along ``dim``."""
+        here = asdict(self.coords(rank))
+        return [self.rank_of(Coords(**{**here, dim: i})) for i in range(getattr(self, dim))]
+
+    def groups_of(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``, each as ``ranks_of`` gives it, ordered by their first rank:
+        the same list on every rank (process groups are created in the same order everywhere)."""
+        return [list(g) for g in sorted({tuple(self.ranks_of(dim, r)) for r in range(self.world_size)})]
+
+    def describe(self) -> str:
+        """The product, as the keys that set it: ``parallel.pp=2 x parallel.dp=2``."""
+        parts = [f"{self.KEYS[n]}={d}" for n, d in self.degrees.items() if n in self.ALWAYS or d > 1]
+        return " x ".join(parts)
+
+    def check(self, world_size: int, *, started_by: str = "the launcher", restart: str | None = None) -> None:
+        """The one check of the degrees against the ranks a job has. ``started_by`` names what
+        started them (``torchrun``), ``restart`` how to start the right number with it."""
+        if world_size == self.world_size:
+            return
+        others = self.world_size // self.pp
+        keys = (f"parallel.pp={world_size // others}" if world_size % others == 0
+                else f"{' and '.join(self.KEYS.values())} whose product is {world_size}")
+        start = restart or f"start {self.world_size} ranks"
+        raise ConfigError(f"{started_by} started {world_size} ranks but {self.describe()} = {self.world_size}. "
+                          f"Fix: {start}, or {keys}.")

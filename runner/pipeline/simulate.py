@@ -1,0 +1,169 @@
+"""A pipeline schedule as a weighted event simulation.
+
+Each rank runs its actions in the given order; an action starts when its rank is free and its
+inputs exist: ``F`` of stage s after ``F`` of stage s-1 (the activation), ``B``/``I`` of stage s
+after its own ``F`` and the ``B``/``I`` of stage s+1 (the gradient), ``W`` after its ``I``. A
+message between ranks adds ``comm_s``. The result is a per-rank timeline, from which the bubble
+and the step time follow. Used with measured costs (the predicted timeline next to the measured
+one) and with unit costs (a readable picture of the order).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from runner.pipeline.ops import Op
+
+__all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS"]
+
+# Relative costs for pictures: a full backward costs about two forwards; I and W split it.
+UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@dataclass(frozen=True)
+class SimAction:
+    rank: int
+    op: Op
+    start: float
+    end: float
+
+
+def simulate(
+    order: Mapping[int, Sequence[Op]],
+    costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+    *,
+    num_stages: int,
+    comm_s: float = 0.0,
+    jitter: float = 0.0,
+    seed: int = 0,
+    ends_only: bool = False,
+) -> list[SimAction]:
+    """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
+    ``jitter`` > 0 each action's time is drawn around its cost (log-normal, mean the cost,
+    that coefficient of variation; ``seed`` picks the draw). ``ends_only``: just the action
+    that ends last (what the search scores; building every action costs it half its time)."""
+    rng = random.Random(seed)
+    sigma = math.sqrt(math.log1p(jitter**2))
+    lookup: Mapping[Any, float] = costs  # either form: both keys are tried
+
+    means: dict[tuple[int, str], float] = {}
+
+    def cost(op: Op) -> float:
+        key = (op.stage, op.kind)
+        mean = means.get(key)
+        if mean is None:
+            mean = means[key] = lookup.get(key, lookup.get(op.kind, 0.0))
+        return mean * rng.lognormvariate(-sigma**2 / 2, sigma) if jitter else mean
+
+    rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
+    position = {rank: 0 for rank in order}
+    free_at = {rank: 0.0 for rank in order}
+    # Ends by action, looked up with plain tuples (an Op is one), the dependencies of the module
+    # docstring written out inline: the search replays tens of thousands of actions per order at p = 32.
+    end: dict[tuple, float] = {}
+    placed: dict[Op, tuple[int, float]] = {}
+    last = num_stages - 1
+    remaining = sum(len(ops) for ops in order.values())
+    while remaining:
+        progressed = False
+        for rank, ops in order.items():
+            while position[rank] < len(ops):
+                op = ops[position[rank]]
+                s, kind, mb = op
+                if kind == "F":
+                    ready = 0.0
+                    if s > 0:
+                        arrived = end.get((s - 1, "F", mb))
+                        if arrived is None:
+                            break
+                        ready = arrived + (comm_s if rank_of[s - 1] != rank else 0.0)
+                elif kind == "W":
+                    arrived = end.get((s, "I", mb))
+                    if arrived is None:
+                        break
+                    ready = arrived
+                else:  # B or I: its forward, and the gradient from the next stage
+                    arrived = end.get((s, "F", mb))
+                    if arrived is None:
+                        break
+                    ready = arrived
+                    if s < last:
+                        grad = end.get((s + 1, "B", mb))
+                        if grad is None:
+                            grad = end.get((s + 1, "I", mb))
+                            if grad is None:
+                                break
+                        ready = max(ready, grad + (comm_s if rank_of[s + 1] != rank else 0.0))
+                begin = max(free_at[rank], ready)
+                end[op] = free_at[rank] = begin + cost(op)
+                placed[op] = (rank, begin)
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: ops[position[r]].name for r, ops in order.items() if position[r] < len(ops)}
+            raise ValueError(f"the schedule cannot progress: ranks wait at {stuck}")
+    if ends_only:
+        final = max(placed, key=end.__getitem__)
+        return [SimAction(placed[final][0], final, placed[final][1], end[final])]
+    done = [SimAction(rank, op, begin, end[op]) for op, (rank, begin) in placed.items()]
+    return sorted(done, key=lambda a: (a.rank, a.start))
+
+
+def expected_makespan(
+    order: Mapping[int, Sequence[Op]],
+    costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+    *,
+    num_stages: int,
+    comm_s: float = 0.0,
+    jitter: float = 0.0,
+    samples: int = 32,
+) -> float:
+    """The mean step length when action times vary by ``jitter`` around their costs: longer than
+    the step of mean times, since every dependency waits for the later of its inputs."""
+    if not jitter:
+        samples = 1
+    return statistics.fmean(
+        max(a.end for a in simulate(order, costs, num_stages=num_stages, comm_s=comm_s, jitter=jitter, seed=i))
+        for i in range(samples))
+
+
+def peak_in_flight(order: Mapping[int, Sequence[Op]], weights: Mapping[int, float] | None = None,
+                   weight_grad_fraction: float = 1.0) -> dict[int, float]:
+    """Per rank, the most forward activations held at once, walking the rank's order, per action
+    (Qi et al. 2024, Table 1): a forward holds its stage-microbatch (M_B); a full backward (B)
+    frees it; a split backward's input-gradient pass (I) frees all but what the weight gradient
+    needs (``weight_grad_fraction`` = M_W / M_B), and its W frees the rest. Counted in
+    stage-microbatches, or in bytes with ``weights`` (stage -> M_B of one stage-microbatch); a
+    fraction of 1 counts a microbatch as held until its W (whole numbers of microbatches)."""
+    peaks: dict[int, float] = {}
+    keep = weight_grad_fraction
+    for rank, ops in order.items():
+        live: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> what it still holds
+        held = peak = 0.0
+        for op in ops:
+            key, w = (op.stage, op.microbatch), (weights[op.stage] if weights is not None else 1.0)
+            if op.kind == "F" and key not in live:
+                live[key] = w
+                held += w
+                peak = max(peak, held)
+            elif op.kind == "I" and key in live:
+                held -= live[key] - keep * w
+                live[key] = keep * w
+            elif op.kind in "BW" and key in live:
+                held -= live.pop(key)
+        peaks[rank] = int(peak) if weights is None and keep == 1.0 else peak
+    return peaks
+
+
+def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:
+    """Per rank: the fraction of the step (first start to last end, over all ranks) not computing."""
+    makespan = max(a.end for a in actions) - min(a.start for a in actions)
+    busy: dict[int, float] = {}
+    for a in actions:
+        busy[a.rank] = busy.get(a.rank, 0.0) + a.end - a.start
+    return {rank: 1.0 - b / makespan for rank, b in sorted(busy.items())}

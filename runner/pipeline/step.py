@@ -1,0 +1,186 @@
+"""Stages → schedule: one callable per rank that runs a whole training step's forward and
+backward over all microbatches, pipelined or (pp=1) on the unsplit model."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+
+from runner._torch import pp as _torch_pp
+from runner.layout import Layout, RunPlan
+from runner.losses import build_loss
+from runner.models.split import build_meta_model, materialize
+from runner.models.units import describe_names
+from runner.parallel.dp import DP_MODES
+from runner.parallel.mesh import Mesh
+from runner.parallel.parallelize import parallelize
+from runner.parallel.tied import TiedWeights, share_local_copies
+from runner.parallel.tp import loss_context, sum_partial_grads, tp_plan
+from runner.pipeline.recorder import Recorder
+from runner.pipeline.schedule import build_schedule
+from runner.ranks.dist import DistEnv
+
+__all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # inputs, targets, keyword inputs
+
+
+class UnsplitStep:
+    """The reference: the whole model in one process, gradients accumulated over the same
+    microbatches as the pipeline, each scaled by 1/microbatches. ``forward`` (default: the model)
+    maps a microbatch's inputs and keyword inputs to logits."""
+
+    def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable, forward: Callable | None = None,
+                 mesh: Mesh | None = None, loss_parallel: bool = False):
+        self.modules = [model]
+        self.mesh = mesh  # its tp group sums the gradients each shard holds a part of
+        self.loss_context = loss_context(loss_parallel)  # around forward and backward (runner.parallel.tp)
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        self.forward = forward or model
+        self.recorder: Recorder | None = None
+
+    def attach(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def _microbatches(self, inputs, targets, kwargs):
+        # tensor_split along the batch, as torch's schedules split args, targets and kwargs.
+        m = self.microbatches
+        kwarg_mbs = [{k: v.tensor_split(m)[i] for k, v in kwargs.items()} for i in range(m)]
+        return zip(inputs.tensor_split(m), targets.tensor_split(m), kwarg_mbs)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        model = self.modules[0]
+        timed = self.recorder.action if self.recorder else lambda *_: nullcontext()
+        losses: list[torch.Tensor] = []
+        with self.loss_context():
+            self._accumulate(model, self._microbatches(inputs, targets, kwargs), losses, timed)
+        if self.mesh is not None:
+            sum_partial_grads(self.modules, self.mesh)
+        return torch.stack(losses).mean()
+
+    def _accumulate(self, model: nn.Module, microbatches, losses: list[torch.Tensor], timed) -> None:
+        m = self.microbatches
+        for i, (x, y, kw) in enumerate(microbatches):
+            if isinstance(model, FSDPModule):  # reduce across replicas once, after the last microbatch
+                model.set_requires_gradient_sync(i == m - 1)
+            with timed(0, "F", i):
+                loss = self.loss_fn(self.forward(x, **kw), y)
+            with timed(0, "B", i):
+                (loss / m).backward()
+            losses.append(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        with self.loss_context():
+            return torch.stack([self.loss_fn(self.forward(x, **kw), y)
+                                for x, y, kw in self._microbatches(inputs, targets, kwargs)]).mean()
+
+
+class PipelinedStep:
+    """This rank's share of a pipelined step: inputs enter on the rank with the first stage,
+    targets on the rank with the last, keyword inputs on every rank (each stage's children take
+    the ones they name); only the last stage's rank returns the step's loss."""
+
+    def __init__(self, stages: list[PipelineStage], schedule, layout: Layout, mesh: Mesh,
+                 loss_parallel: bool = False):
+        self.stages = stages
+        self.mesh = mesh
+        self.modules = [s.submod for s in stages]
+        self.schedule = schedule
+        self.microbatches = layout.microbatches
+        # Each parameter once: a tied weight shared by two stages of this rank (V placements)
+        # collects both stages' gradients and is scaled once.
+        self.params = list({id(p): p for m in self.modules for p in m.parameters()}.values())
+        indices = {s.stage_index for s in stages}
+        self.has_first = 0 in indices
+        self.has_last = layout.num_stages - 1 in indices
+        # The last stage's loss and its backward both run inside step() (and its forward inside
+        # eval()): the whole call enters torch's loss_parallel, which is not re-entrant.
+        self.loss_context = loss_context(loss_parallel and self.has_last)
+
+    def attach(self, recorder: Recorder) -> None:
+        for stage in self.stages:
+            recorder.wrap_stage(stage)
+
+    def _run(self, run, inputs, targets, kwargs) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        try:
+            with self.loss_context():
+                if self.has_last:
+                    run(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
+                    return torch.stack([loss.detach() for loss in losses]).mean()
+                run(*args, return_outputs=False, **kwargs)
+                return None
+        except Exception as e:  # shape inference runs the stage outside the recorded actions
+            if not any(note.startswith("runner:") for note in getattr(e, "__notes__", [])):
+                e.add_note(f"runner: in pipeline stage(s) {[s.stage_index for s in self.stages]} on this rank")
+            raise
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
+        loss = self._run(self.schedule.step, inputs, targets, kwargs)
+        sum_partial_grads(self.modules, self.mesh)
+        # The schedules sum microbatch gradients (scale_grads=False: torch would scale per stage,
+        # after that stage's last backward, which scales a shared weight twice and too early).
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.microbatches)
+        return loss
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
+        """Forward only, every microbatch, through the same stages (torch's ``schedule.eval``)."""
+        return self._run(self.schedule.eval, inputs, targets, kwargs)
+
+
+def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tuple[UnsplitStep | PipelinedStep,
+                                                                               TiedWeights]:
+    """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
+    them for the schedule. Also returns what keeps weights tied across stages equal."""
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
+    seed, loss_fn = plan.train.seed, build_loss(cfg.loss)
+    layout, dp_mode = plan.layout, plan.dp_mode
+    tp = tp_plan(meta.module, plan.dims)
+    loss_parallel = tp is not None and tp.loss_parallel
+    styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
+
+    if layout.pp == 1:
+        module = materialize(meta, meta.unit_names, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
+        unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp), layout.microbatches, loss_fn,
+                              mesh=mesh, loss_parallel=loss_parallel)
+        return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
+    indices = layout.stages_on(mesh.pp_rank)
+    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device, tp_mesh=mesh.tp_mesh,
+                           tp_plan=styles) for i in indices]
+    if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter
+        share_local_copies(modules, meta.tied)
+    stages = []
+    for index, module in zip(indices, modules):
+        module = parallelize(module, plan.train, dp_mode, mesh, tp)
+        n_params = sum(p.numel() for p in module.parameters())
+        log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
+        stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)
+        _torch_pp.allow_eval(stage)
+        stages.append(stage)
+    schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
+    step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel)
+    rank_of = {p: layout.stage_to_rank[s] for s, units in enumerate(layout.stages) for u in units
+               for p in _params_of(meta, u)}
+    embeddings = {n for names in meta.tied for n in names
+                  if any(isinstance(meta.module.get_submodule(x.rpartition(".")[0]), nn.Embedding) for x in names)}
+    return step, TiedWeights(meta.tied, rank_of, step.modules, mesh, embedding_names=embeddings)
+
+
+def _params_of(meta, unit: str) -> list[str]:
+    return [f"{m}.{n}" for m in meta.spec.unit(unit).modules
+            for n, _ in meta.module.get_submodule(m).named_parameters(remove_duplicate=False)]

@@ -1,0 +1,145 @@
+"""The launcher's watch over the rank processes it spawned: the first failure or a stall ends the
+whole job in bounded time, reported from its root cause; SIGINT/SIGTERM to the launcher stop every
+rank. A rank silent for ``launch.timeout_s`` while training is stalled (``runner.ranks.watchdog``: each
+rank notes its progress in memory shared with the launcher), and named with its last action."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+import signal
+import threading
+from contextlib import contextmanager
+from multiprocessing import connection as mp_connection
+from multiprocessing.connection import Connection
+from typing import Any, Iterator
+
+from runner.errors import EXIT_INTERRUPTED, RankFailedError, RunnerError, StalledRankError, interrupted_exit_code
+from runner.ranks import watchdog
+from runner.ranks.processes import stop
+
+__all__ = ["rank_failure", "wait_for_ranks", "forward_signals"]
+
+log = logging.getLogger("runner.launch")  # the launcher's lines, as before the split
+
+
+# How gloo/nccl report that a peer went away: a symptom on the survivors, not the root cause.
+_PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|remote worker crash|Broken pipe|NCCL communicator was aborted")
+# How they report a collective that waited out its timeout: a symptom of a stalled peer.
+_TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+
+
+def _read_trace(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):  # absent, or cut short by a full disk
+        return None
+
+
+def _exit_description(process) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"process terminated with signal {signal.Signals(-code).name}"
+    return f"process exited with code {code} and no traceback"
+
+
+def rank_failure(failed: list[int], processes: list, error_files: list[str],
+                 heartbeats: watchdog.Heartbeats) -> RunnerError:
+    """The root cause among the ``failed`` ranks (the first whose traceback is not a peer's
+    disappearance): a runner error's message, or that rank's full traceback. A peer's collective
+    timeout is reported as the stall of the rank it waited for."""
+    traces = {}
+    for rank, path in enumerate(error_files):
+        trace = _read_trace(path) or heartbeats.error(rank)
+        if trace:
+            traces[rank] = trace
+    root = next((r for r, t in traces.items() if not _PEER_GONE.search(t)), None)
+    if root is None:  # killed by a signal or exited without a traceback; its peers saw it go
+        root = next((r for r in failed if r not in traces), failed[0])
+        if root not in traces:
+            return RankFailedError(f"rank {root}: {_exit_description(processes[root])}")
+    text = traces[root]
+    if _TIMED_OUT.search(text):  # it waited for a peer: the peer that went silent first stalled
+        others = [r for r in range(heartbeats.world) if r not in traces and processes[r].exitcode != 0]
+        stalled = max(others, key=heartbeats.age, default=None)  # busy or not: it did not answer
+        if stalled is not None:
+            return StalledRankError(f"{heartbeats.describe(stalled, list(range(heartbeats.world)))} Rank {root} "
+                                    f"timed out waiting for it. {_STALL_FIX}")
+    match = re.search(r"^runner\.errors\.\w+: (.*)", text, flags=re.S | re.M)
+    if match:
+        return RunnerError(f"rank {root}: {match.group(1).strip()}")
+    return RankFailedError(f"rank {root} failed:\n{text.strip()}")
+
+
+_STALL_FIX = ("Fix: see what that rank waits for (its log; py-spy dump --pid), or a larger launch.timeout_s "
+              "if that phase legitimately takes longer.")
+
+
+def _end_if_stalled(processes: list, heartbeats: watchdog.Heartbeats, timeout_s: float, grace_s: float) -> None:
+    running = [r for r, p in enumerate(processes) if p.is_alive()]
+    stalled = heartbeats.stalled(running, timeout_s)
+    if stalled is None:
+        return
+    message = heartbeats.describe(stalled, running)
+    log.error("%s Stopping the job.", message)
+    stop(processes, grace_s)
+    raise StalledRankError(f"{message} (launch.timeout_s={timeout_s:g}). {_STALL_FIX}")
+
+
+def _receive(results: Connection) -> Any:
+    try:
+        return results.recv()
+    except EOFError:  # rank 0 ended without sending (it failed: its exit code says so)
+        return None
+
+
+def wait_for_ranks(processes: list, error_files: list[str], heartbeats: watchdog.Heartbeats, timeout_s: float,
+                   grace_s: float, results: Connection | None = None) -> Any:
+    """Until every rank has exited; returns the one message a rank sent on ``results`` (rank 0's
+    summary), read as it arrives: one larger than the pipe's buffer would keep its sender from
+    exiting. The first failure stops the others at once (``stop``) and is raised, as is a stall.
+    (torch's ``ProcessContext.join`` would first wait ``grace_s`` for the others to fail too: a
+    rank stalled in Python never does.)"""
+    received = None
+    while True:
+        failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        if failed:
+            stop(processes, grace_s)
+            codes = {processes[r].exitcode for r in failed}
+            if codes <= set(EXIT_INTERRUPTED.values()):  # a signal reached the ranks themselves
+                log.warning("rank(s) %s stopped by SIGINT/SIGTERM", failed)  # (Ctrl-C: the whole process group)
+                raise SystemExit(max(codes))
+            raise rank_failure(failed, processes, error_files, heartbeats)
+        running = [p for p in processes if p.exitcode is None]
+        if not running:
+            return _receive(results) if results is not None and results.poll() else received
+        _end_if_stalled(processes, heartbeats, timeout_s, grace_s)
+        ready = mp_connection.wait([p.sentinel for p in running] + ([results] if results is not None else []),
+                                   timeout=0.5)
+        if results is not None and results in ready:
+            received, results = _receive(results), None
+
+
+@contextmanager
+def forward_signals(processes: list, grace_s: float) -> Iterator[None]:
+    """SIGINT/SIGTERM to the launcher stop every rank (``stop``: a SIGTERM, which ranks handle
+    even when they inherited an ignored SIGINT); the launcher then exits with 130 or 143. With
+    no processes (a one-rank run in this process) the signal ends the run here the same way."""
+
+    def handler(signum, frame):
+        log.warning("%s: stopping the run (%d rank processes)", signal.Signals(signum).name, len(processes))
+        stop(processes, grace_s)
+        raise SystemExit(interrupted_exit_code(signum))
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
