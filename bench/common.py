@@ -25,7 +25,7 @@ def compose(overrides: Sequence[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    import runner.config  # noqa: F401  (registers the schemas)
+    import runner.compose  # noqa: F401  (registers the schemas)
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.checkpoint.files import RunDirInUseError
-from runner.config import config_dir  # also registers the config schemas
+from runner.compose import config_dir  # also registers the config schemas
 from runner.errors import EXIT_CONFIG, EXIT_FAILED
 from runner.exits import expand_home, run_entry
 from runner.outputs.metrics import format_table

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 from runner.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:  # the schemas' objects arrive built (validate): no import of Hydra's config store here
-    from runner.config import CheckpointConfig, EvalConfig, ProfileConfig, TrainConfig
+    from runner.checkpoint.config import CheckpointConfig
+    from runner.config import EvalConfig, TrainConfig
+    from runner.outputs.config import ProfileConfig
 
 __all__ = ["Layout", "RunPlan", "microbatch_size"]
 

@@ -19,7 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.checkpoint.resume_check import resume_checkpoint
-from runner.config import parse_bytes, rank_options
+from runner.compose import rank_options
+from runner.config import parse_bytes
 from runner.config_nodes import check_model_vocab, missing_keys
 from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size

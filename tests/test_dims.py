@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import runner.config  # noqa: F401  registers the world_size resolver
+import runner.compose  # noqa: F401  registers the world_size resolver
 from runner.errors import ConfigError
 from runner.parallel.dims import Coords, ParallelDims
 from runner.parallel.mesh import build_mesh
@@ -78,8 +78,10 @@ def test_the_mesh_reads_its_coordinates_from_the_owner_and_checks_the_ranks():
 
 
 def test_the_planner_calibrates_on_the_cores_of_two_ranks_of_one_pipeline():
-    from runner.config import CheckpointConfig, EvalConfig, ProfileConfig, TrainConfig
+    from runner.checkpoint.config import CheckpointConfig
+    from runner.config import EvalConfig, TrainConfig
     from runner.layout import Layout, RunPlan
+    from runner.outputs.config import ProfileConfig
     from runner.plan.planner import _neighbour_cpus
 
     layout = Layout(schedule="1f1b", csv=None, pp=2, microbatches=2, stages=(("a",), ("b",)),

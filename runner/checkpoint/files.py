@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from runner.errors import CheckpointError, ConfigError
+from runner.models.hf_dirs import TOKENIZER_FILES  # a checkpoint's tokenizer/ holds them
 
 __all__ = ["LOCK_FILE", "RunDirInUseError", "in_use_error", "hold_run_lock", "run_in_progress", "read_train_state",
            "checkpoint_step", "complete_steps", "find_checkpoint", "write_manifest", "files_of", "manifest_problems",
@@ -26,9 +27,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK_FILE = ".runner.lock"  # held (flock) by a run's launcher while the run is in progress
 _MANIFEST = "manifest-rank{}.json"
 TOKENIZER_DIR = "tokenizer"  # in a checkpoint: the files of the tokenizer the run trained with
-# The files of a tokenizer as transformers saves them (runner.models.hf adds a model's generation config).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 # Where checkpoint.resume=latest looks under its root: the root itself, and run directories one,
 # two (Hydra's outputs/<date>/<time>) and three (multirun/<date>/<time>/<job>) levels down.
 _LATEST_PATTERNS = ("checkpoints", "*/checkpoints", "*/*/checkpoints", "*/*/*/checkpoints")

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from runner.checkpoint.files import TOKENIZER_FILES as _TOKENIZER
 from runner.errors import ConfigError
+from runner.models.hf_dirs import TOKENIZER_FILES as _TOKENIZER
 from runner.models.hf_dirs import remote_code_problem, remote_override_problem
 from runner.models.hf_weights import Stored, Weights, header_dtype, read_weights
 from runner.models.units import ModelSpec, Unit, tied_groups

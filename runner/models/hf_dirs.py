@@ -1,4 +1,4 @@
-"""No code from a model, tokenizer or checkpoint directory ever runs.
+"""A Hugging Face directory: the files its tokenizer keeps; none of its code ever runs.
 
 transformers runs a directory's own Python when its ``config.json`` or ``tokenizer_config.json``
 has an ``auto_map`` (and asks on stdin when ``trust_remote_code`` is not given). Every load the
@@ -14,10 +14,14 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["FILES", "remote_code_problem", "remote_override_problem"]
+__all__ = ["FILES", "TOKENIZER_FILES", "remote_code_problem", "remote_override_problem"]
 
 # The files whose auto_map makes transformers import the directory's Python.
 FILES = ("config.json", "tokenizer_config.json")
+# The files of a tokenizer as transformers saves them (runner.models.hf adds a model's generation
+# config; a checkpoint keeps them in its tokenizer/ directory: runner.checkpoint.files.TOKENIZER_DIR).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
 def remote_code_problem(directory: Path, key: str) -> str | None:

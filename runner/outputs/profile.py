@@ -44,7 +44,7 @@ from runner.pipeline.simulate import UNIT_COSTS, bubble_fractions, simulate
 from runner.ranks.dist import DistEnv, gather_to_main
 
 if TYPE_CHECKING:
-    from runner.config import ProfileConfig
+    from runner.outputs.config import ProfileConfig
 
 __all__ = ["Window", "plan_window", "RunProfiler"]
 

@@ -30,7 +30,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.config import config_dir  # also registers the schemas
+from runner.compose import config_dir  # also registers the schemas
 from runner.errors import ConfigError, RunnerError, interrupted_exit_code
 from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes

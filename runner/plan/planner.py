@@ -24,12 +24,12 @@ from typing import Mapping, NamedTuple, Sequence
 
 from omegaconf import DictConfig
 
-from runner.config import CsvScheduleConfig  # also registers the schemas
 from runner.errors import ConfigError
 from runner.layout import Layout, RunPlan
 from runner.models.split import split_by_cost
 from runner.outputs.timeline import write_schedule_csv
 from runner.parallel.dims import ParallelDims
+from runner.pipeline.config import CsvScheduleConfig
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import (
     SCHEDULES,

@@ -8,7 +8,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-import runner.config  # noqa: F401  (registers the schemas)
+import runner.compose  # noqa: F401  (registers the schemas)
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent

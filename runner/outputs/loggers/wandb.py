@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from runner.config import WANDB_MODES
 from runner.errors import ConfigError
+from runner.outputs.config import WANDB_MODES
 from runner.outputs.loggers import Logger
 
 

@@ -1,0 +1,24 @@
+"""The ``checkpoint.*`` keys (schema ``CheckpointConfig``): how often to save, how many to keep, what
+to resume from. Imports nothing heavy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["CheckpointConfig"]
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every K optimizer steps into <run dir>/checkpoints/step-N; 0 = never
+    keep: int = 2  # complete checkpoints kept (the newest)
+    # Continue from: a checkpoint directory, a run directory (its newest complete checkpoint), or
+    # "latest": the newest complete checkpoint of the runs under latest_root that are not in progress.
+    resume: Optional[str] = None
+    # Where resume=latest looks (relative to the launch directory): this directory and run
+    # directories up to three levels below it (outputs/<date>/<time>, multirun/<date>/<time>/<job>).
+    latest_root: str = "outputs"
+    # Resume with a data.tokenizer other than the one the checkpoint recorded (its token ids then
+    # stand for other text); false: such a resume is refused before any rank starts.
+    allow_tokenizer_change: bool = False

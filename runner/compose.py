@@ -1,0 +1,101 @@
+"""The config tree: ``RunConfig`` assembled from each package's schema (``parallel``, ``schedule``,
+``model``, ``data``, ``launch``, ``checkpoint``, ``profile``, ``logging`` in their packages' ``config.py``;
+``train``, ``eval`` and ``plan`` in ``runner.config``), the resolvers, and Hydra's ConfigStore.
+
+Every YAML file under ``conf/`` extends one of these dataclasses through its defaults list, so a
+misspelt key or a value of the wrong type fails at compose time with Hydra's own message, before
+anything is launched. Importing this module registers the schemas; it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from runner.checkpoint.config import CheckpointConfig
+from runner.config import EvalConfig, PlanConfig, TrainConfig
+from runner.data.config import HFDataConfig, SyntheticDataConfig, TextDataConfig, TokensDataConfig
+from runner.models.config import HFModelConfig, MLPConfig, TransformerConfig
+from runner.options import Device, choices
+from runner.outputs.config import LoggingConfig, ProfileConfig
+from runner.parallel.config import ParallelConfig
+from runner.parallel.dims import ParallelDims
+from runner.pipeline.config import CsvScheduleConfig, ScheduleConfig
+from runner.ranks.config import LaunchConfig
+
+__all__ = ["RunConfig", "register_configs", "config_dir", "RANK_OPTIONS", "rank_options"]
+
+
+def config_dir() -> Path:
+    """The config tree: ``runner/conf`` in an installed wheel (the build ships the repository's
+    top-level ``conf/`` there), ``conf/`` next to the package in a checkout."""
+    shipped = Path(__file__).resolve().parent / "conf"
+    return shipped if shipped.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class RunConfig:
+    schedule: ScheduleConfig = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    # The loss of one microbatch: a function (logits, targets) -> scalar mean, instantiated with
+    # _partial_: true, so loss._target_=pkg.module.fn plugs in your own.
+    loss: Any = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Experiment loggers as Hydra's logger group: logger=wandb, 'logger=[tensorboard,mlflow]'
+    # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
+    logger: Dict[str, Any] = field(default_factory=dict)
+    device: str = field(default="auto", metadata=choices(Device))  # auto | cpu | cuda
+    # Also run the unsplit model on the first batch and compare loss and every gradient. null (auto):
+    # on for a model=hf family outside the tested list (model.allow_unlisted=true), off otherwise.
+    verify: Optional[bool] = None
+
+
+def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
+    from runner.data.tokens import tokenizer_vocab  # reads tokenizer.json only when one is named
+
+    return tokenizer_vocab(tokenizer, default)
+
+
+# The sections the ranks read, as their schemas' objects: RunPlan's fields of the same names.
+RANK_OPTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "profile": ProfileConfig}
+
+
+def rank_options(cfg: DictConfig) -> dict[str, Any]:
+    """Each section of ``RANK_OPTIONS`` resolved in ``cfg`` and typed by its schema (also a config
+    made from plain dicts, as a spawned job's resolved config is)."""
+    return {key: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema),
+                                                     OmegaConf.to_container(cfg[key], resolve=True)))
+            for key, schema in RANK_OPTIONS.items()}
+
+
+def register_configs() -> None:
+    if not OmegaConf.has_resolver("world_size"):  # ${world_size:${parallel}}: ranks per job (runner.parallel.dims)
+        OmegaConf.register_new_resolver("world_size", lambda parallel: ParallelDims.from_config(parallel).world_size)
+    if not OmegaConf.has_resolver("runner_vocab"):  # ${runner_vocab:<tokenizer dir or null>,<default>}
+        OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
+    cs.store(group="schedule", name="base_csv_schedule", node=CsvScheduleConfig)
+    cs.store(group="model", name="base_transformer", node=TransformerConfig)
+    cs.store(group="model", name="base_mlp", node=MLPConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
+    cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
+    cs.store(group="data", name="base_text", node=TextDataConfig)
+    cs.store(group="data", name="base_hf", node=HFDataConfig)
+    cs.store(group="data", name="base_tokens", node=TokensDataConfig)
+
+
+register_configs()
