@@ -98,8 +98,8 @@ def _check_choices(cfg: DictConfig) -> None:
 
 def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
-    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
-                       ("parallel.microbatches", p.microbatches), ("train.steps", t.steps),
+    degrees = [(ParallelDims.key(name), p.get(name, 1)) for name in ParallelDims.ORDER]
+    for key, value in [*degrees, ("parallel.microbatches", p.microbatches), ("train.steps", t.steps),
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1.")

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.outputs.loggers import build_loggers
 from runner.outputs.provenance import provenance
+from runner.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from runner.layout import RunPlan
@@ -152,9 +153,7 @@ def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses:
     layout = plan.layout
     return {
         "schedule": layout.schedule,
-        "pp": layout.pp,
-        "dp": plan.dp,
-        "tp": plan.dims.tp,
+        **plan.dims.degrees,  # pp, dp, tp: each parallel dimension's degree
         "microbatches": layout.microbatches,
         "num_stages": layout.num_stages,
         "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
@@ -182,7 +181,7 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 def format_table(summary: dict) -> str:
     rows = [
         ("schedule", f"{summary['schedule']} (pp={summary['pp']}, "
-                     + "".join(f"{k}={summary[k]}, " for k in ("dp", "tp") if summary.get(k, 1) > 1)
+                     + "".join(f"{k}={summary[k]}, " for k in ParallelDims.ORDER[1:] if summary.get(k, 1) > 1)
                      + f"stages={summary['num_stages']}, microbatches={summary['microbatches']})"),
         ("loss", f"{summary['losses'][0]:.4f} -> {summary['final_loss']:.4f} over {summary['steps']} steps"),
         ("step time", f"{summary['step_time_s'] * 1e3:.1f} ms (median)"),

@@ -15,7 +15,7 @@ Pure arithmetic, no ``torch.distributed``: cheap for the modules that run before
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from runner.errors import ConfigError
@@ -23,13 +23,46 @@ from runner.errors import ConfigError
 __all__ = ["Coords", "ParallelDims"]
 
 
-@dataclass(frozen=True)
 class Coords:
-    """One rank's coordinate along each parallel dimension."""
+    """One rank's coordinate along each parallel dimension, by the dimension's name (``coords.pp``:
+    which pipeline rank, ``coords.dp``: which replica, ``coords.tp``: which tensor-parallel shard).
+    The names are the owner's (``ParallelDims.ORDER``); positional arguments follow that order."""
 
-    pp: int  # which pipeline rank (its stages: ``Layout.stages_on(pp)``)
-    dp: int  # which replica of the whole pipeline
-    tp: int  # which shard of a tensor-parallel group
+    __slots__ = ("_of",)
+    _of: dict[str, int]
+
+    def __init__(self, *values: int, **named: int) -> None:
+        object.__setattr__(self, "_of", {**dict(zip(ParallelDims.ORDER, values)), **named})
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._of[name]
+        except KeyError:
+            raise AttributeError(f"Coords has no dimension {name!r} (it has {', '.join(self._of)})") from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Coords is frozen")
+
+    def asdict(self) -> dict[str, int]:
+        return dict(self._of)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Coords) and self._of == other._of
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._of.items())))
+
+    def __repr__(self) -> str:
+        return f"Coords({', '.join(f'{k}={v}' for k, v in self._of.items())})"
+
+    def __reduce__(self) -> tuple:
+        return (_coords, (self._of,))
+
+
+def _coords(of: dict[str, int]) -> Coords:
+    return Coords(**of)
 
 
 @dataclass(frozen=True)
@@ -45,20 +78,25 @@ class ParallelDims:
     sequence_parallel: bool = False
     loss_parallel: bool = False
 
-    # Outermost first: consecutive ranks differ in the last one.
-    ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")  # the DeviceMesh's dimensions, in this order
-    # The config key of each degree, for messages.
-    KEYS: ClassVar[dict[str, str]] = {"pp": "parallel.pp", "dp": "parallel.dp", "tp": "parallel.tp"}
+    # The parallel dimensions, outermost first (consecutive ranks differ in the last one): the one
+    # list of them. The DeviceMesh's dimensions, the coordinates, the checks of each degree and the
+    # summary's keys follow it; each is a field above and ``parallel.<name>`` in ParallelConfig.
+    ORDER: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")
     # The dimensions the mesh always has (the ranks read their groups even at degree 1); any
     # other one only where it is used (degree > 1), so a run without it creates no groups for it.
     ALWAYS: ClassVar[tuple[str, ...]] = ("pp", "dp")
 
     @classmethod
+    def key(cls, name: str) -> str:
+        """The config key of a dimension's degree, for messages: ``parallel.pp``."""
+        return f"parallel.{name}"
+
+    @classmethod
     def from_config(cls, parallel: Any) -> ParallelDims:
-        """From the composed ``cfg.parallel`` (a DictConfig or anything with these attributes)."""
-        return cls(pp=int(parallel.pp), dp=int(parallel.dp), dp_mode=str(parallel.dp_mode),
-                   tp=int(parallel.get("tp", 1)), sequence_parallel=bool(parallel.get("sequence_parallel")),
-                   loss_parallel=bool(parallel.get("loss_parallel")))
+        """From the composed ``cfg.parallel`` (a DictConfig, or a dict); a degree it lacks is 1."""
+        get = parallel.get
+        return cls(**{name: int(get(name, 1)) for name in cls.ORDER}, dp_mode=str(get("dp_mode", "none")),
+                   sequence_parallel=bool(get("sequence_parallel")), loss_parallel=bool(get("loss_parallel")))
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -97,7 +135,7 @@ class ParallelDims:
     def ranks_of(self, dim: str, rank: int) -> list[int]:
         """The ranks of ``rank``'s group along ``dim`` (the ranks that differ from it in ``dim``
         alone), indexed by their coordinate along ``dim``."""
-        here = asdict(self.coords(rank))
+        here = self.coords(rank).asdict()
         return [self.rank_of(Coords(**{**here, dim: i})) for i in range(getattr(self, dim))]
 
     def groups_of(self, dim: str) -> list[list[int]]:
@@ -107,7 +145,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The product, as the keys that set it: ``parallel.pp=2 x parallel.dp=2``."""
-        parts = [f"{self.KEYS[n]}={d}" for n, d in self.degrees.items() if n in self.ALWAYS or d > 1]
+        parts = [f"{self.key(n)}={d}" for n, d in self.degrees.items() if n in self.ALWAYS or d > 1]
         return " x ".join(parts)
 
     def check(self, world_size: int, *, started_by: str = "the launcher", restart: str | None = None) -> None:
@@ -117,7 +155,7 @@ class ParallelDims:
             return
         others = self.world_size // self.pp
         keys = (f"parallel.pp={world_size // others}" if world_size % others == 0
-                else f"{' and '.join(self.KEYS.values())} whose product is {world_size}")
+                else f"{' and '.join(map(self.key, self.ORDER))} whose product is {world_size}")
         start = restart or f"start {self.world_size} ranks"
         raise ConfigError(f"{started_by} started {world_size} ranks but {self.describe()} = {self.world_size}. "
                           f"Fix: {start}, or {keys}.")

@@ -96,9 +96,9 @@ def degrees_of(cfg: DictConfig) -> dict[str, int]:
 
 def degree_overrides(variant: DictConfig, cfg: DictConfig) -> list[str]:
     """The command-line keys that turn the run's degrees into the variant's (none for the run's own)."""
-    keys = ("pp", "dp", "tp", "dp_mode")
+    keys = (*ParallelDims.ORDER, "dp_mode")
     return [f"parallel.{k}={variant.parallel.get(k)}" for k in keys
-            if variant.parallel.get(k) != cfg.parallel.get(k, 1 if k == "tp" else None)]
+            if variant.parallel.get(k) != cfg.parallel.get(k, 1 if k in ParallelDims.ORDER else None)]
 
 
 @functools.lru_cache(maxsize=4)
