@@ -131,7 +131,7 @@ def test_spawned_ranks_put_gloo_on_loopback_whatever_the_shell_set(monkeypatch):
 
 
 def test_a_short_profiled_run_prints_nothing_of_the_profilers_own(tmp_path, capfd, caplog):
-    caplog.set_level(logging.DEBUG, logger="runner.outputs.profile")
+    caplog.set_level(logging.DEBUG, logger="runner.profile")
     cfg = compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4", "train.steps=2",
                   "profile.enabled=true")
     with warnings.catch_warnings(record=True) as caught:
@@ -141,6 +141,6 @@ def test_a_short_profiled_run_prints_nothing_of_the_profilers_own(tmp_path, capf
     assert "USDT" not in err and "profiler_st" not in err, err
     assert not [w for w in caught if "warmup" in str(w.message)]
     markers = [r.getMessage() for r in caplog.records
-               if r.name == "runner.outputs.profile" and r.levelno == logging.DEBUG]
+               if r.name == "runner.profile" and r.levelno == logging.DEBUG]
     assert any(m.startswith("torch profiler: USDT") and m.endswith("profiler_start") for m in markers), markers
     assert (tmp_path / "traces" / "rank0.json").is_file() and (tmp_path / "timeline.json").is_file()

@@ -54,7 +54,7 @@ def docs(tmp_path):
 
 
 def test_a_directory_takes_its_text_files_only_and_logs_what_it_skipped(docs, tokenizer, caplog):
-    with caplog.at_level(logging.INFO, logger="runner.data.files"):
+    with caplog.at_level(logging.INFO, logger="runner.data_files"):
         files = text_files(str(docs))
     assert files == [docs / "README", docs / "guide" / "usage.rst", docs / "index.md"]
     taken, skipped = (r.getMessage() for r in caplog.records)
@@ -63,7 +63,7 @@ def test_a_directory_takes_its_text_files_only_and_logs_what_it_skipped(docs, to
                               "1 .txt (0.1 KB), 1 .dat (0.1 KB) (e.g. ")
     assert "figure0.png: not a text suffix (.png)" in skipped
     for built in ("tokenized", "from the cache"):  # the tokens per type are logged on every run
-        with caplog.at_level(logging.INFO, logger="runner.data.token_cache"):
+        with caplog.at_level(logging.INFO, logger="runner.token_cache"):
             caplog.clear()
             data = TextData(path=str(docs), vocab_size=None, seed=0, tokenizer=str(tokenizer),
                             cache_dir=str(docs.parent / "c"))

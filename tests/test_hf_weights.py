@@ -73,7 +73,7 @@ def test_a_config_dtype_that_disagrees_with_the_stored_tensors_is_logged(tmp_pat
     path = write_model(tmp_path / "m", "llama", weights=True)  # float32 tensors
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
-    with caplog.at_level(logging.WARNING, logger="runner.models.hf"):
+    with caplog.at_level(logging.WARNING, logger="runner.hf"):
         meta = build_meta_model(_cfg(path).model)
     assert "names dtype bfloat16 but the weights are stored in float32" in caplog.text
     assert meta.spec.source_dtype == torch.bfloat16 and next(meta.module.parameters()).dtype == torch.float32
@@ -292,12 +292,12 @@ def gemma2(tmp_path):
 
 
 def test_an_unlisted_family_is_verified_unless_verify_false_is_given(tmp_path, gemma2, caplog):
-    with caplog.at_level(logging.WARNING, logger="runner.models.hf"):
+    with caplog.at_level(logging.WARNING, logger="runner.hf"):
         plan = validate(compose(*BASE, *gemma2))
     assert plan.verify is True and plan.resolved_values()["verify"] is True  # resolved_config.yaml says so
     assert "a 'gemma2' model, outside the tested list" in caplog.text and "verify=false turns it off" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="runner.models.hf"):
+    with caplog.at_level(logging.WARNING, logger="runner.hf"):
         assert resolve_verify(compose(*BASE, *gemma2, "verify=false")) is False
     assert "verify=false: nothing checks" in caplog.text
     listed = write_model(tmp_path / "llama", "llama", weights=False)

@@ -117,10 +117,10 @@ def test_a_tokenizer_that_prepends_to_every_text_is_found_out_and_its_cuts_are_w
     tok = load_tokenizer(tokenizers["prepend"])
     assert not token_cache._chunk_safe(tok)  # '▁' + ' the' != the whole text's ids
     short = ["the pipeline runs", "a stage waits"]
-    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
         tokens = cached(corpus(tmp_path, short), tokenizers["prepend"], tmp_path / "cache")
     assert tokens.tolist() == whole(tokenizers["prepend"], short) and not caplog.records  # no cut: exact
-    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
         cached(corpus(tmp_path / "long", DOCUMENTS[:1]), tokenizers["prepend"], tmp_path / "cache", chunk_chars=100)
     [record] = caplog.records
     cuts = [cut for _, _, cut in chunks([(DOCUMENTS[0], True)], 100)]
@@ -139,7 +139,7 @@ def test_a_long_line_is_tokenized_in_bounded_pieces_and_a_run_without_spaces_is_
     assert max(len(t) for call in calls for t in call) <= 1000 and len(sum(calls, [])) == 37
     calls.clear()
     spaceless = "a" * 2500 + " the end"
-    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
         cached(corpus(tmp_path / "x", [spaceless]), tokenizers["byte_level"], tmp_path / "cache", chunk_chars=1000)
     assert [len(t) for call in calls for t in call] == [1000, 1000, 508]
     assert "2 runs of more than 1000 characters without a space" in caplog.records[0].getMessage()
@@ -205,12 +205,12 @@ def test_a_truncated_or_altered_cache_file_is_rebuilt_with_a_warning_naming_it(t
         monkeypatch.setattr(token_cache, "_memo", {})  # a later run
         monkeypatch.setenv(token_cache._MEMO_ENV, "{}")
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
+        with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
             assert cached(path, tok, cache).tolist() == expected
         assert f"token cache {file} {says}" in caplog.text and "rebuilding it" in caplog.text
     (cache / f"{file.name}.json").unlink()  # a file without its manifest (a run killed between the two)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="runner.data.token_cache"):
+    with caplog.at_level(logging.WARNING, logger="runner.token_cache"):
         assert cached(path, tok, cache).tolist() == expected
     assert "has no readable manifest" in caplog.text
 

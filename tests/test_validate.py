@@ -263,7 +263,7 @@ def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line
     path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0\n")  # F/B only: today's notation, nothing converted
     assert read_schedule_file(path).notes == ()
     path.write_text("0F0,0F1,0F2,0F3,0BW0,0BW1,0BW2,0BW3\n1F0,1F1,1F2,1F3,1BW0,1BW1,1BW2,1BW3\n")
-    with caplog.at_level("WARNING", logger="runner.pipeline.schedule"):
+    with caplog.at_level("WARNING", logger="runner.schedule"):
         layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={path}")).layout
     assert layout.num_stages == 2 and "BW -> B" in caplog.text
 

@@ -56,7 +56,7 @@ from runner.ranks.watchdog import busy
 
 __all__ = ["verify_checkpoint", "Checkpointer"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.checkpoint")  # named as before runner/ became packages (runner.log)
 
 # Optimizer state keyed by parameter name ("state.block0.ffn.up.weight.exp_avg"), not by position.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

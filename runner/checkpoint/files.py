@@ -1,7 +1,7 @@
 """What a checkpoint directory holds, read without torch: which checkpoint ``checkpoint.resume``
 names (``latest``: the newest complete one of the runs under ``checkpoint.latest_root``), whether it
 is complete, the manifests (size and sha256 of every file a rank wrote) that show damage, and the
-lock that marks a run directory as in progress. Saving and loading: ``runner.checkpoint``."""
+lock that marks a run directory as in progress. Saving and loading: ``runner.checkpoint.checkpointer``."""
 
 from __future__ import annotations
 

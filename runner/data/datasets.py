@@ -19,8 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from runner.data.cache_files import default_cache_dir, file_identity
-from runner.data.files import find_files, text_files
+from runner.data.files import default_cache_dir, file_identity, find_files, text_files
 from runner.data.records import load_records, naming_bad_records
 from runner.data.token_cache import tokenize_to_cache
 from runner.data.token_files import as_stream, check_ids, open_tokens

@@ -3,22 +3,25 @@ out) or a glob (``*``, ``?``, ``[...]``, ``**``; relative or absolute), ``~`` ex
 For text, which of them are text: a directory takes the files whose suffix is a text suffix
 (``TEXT_SUFFIXES``; none, as ``README``, also counts), a glob whatever it matches, and both only
 files whose first ``HEAD_BYTES`` are UTF-8 without a NUL byte. What is taken and what is skipped,
-with why, is logged by file type."""
+with why, is logged by file type. And when such a file has changed (``file_identity``), and where the
+runner caches what it derives from a user's files (``default_cache_dir``)."""
 
 from __future__ import annotations
 
 import codecs
 import glob
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
 from runner.errors import ConfigError
 
-__all__ = ["TEXT_SUFFIXES", "HEAD_BYTES", "find_files", "text_files", "not_text", "by_type"]
+__all__ = ["TEXT_SUFFIXES", "HEAD_BYTES", "find_files", "text_files", "not_text", "by_type", "default_cache_dir",
+           "file_identity"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.data_files")  # named as before runner/ became packages (runner.log)
 
 # Prose, markup, code and configuration: what a directory of text is made of. An image, an archive
 # or a model file never is (docs folders hold PNGs: they once were most of a tokenized stream).
@@ -110,3 +113,14 @@ def text_files(path: str, key: str = "data.path") -> list[Path]:
             log.info("%s=%s: skipped %d files that are not text: %s (e.g. %s: %s)", key, path, len(skipped),
                         by_type(skipped), first, skipped[first])
     return taken
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "runner" / "tokens"
+
+
+def file_identity(file: Path) -> str:
+    """What changes whenever a file's bytes may have: its path, device, inode, size, modification and
+    change times (``cp -p``, ``rsync -t`` and ``tar`` keep a modification time, never a change time)."""
+    st = file.stat()
+    return f"{file.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"

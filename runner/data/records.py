@@ -16,7 +16,7 @@ from runner.errors import ConfigError
 
 __all__ = ["FORMATS", "load_records", "naming_bad_records"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.records")  # named as before runner/ became packages (runner.log)
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
 _LINES = {"json", "csv", "text"}  # formats read as UTF-8 lines: a bad line can be named

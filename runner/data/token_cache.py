@@ -33,12 +33,12 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from runner.data.cache_files import default_cache_dir, file_identity
+from runner.data.files import default_cache_dir, file_identity
 from runner.errors import ConfigError
 
 __all__ = ["tokenize_to_cache", "chunks", "source_key", "tokenizer_digest", "CHUNK_CHARS"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.token_cache")  # named as before runner/ became packages (runner.log)
 
 CHUNK_CHARS = 1 << 20  # about 120 bytes of tokenizer memory per character: ~130 MB per piece
 _FORMAT = 1  # of the manifest and of the key: a change re-tokenizes

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.data.cache_files import file_identity
+from runner.data.files import file_identity
 from runner.errors import ConfigError
 
 __all__ = ["DTYPES", "Shards", "IdRange", "open_tokens", "as_stream", "id_range", "check_ids"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.token_files")  # named as before runner/ became packages (runner.log)
 
 DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 _SCAN = 1 << 24  # ids read per pass of the scan: bounded memory for any file

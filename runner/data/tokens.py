@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 import torch
 
-from runner.data.cache_files import default_cache_dir
+from runner.data.files import default_cache_dir
 from runner.errors import ConfigError
 from runner.models.hf_dirs import remote_code_problem
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["TokenStream", "window_index", "load_tokenizer", "tokenizer_vocab", "text_documents",
            "dataset_documents", "default_cache_dir"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.tokens")  # named as before runner/ became packages (runner.log)
 
 
 def window_index(n: int, windows: int, seed: int, split: str) -> int:

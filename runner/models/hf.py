@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FAMILIES", "causal_lm", "HFSpec", "TOKENIZER_FILES", "copy_model_files", "resolve_verify"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.hf")  # named as before runner/ became packages (runner.log)
 
 
 def _full(config, i: int) -> str:

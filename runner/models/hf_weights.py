@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Stored", "Weights", "read_weights", "header_dtype"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.hf_weights")  # named as before runner/ became packages (runner.log)
 
 INDEX = "model.safetensors.index.json"
 # safetensors' names of the floating dtypes a checkpoint stores its weights in.

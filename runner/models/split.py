@@ -28,7 +28,7 @@ from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes",
            "check_init", "materialize", "tied_groups"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
 
 
 class _Container(nn.Module):

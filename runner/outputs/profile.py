@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Window", "plan_window", "RunProfiler"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.profile")  # named as before runner/ became packages (runner.log)
 
 
 @dataclass(frozen=True)

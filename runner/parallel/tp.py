@@ -3,7 +3,7 @@ modules a stage holds, with torch's parallel styles over the stage's tp group.
 
 A plan is the model's ``tp_plan`` attribute: module name patterns (``*`` for a layer's number) to
 style names, in transformers' vocabulary, so a Hugging Face family brings its own (its merged
-``model.tp_plan``) and the built-in transformer declares one (``runner.models``); any other model
+``model.tp_plan``) and the built-in transformer declares one (``runner.models.builtin``); any other model
 may set one. Each style maps to a torch ``ParallelStyle`` (``_style``); one torch has no style for,
 ``replicated_with_grad_allreduce`` (Qwen3's ``q_norm``/``k_norm``: a weight every shard holds whole
 but applies to its own heads), leaves the weight replicated and sums its gradient over the tp

@@ -21,7 +21,7 @@ from runner.pipeline.registry import SCHEDULES, ScheduleKind, schedule_names
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
            "read_csv_schedule", "build_schedule", "schedule_order", "csv_order"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.schedule")  # named as before runner/ became packages (runner.log)
 
 V_SHAPED = {name for name, kind in SCHEDULES.items() if kind.v_shape}  # rank 0 holds the first and the last stage
 

@@ -29,7 +29,7 @@ from runner.ranks.dist import DistEnv
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.pipeline")  # named as before runner/ became packages (runner.log)
 
 Batch = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # inputs, targets, keyword inputs
 

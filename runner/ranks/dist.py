@@ -17,7 +17,7 @@ import torch.distributed as dist
 __all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
            "release_at_cleanup", "live_group_threads", "all_reduce_sum", "gather_to_main"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.dist")  # named as before runner/ became packages (runner.log)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from runner.ranks.dist import cleanup, init_distributed, pick_device
 __all__ = ["note_threads", "forked_ranks_would_hang", "start_method", "spawn_reason", "Rendezvous", "rendezvous",
            "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("runner.processes")  # named as before runner/ became packages (runner.log)
 
 
 # GNU OpenMP (torch's CPU threads) keeps its worker team across a fork, without the workers: a

@@ -36,7 +36,7 @@ def _keep_exit_warnings(directory: str, rank: int) -> None:
     """In each rank: ``runner.ranks.dist``'s warnings (its cleanup's) go to a file the spawn looks for."""
     handler = logging.FileHandler(Path(directory) / f"exit-warnings-rank{rank}.log", delay=True)  # made if used
     handler.setLevel(logging.WARNING)
-    logging.getLogger("runner.ranks.dist").addHandler(handler)
+    logging.getLogger("runner.dist").addHandler(handler)
 
 
 class FirstGrads(Hook):
