@@ -4,10 +4,11 @@ schedules searched for a model's measured costs (``python -m runner.plan``).
 - ``planner``: candidates, their checks and predictions, ties and the recommendation;
 - ``costs``: per-child F/B/I/W, update and memory costs, timed in this process;
 - ``calibrate``: message and runtime costs, measured on two real ranks;
-- ``simulate``: a schedule's per-rank orders as a weighted event simulation (also used by runs to
-  replay their own measured costs);
+- the event simulation of a schedule's per-rank orders is ``runner.pipeline.simulate`` (runs replay
+  their own measured costs with it, so it lives below the planner);
 - ``synthesize``: the search for an order under a memory budget;
 - ``report``: the printed table; ``__main__``: the command line.
 
-Nothing is imported here, so that a run reaching for the simulator does not load the planner.
+Nothing is imported here; nothing of the run imports this package (tests/test_architecture.py's
+LAYERS).
 """
