@@ -22,9 +22,9 @@ from runner.mesh import Mesh
 from runner.parallelize import parallelize
 from runner.record import Recorder
 from runner.schedule import build_schedule
-from runner.split import build_meta_model, materialize
+from runner.split import StageModule, build_meta_model, materialize
 from runner.tied import TiedWeights, share_local_copies
-from runner.tp import loss_context, sum_partial_grads, tp_plan
+from runner.tp import apply_tp, loss_context, sum_partial_grads, tp_plan
 from runner.units import describe_names
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
@@ -154,19 +154,27 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     loss_parallel = tp is not None and tp.loss_parallel
     styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
 
+    def sharded(units: list[str]) -> StageModule:
+        """This rank's part of ``units``: materialised, then sharded over its tp group."""
+        module = materialize(meta, units, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
+        if tp is not None and mesh.tp_mesh is not None:
+            apply_tp(module, mesh, tp)
+        return module
+
     if layout.pp == 1:
-        module = materialize(meta, meta.unit_names, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
-        unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp), layout.microbatches, loss_fn,
-                              mesh=mesh, loss_parallel=loss_parallel)
+        unsplit = UnsplitStep(parallelize(sharded(meta.unit_names), plan.train, dp_mode, mesh), layout.microbatches,
+                              loss_fn, mesh=mesh, loss_parallel=loss_parallel)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
-    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device, tp_mesh=mesh.tp_mesh,
-                           tp_plan=styles) for i in indices]
-    if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter
+    modules = [sharded(layout.stages[i]) for i in indices]
+    # After tp, which wraps each module's weights in parameters of its own (a pretrained tied weight,
+    # already a DTensor, would become two parameters over one storage, each stepped by the optimizer).
+    # A mode wrapping each stage on its own cannot share a parameter: its copies are summed instead.
+    if not DP_MODES[dp_mode].per_stage:
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, plan.train, dp_mode, mesh, tp)
+        module = parallelize(module, plan.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)

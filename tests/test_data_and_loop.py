@@ -4,6 +4,7 @@ loop that need no ranks."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from runner.data import SyntheticData, TextData, get_batch
 from runner.errors import ConfigError
 from runner.models import transformer
-from runner.optim import lr_factor, param_groups
+from runner.optim import build_optimizer, lr_factor, param_groups
 from runner.verify import compare
 
 
@@ -27,8 +28,6 @@ def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
 
 
 def test_each_replica_takes_its_rows_of_the_batch_contiguous():
-    from types import SimpleNamespace
-
     from runner.train import _replica_share
 
     x, y = SyntheticData(vocab_size=32, signal=0.9, seed=0).batch(1, 8, 16)
@@ -105,6 +104,37 @@ def test_weight_decay_skips_biases_norms_and_embeddings_by_default():
     assert len(decayed) + len(exempt) == len(name_of)
     everything, none = param_groups([model], 0.1, [])
     assert len(everything["params"]) == len(name_of) and not none["params"]
+
+
+def test_the_optimizer_refuses_two_parameters_over_one_memory(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from runner.dist import cleanup
+
+    train = SimpleNamespace(weight_decay=0.1, no_decay=["bias"], lr=1e-3, betas=[0.9, 0.95], steps=4,
+                            warmup_steps=0, min_lr_ratio=0.1, lr_schedule="cosine")
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    build_optimizer([a, b], train)  # distinct weights, and views of one buffer that do not overlap:
+    flat = torch.zeros(32)
+    a.weight, b.weight = torch.nn.Parameter(flat[:16].view(4, 4)), torch.nn.Parameter(flat[16:].view(4, 4))
+    build_optimizer([a, b], train)
+    b.weight = torch.nn.Parameter(a.weight.data)  # a second wrapper over the first's memory
+    with pytest.raises(RuntimeError, match=r"holds (0|1)\.weight and (0|1)\.weight|over the same memory"):
+        build_optimizer([a, b], train)
+    # A DTensor parameter has no storage of its own: two wrappers of one (the pretrained tied weight
+    # under tp, wrapped by both stages' styles) are found through their local tensors.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        weight = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        a.weight, b.weight = torch.nn.Parameter(weight), torch.nn.Parameter(torch.randn(4, 4))
+        build_optimizer([a, b], train)
+        b.weight = torch.nn.Parameter(weight)
+        with pytest.raises(RuntimeError, match="over the same memory"):
+            build_optimizer([a, b], train)
+    finally:
+        cleanup()
 
 
 def test_verify_comparison_catches_scaled_and_missing_gradients():
