@@ -6,10 +6,9 @@ One 4-rank spawn (module-scoped) runs four cases on tiny Llamas with an uneven v
 torch.chunk's shards of 32 and 31, or 16, 16, 16 and 15): pp=2 x tp=2, pp=1 x tp=4 with the
 embedding and head tied (one tensor in one stage, 4 key/value heads), and the tied model at
 pp=2 x tp=2 under zbv (with sequence and loss parallelism) and dualpipev, whose V puts both ends
-on rank 0, over five optimizer steps. Each rank records, before
+on rank 0, and at pp=1 x dp=2 (FSDP) x tp=2, over five optimizer steps. Each rank records, before
 its first step, every parameter gathered whole (``full_tensor``) next to the file's tensor;
-transformers' own losses run once here. (pp=1 x dp=2 x tp=2 FSDP with the tie fails in FSDP's
-lazy init, random initialisation too: not a loading question.)"""
+transformers' own losses run once here."""
 
 from __future__ import annotations
 
@@ -36,15 +35,18 @@ CASES = {
     "pp2-tp2": ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4", "train.batch_size=8"],
     "tied-tp4": ["parallel.pp=1", "parallel.tp=4", "parallel.microbatches=2", "train.batch_size=8"],
 }
-# Both ends of the tied weight on rank 0 (V schedules), over several optimizer steps: each stage's
-# tp styles wrap the pretrained DTensor in a parameter of its own, which the optimizer stepped twice.
+# The tied weight over several optimizer steps: both ends on rank 0 (V schedules), where each
+# stage's tp styles wrapped the pretrained DTensor in a parameter of its own, both stepped; and
+# one stage of both ends under FSDP over tp (2-D).
 TIED_V = {
     "tied-zbv-sp-lp": ["parallel.pp=2", "parallel.tp=2", "schedule=zbv", "parallel.microbatches=4",
                        "train.batch_size=8", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
     "tied-dualpipev": ["parallel.pp=2", "parallel.tp=2", "schedule=dualpipev", "parallel.microbatches=4",
                        "train.batch_size=8"],
 }
-STEPS = {**dict.fromkeys(CASES, 2), **dict.fromkeys(TIED_V, 5)}
+TIED = {**TIED_V, "tied-fsdp-tp2": ["parallel.pp=1", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.tp=2",
+                                    "parallel.microbatches=2", "train.batch_size=8"]}
+STEPS = {**dict.fromkeys(CASES, 2), **dict.fromkeys(TIED, 5)}
 
 
 def _base(path: Path, steps: int = 2) -> list[str]:
@@ -122,13 +124,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
     tied = write_model(root / "tied", "llama", weights=True, vocab_size=VOCAB, tie_word_embeddings=True,
                        num_key_value_heads=4)
     return {"pp2-tp2": write_model(root / "untied", "llama", weights=True, vocab_size=VOCAB), "tied-tp4": tied,
-            **dict.fromkeys(TIED_V, tied)}
+            **dict.fromkeys(TIED, tied)}
 
 
 @pytest.fixture(scope="module")
 def ranks(models, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("tp-weights")
-    layouts = {**CASES, **TIED_V}
+    layouts = {**CASES, **TIED}
     cases = {name: (str(models[name]), resolved(*_base(models[name], STEPS[name]), *layout))
              for name, layout in layouts.items()}
     spawn(4, _train_cases, str(out), cases)
@@ -156,9 +158,9 @@ def test_each_rank_holds_its_shard_of_the_pretrained_weights_exactly(ranks, case
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", [*CASES, *TIED_V])
+@pytest.mark.parametrize("case", [*CASES, *TIED])
 def test_training_from_tp_shards_starts_at_transformers_own_loss(ranks, models, case):
-    cfg = compose(*_base(models[case], STEPS[case]), *{**CASES, **TIED_V}[case])
+    cfg = compose(*_base(models[case], STEPS[case]), *{**CASES, **TIED}[case])
     reference = hf_training(cfg, steps=STEPS[case])
     losses = ranks[case]["result"]["losses"]
     assert losses[0] == pytest.approx(reference["hf_loss"], rel=1e-6)
