@@ -21,7 +21,7 @@ EXIT_INTERRUPTED: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # would never end.
 SHOWN_CHARS = 200
 _SHOWN = reprlib.Repr()  # (its keyword arguments are Python 3.12's)
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 60, 60, 60
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 160, 60, 60  # (a path whole)
 
 
 def shown(value: object) -> str:

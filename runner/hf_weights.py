@@ -16,12 +16,12 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -61,6 +61,13 @@ def _index(directory: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise _fail(path, "has no weight_map (tensor name -> file)", "the index save_pretrained writes, with its "
                     "weight_map, or delete it (a single model.safetensors needs none)")
+    # Lexically, not resolved: a hub cache's snapshot holds symlinks into its blobs/, which is fine.
+    outside = [f"{shown(k)} -> {shown(f)}" for k, f in weight_map.items()
+               if isinstance(f, str) and (PurePath(f).is_absolute() or ".." in PurePath(f).parts)]
+    if outside:
+        raise _fail(path, f"maps tensors to files outside the model directory: {', '.join(outside[:5])}"
+                    f"{' …' if len(outside) > 5 else ''}", "file names of the model directory itself, as "
+                    "save_pretrained writes them (copy the files into the directory and name them there)")
     absent = sorted({f for f in weight_map.values() if not isinstance(f, str) or not (directory / f).is_file()},
                     key=str)
     if absent:

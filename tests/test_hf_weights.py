@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -253,6 +254,18 @@ def test_damaged_weight_files_and_indexes_are_named(tmp_path):
         if index is not None:
             (path / "model.safetensors.index.json").write_text(json.dumps(index))
         with pytest.raises(ConfigError, match=message):
+            validate(_cfg(path))
+
+
+def test_index_entries_outside_the_model_directory_are_refused_before_launch(tmp_path):
+    path = write_model(tmp_path / "m", "llama", weights=True)
+    keys = list(load_file(path / "model.safetensors"))
+    outside = shutil.copy(path / "model.safetensors", tmp_path / "outside.safetensors")  # a whole, readable file
+    for entry in ["../outside.safetensors", str(outside)]:
+        weight_map = {**{k: "model.safetensors" for k in keys}, "model.norm.weight": entry}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ConfigError, match=r"model.safetensors.index.json maps tensors to files outside the "
+                                              rf"model directory: 'model.norm.weight' -> '{re.escape(entry)}'.*Fix: "):
             validate(_cfg(path))
 
 
