@@ -155,7 +155,7 @@ class _CostsLoader(yaml.SafeLoader):
 
     depth = 0
 
-    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]  # PyYAML's untyped hook
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise _Refused(f"line {event.start_mark.line + 1} has an alias (*{event.anchor}): aliases are refused "
