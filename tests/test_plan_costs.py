@@ -192,6 +192,14 @@ def test_costs_files_refuse_aliases_and_deep_nesting_while_loading(tmp_path):
             read_costs(str(tmp_path / f"digits.{suffix}"))
 
 
+def test_a_run_directory_whose_summary_nests_past_pythons_limit_is_refused(tmp_path):
+    from runner.plan.probe import read_run
+
+    (tmp_path / "summary.json").write_text('{"bubble": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=r"is not a finished run's directory or summary\.json \(maximum recursion"):
+        read_run(tmp_path)
+
+
 def test_a_value_quoted_in_a_refusal_is_bounded(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"pp": 2, "microbatches": 4, "F": 1, "W": 1, "B": "x" * 100_000}))
