@@ -26,6 +26,7 @@ from runner.split import StageModule, build_meta_model, materialize
 from runner.tied import TiedWeights, share_local_copies
 from runner.tp import apply_tp, loss_context, sum_partial_grads, tp_plan
 from runner.units import describe_names
+from runner.watchdog import waiting
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
 
@@ -109,8 +110,10 @@ class PipelinedStep:
         self.loss_context = loss_context(loss_parallel and self.has_last)
 
     def attach(self, recorder: Recorder) -> None:
+        """Time and note (heartbeats) each stage's actions; note the schedule's waits for messages."""
         for stage in self.stages:
             recorder.wrap_stage(stage)
+        _torch_pp.mark_p2p_waits(waiting)
 
     def _run(self, run, inputs, targets, kwargs) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []

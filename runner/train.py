@@ -41,7 +41,7 @@ from runner.profile import RunProfiler
 from runner.provenance import device_name
 from runner.split import StageModule
 from runner.verify import VerifyFirstStep
-from runner.watchdog import beat, busy
+from runner.watchdog import beat, busy, waiting
 
 __all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm"]
 
@@ -63,8 +63,10 @@ def reduce_loss_and_grad_norm(local_loss: torch.Tensor | None, params: list[torc
     world's sums divided by ``stage_ranks`` are the loss and the squared global norm. A per-rank
     clip would scale each stage differently; this norm is the same on every rank."""
     loss = local_loss.detach().float() if local_loss is not None else torch.zeros((), device=env.device)
-    sums = all_reduce_sum(torch.stack([loss, _squares(params, env.device)]), env) / mesh.dims.stage_ranks
-    loss_value, norm_sq = sums.tolist()  # the step's one host sync
+    local = torch.stack([loss, _squares(params, env.device)])
+    with waiting("the step's loss and gradient-norm all-reduce"):  # blocked here, a rank waits for its peers
+        sums = all_reduce_sum(local, env) / mesh.dims.stage_ranks
+        loss_value, norm_sq = sums.tolist()  # the step's one host sync
     return loss_value, math.sqrt(norm_sq)
 
 
@@ -253,7 +255,8 @@ class Trainer:
         held = [loss for loss in losses if loss is not None]  # all of them or none
         local = torch.stack(held).mean() if held else None
         loss_t = local if local is not None else torch.zeros((), device=env.device)
-        return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dims.stage_ranks
+        with waiting("the evaluation's loss all-reduce"):
+            return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dims.stage_ranks
 
     # -- checkpoint ------------------------------------------------------------------------------
     def checkpoint(self, step: int) -> None:
