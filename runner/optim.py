@@ -66,8 +66,8 @@ def _memory(p: torch.Tensor) -> tuple[int, int, int] | None:
     if local.numel() == 0 or local.device.type == "meta":  # no memory to share
         return None
     size = local.element_size()
-    start = local.storage_offset() * size
-    span = sum((n - 1) * stride for n, stride in zip(local.shape, local.stride())) + 1
+    start = int(local.storage_offset()) * size
+    span = sum((int(n) - 1) * stride for n, stride in zip(local.shape, local.stride())) + 1
     return local.untyped_storage().data_ptr(), start, start + span * size
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -157,7 +157,7 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     loss_parallel = tp is not None and tp.loss_parallel
     styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
 
-    def sharded(units: list[str]) -> StageModule:
+    def sharded(units: Sequence[str]) -> StageModule:
         """This rank's part of ``units``: materialised, then sharded over its tp group."""
         module = materialize(meta, units, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
         if tp is not None and mesh.tp_mesh is not None:
