@@ -53,6 +53,20 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         compose(override)
 
 
+@pytest.mark.parametrize("override,nearest", [("trian.steps=5", "train.steps=5"), ("train.stpes=5", "train.steps=5"),
+                                              ("model.dimm=3", "model.dim=3"),
+                                              ("parallel.microbtches=8", "parallel.microbatches=8")])
+def test_a_misspelt_key_gets_the_nearest_keys_in_the_first_message(override, nearest):
+    from runner.exits import outcome
+
+    with pytest.raises(ConfigCompositionException) as info:
+        compose(override)
+    code, message = outcome(info.value, started=False)
+    key = nearest.split("=")[0]
+    assert code == 2 and f"Did you mean {key}" in message and f"Fix: {nearest}" in message
+    assert f"+{override}" not in message  # not Hydra's advice to add it, which the runner refuses next
+
+
 BAD = [
     # (overrides, substrings the message must contain)
     (["schedule=csv"], ["schedule.csv", "missing"]),
