@@ -12,7 +12,7 @@ from runner.data import SyntheticData, TextData, get_batch
 from runner.errors import ConfigError
 from runner.models import transformer
 from runner.optim import lr_factor, param_groups
-from runner.verify import compare
+from runner.verify_compare import compare
 
 
 def test_synthetic_batches_are_a_pure_function_of_seed_and_step():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runner.models import transformer
-from runner.verify import TOLERANCES
+from runner.verify_compare import TOLERANCES
 
 from helpers.config import TINY, resolved
 from helpers.parity import CLIP, assert_close_at_bf16, assert_matches, reference
