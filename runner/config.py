@@ -353,10 +353,9 @@ class RunConfig:
     # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
     logger: Dict[str, Any] = field(default_factory=dict)
     device: str = field(default="auto", metadata=choices(Device))  # auto | cpu | cuda
-    # Also train the unsplit model on rank 0 beside the run and compare: the first step's loss and every
-    # gradient, the weights after each of the first verify_steps optimizer steps, and the loss and gradient
-    # norm of every step up to verify_steps + 1 (docs/verify.md). null (auto): on for a model=hf family
-    # outside the tested list (model.allow_unlisted=true), off otherwise.
+    # Also train the unsplit model on rank 0 beside the run for verify_steps optimizer steps and compare
+    # gradients, weights, losses and norms (docs/verify.md). null (auto): on for a model=hf family outside
+    # the tested list (model.allow_unlisted=true), off otherwise.
     verify: Optional[bool] = None
     verify_steps: int = 2  # optimizer steps verify follows (>= 1; 1 = the first update only)
 

@@ -201,7 +201,6 @@ class Reference:
             group["lr"] = lr
 
 
-
 def _gather_adam_state(ctx: StepContext) -> dict[str, dict[str, torch.Tensor | None]]:
     """This run's AdamW state on rank 0, per state key, by full parameter name. Collective."""
     state = ctx.optimizer.state

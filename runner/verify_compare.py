@@ -84,7 +84,7 @@ def compare_weights(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Te
                             f"(lr {lr:.3g}; at most {units.max().item():.3g} lr)")
     return {"passed": not problems, "lr": lr, "max_lr_units": worst_units, "max_fraction_off": worst_fraction,
             "worst_param": worst, "max_lr_units_allowed": max_lr_units, "max_fraction_allowed": max_fraction,
-            "problems": problems[:20]}
+            "problems": problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])}
 
 
 def compare_drift(loss: float, ref_loss: float, grad_norm: float, ref_grad_norm: float, *,
