@@ -316,8 +316,8 @@ class Verify(Hook):
             assert self.reference is not None
             units, fraction = WEIGHT_TOLERANCES[ctx.plan.train.precision]
             report = compare_weights(got, self.reference.weights(), self.lr, max_lr_units=units, max_fraction=fraction)
-            log.info("verify: weights after step %d: at most %.3g lr apart, at most %.3g%% of a tensor beyond "
-                     "%g lr -> %s", state.step, report["max_lr_units"], 100 * report["max_fraction_off"], units,
+            log.info("verify: weights after step %d: at most %.3g lr apart, %.3g%% of them beyond %g lr -> %s",
+                     state.step, report["max_lr_units"], 100 * report["fraction_off"], units,
                      "passed" if report["passed"] else "FAILED")
         what = f"the weights after step {state.step}'s update differ"
         self._record(state.step, "weights", _conclude(report, ctx.env, what))

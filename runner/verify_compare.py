@@ -17,7 +17,7 @@ __all__ = ["TOLERANCES", "WEIGHT_TOLERANCES", "DRIFT", "compare", "compare_weigh
 # an 8-bit mantissa (relative step 2**-8) and reductions in another order per layout.
 TOLERANCES = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 2e-3)}
 # Weights after an update: (how far an element may be off, in units of the step's learning rate;
-# the fraction of a tensor's elements that may be further off). A double or skipped update moves
+# the fraction of the model's elements that may be further off). A double or skipped update moves
 # nearly every element by about lr; a sign flip of a gradient element at rounding level, up to 2 lr.
 WEIGHT_TOLERANCES = {"fp32": (0.5, 0.01), "bf16": (0.5, 0.05)}
 # Relative difference allowed in the loss and the global gradient norm once the weights have been
@@ -66,25 +66,30 @@ def compare(
 def compare_weights(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor], lr: float, *,
                     max_lr_units: float = WEIGHT_TOLERANCES["fp32"][0],
                     max_fraction: float = WEIGHT_TOLERANCES["fp32"][1]) -> dict:
-    """The weights after an update, in units of its learning rate ``lr``: a tensor fails when
-    more than ``max_fraction`` of its elements differ from the unsplit model's by more than
-    ``max_lr_units`` x lr. Reports the largest difference (in lr) and the largest fraction off."""
+    """The weights after an update, in units of its learning rate ``lr``: fails when more than
+    ``max_fraction`` of all the elements compared differ from the unsplit model's by more than
+    ``max_lr_units`` x lr, naming the tensors with most of them. Counted over the whole model, not
+    per tensor: an element whose true gradient is zero (a key projection's bias: softmax ignores a
+    constant added to every score) is updated by the sign of rounding noise, which in bf16 or on
+    large sums outgrows AdamW's eps, so a small tensor can be half off in an exact layout."""
     problems = [f"{n}: not in the unsplit model" for n in got if n not in ref]
-    worst_units, worst_fraction, worst = 0.0, 0.0, None
+    off: dict[str, tuple[int, int, float]] = {}  # name -> elements beyond, elements, the largest (in lr)
     for name, w in got.items():
-        if w is None or name not in ref:
-            continue
-        units = (w - ref[name]).abs() / max(lr, 1e-30)  # lr 0: any difference fails
-        fraction = (units > max_lr_units).float().mean().item()
-        if units.max().item() > worst_units:
-            worst_units, worst = units.max().item(), name
-        worst_fraction = max(worst_fraction, fraction)
-        if fraction > max_fraction:
-            problems.append(f"{name}: {fraction:.1%} of its elements differ by more than {max_lr_units:g} lr "
-                            f"(lr {lr:.3g}; at most {units.max().item():.3g} lr)")
-    return {"passed": not problems, "lr": lr, "max_lr_units": worst_units, "max_fraction_off": worst_fraction,
-            "worst_param": worst, "max_lr_units_allowed": max_lr_units, "max_fraction_allowed": max_fraction,
-            "problems": problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])}
+        if w is not None and name in ref:
+            units = (w - ref[name]).abs() / max(lr, 1e-30)  # lr 0: any difference fails
+            off[name] = (int((units > max_lr_units).sum()), units.numel(), units.max().item())
+    fraction = sum(n for n, _, _ in off.values()) / max(1, sum(total for _, total, _ in off.values()))
+    if fraction > max_fraction:
+        problems.append(f"{fraction:.2%} of the weights differ by more than {max_lr_units:g} lr (lr {lr:.3g}; at "
+                        f"most {max_fraction:.0%} may), most of them in:")
+        ranked = sorted((item for item in off.items() if item[1][0]), key=lambda item: -item[1][0])
+        problems += [f"{name}: {n / total:.1%} of its elements (at most {most:.3g} lr)"
+                     for name, (n, total, most) in ranked[:20]]
+        problems += [f"... and {len(ranked) - 20} more tensors"] if len(ranked) > 20 else []
+    worst = max(off, key=lambda name: off[name][2], default=None)
+    return {"passed": not problems, "lr": lr, "max_lr_units": off[worst][2] if worst else 0.0,
+            "fraction_off": fraction, "worst_param": worst, "max_lr_units_allowed": max_lr_units,
+            "max_fraction_allowed": max_fraction, "problems": problems}
 
 
 def compare_drift(loss: float, ref_loss: float, grad_norm: float, ref_grad_norm: float, *,
