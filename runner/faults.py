@@ -5,9 +5,11 @@ them: the training step meets them as a hook, a checkpoint's save as its ``befor
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
 (SIGKILL), ``stall`` (sleep far past the collective timeout), ``sigstop`` (SIGSTOP in the middle of
 the rank's first action of the step, inside its first stage's forward, where its tp peers then wait
-in that action's collectives), ``nan`` (a non-finite loss) or ``nangrad`` (a finite loss with a
-non-finite gradient), on that rank at the start of that step (numbered from 1, as in the logs and
-metrics.jsonl): a hook (``fault_hooks``) the trainer holds only when such a fault is set.
+in that action's collectives), ``nan`` (a non-finite loss), ``nangrad`` (a finite loss with a
+non-finite gradient) or ``double-step`` (that rank's optimizer applies the step's update twice: a
+silently wrong run, which only ``verify`` catches), on that rank at that step (numbered from 1, as
+in the logs and metrics.jsonl): a hook (``fault_hooks``) the trainer holds only when such a fault is
+set.
 ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0 between the shard writes and the commit
 of step N's checkpoint (``commit_fault``, the callback the trainer hands its ``Checkpointer``).
 """
@@ -45,7 +47,8 @@ def _stop_in_forward(module: torch.nn.Module) -> None:
 
 class TrainFault(Hook):
     """``what`` on ``rank`` at ``step``: raise, kill and stall as the step begins, sigstop in its
-    first forward; nan and nangrad once its backward has run."""
+    first forward; nan and nangrad once its backward has run; double-step once its gradients are
+    clipped."""
 
     def __init__(self, what: str, rank: int, step: int):
         self.what, self.rank, self.step = what, rank, step
@@ -72,6 +75,10 @@ class TrainFault(Hook):
             state.local_loss = state.local_loss * float("nan")
         if self.what == "nangrad":  # a finite loss with a non-finite gradient
             next(p.grad for p in ctx.params if p.grad is not None).mul_(float("nan"))
+
+    def after_clip(self, ctx: StepContext, state: StepState) -> None:
+        if self._due(ctx, state) and self.what == "double-step":  # the trainer's own step follows
+            ctx.optimizer.step()
 
 
 def fault_hooks() -> list[Hook]:

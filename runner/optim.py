@@ -15,7 +15,8 @@ from runner.options import LRSchedule, NoDecay
 if TYPE_CHECKING:
     from runner.config import TrainConfig
 
-__all__ = ["NO_DECAY_KINDS", "lr_factor", "param_groups", "check_distinct_storage", "build_optimizer"]
+__all__ = ["NO_DECAY_KINDS", "lr_factor", "param_groups", "check_distinct_storage", "build_optimizer",
+           "clip_grads"]
 
 # By shape and role, not by a list of classes (transformers' LlamaRMSNorm is no torch norm):
 # every 1-D parameter is a bias or a gain (the weights of norms of any class), and embedding tables
@@ -94,3 +95,24 @@ def build_optimizer(modules: Sequence[nn.Module], train: TrainConfig, *, embeddi
         s, steps=train.steps, warmup_steps=train.warmup_steps, min_lr_ratio=train.min_lr_ratio,
         schedule=train.lr_schedule))
     return optimizer, scheduler
+
+
+def clip_grads(params: Sequence[nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale every gradient by ``max_norm / total_norm`` where the norm exceeds it (``max_norm`` 0:
+    no clipping). ``total_norm`` is the global one, the same on every rank: a per-rank clip would
+    scale each stage differently. The training step and verify's unsplit reference both clip here."""
+    if max_norm <= 0:
+        return
+    norm = torch.tensor(total_norm)
+    for group in _by_kind(params):  # torch's foreach ops take DTensors or tensors, not both
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+
+
+def _by_kind(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters grouped by the mesh their DTensors live on, and the plain ones: torch's
+    foreach ops take neither a mix of DTensors and tensors nor DTensors of two meshes (with FSDP
+    over tp, the tp-sharded weights are on the (dp, tp) mesh, the others on dp's alone)."""
+    kinds: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(kinds.values())

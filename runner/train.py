@@ -33,14 +33,14 @@ from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import RunPlan
 from runner.mesh import Mesh, build_mesh
-from runner.optim import build_optimizer
+from runner.optim import build_optimizer, clip_grads
 from runner.outputs import MetricsWriter, as_ran, make_summary, peak_memory_bytes, write_resolved_config, write_summary
 from runner.pipeline import Batch, build_step
 from runner.processes import raise_if_stopped
 from runner.profile import RunProfiler
 from runner.provenance import device_name
 from runner.split import StageModule
-from runner.verify import VerifyFirstStep
+from runner.verify import Verify
 from runner.watchdog import beat, busy, waiting
 
 __all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm"]
@@ -95,16 +95,6 @@ def _shards(g: DTensor) -> int:
     return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
 
 
-def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """The parameters grouped by the mesh their DTensors live on, and the plain ones: torch's
-    foreach ops take neither a mix of DTensors and tensors nor DTensors of two meshes (with FSDP
-    over tp, the tp-sharded weights are on the (dp, tp) mesh, the others on dp's alone)."""
-    kinds: dict[object, list[torch.nn.Parameter]] = {}
-    for p in params:
-        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return list(kinds.values())
-
-
 def _replica_share(batch: Batch, mesh: Mesh, device: torch.device) -> Batch:
     """This dp replica's rows of the global batch (the same global batch whatever the layout),
     contiguous: datasets hand out views (``window[:, :-1]``), and torch 2.11's first stage refused
@@ -154,7 +144,7 @@ class Trainer:
         self.plan, self.cfg, self.env = plan, cfg, env
         self.run_dir = plan.run_dir
         self.clock = clock or StartupClock()
-        self.hooks: list[Hook] = [*fault_hooks(), *([VerifyFirstStep()] if plan.verify else []), *hooks]
+        self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if plan.verify else []), *hooks]
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
@@ -187,7 +177,8 @@ class Trainer:
         self.metrics = (MetricsWriter(self.run_dir, cfg.logging, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
         self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
-                                   not_counted=frozenset(self.tied.not_counted()), plan=plan, cfg=cfg)
+                                   not_counted=frozenset(self.tied.not_counted()), optimizer=self.optimizer,
+                                   scheduler=self.scheduler, plan=plan, cfg=cfg)
         self.clock.mark("setup")  # optimizer, checkpoint, profiler, loggers
 
     # -- step ------------------------------------------------------------------------------------
@@ -218,15 +209,12 @@ class Trainer:
             raise NonFiniteLossError(_non_finite_message(state.step, state.loss, state.grad_norm,
                                                          self.checkpointer.last_good))
         self._call("after_reduce", state)
-        grad_clip = self.plan.train.grad_clip
-        if grad_clip > 0:
-            norm = torch.tensor(state.grad_norm)
-            for group in _by_kind(self.params):  # torch's foreach ops take DTensors or tensors, not both
-                torch.nn.utils.clip_grads_with_norm_(group, grad_clip, norm)
+        clip_grads(self.params, self.plan.train.grad_clip, state.grad_norm)
         self._call("after_clip", state)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
+        self._call("after_step", state)
         step_time = time.perf_counter() - start
         self.profiler.end_step()
         self.step_times.append(step_time)

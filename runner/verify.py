@@ -1,9 +1,17 @@
-"""``verify=true``: the unsplit model, on rank 0, on the run's first batch; its loss and every
-parameter's gradient against the pipeline's. Catches gradients silently scaled, missing or
-applied to the wrong stage, and units that do not compute what the model does: the reference is
-the model's own forward (for a Hugging Face model, transformers' forward of the unmodified
-model), with the run's initial weights (a resumed run: the weights of the checkpoint it resumed
-from, as its stages hold them)."""
+"""``verify=true``: the unsplit model trains on rank 0 beside the run, from the run's initial
+weights (a resumed run: the checkpoint's weights, as its stages hold them, and the run's AdamW
+state), with the run's own optimizer, parameter groups, clipping and LR schedule
+(``runner.optim``), on the same batches split into the same microbatches. The reference is the
+model's own forward (for a Hugging Face model, transformers' forward of the unmodified model).
+What it holds the run to, over the first ``verify_steps`` (K) optimizer steps:
+
+* step 1: the loss and every parameter's gradient (``TOLERANCES``): gradients silently scaled,
+  missing or applied to the wrong stage, units that do not compute what the model does;
+* after each of steps 1..K: every weight, in units of that step's learning rate
+  (``WEIGHT_TOLERANCES``): an update applied twice or skipped, a wrong decay group or clip;
+* steps 2..K+1: the loss and the global gradient norm (``DRIFT``).
+
+The rules and their tolerances are ``runner.verify_compare``'s."""
 
 from __future__ import annotations
 
@@ -21,46 +29,67 @@ from torch.distributed.tensor import DTensor
 from runner.dist import DistEnv, gather_to_main
 from runner.errors import VerifyError
 from runner.hooks import Hook, StepContext, StepState
+from runner.layout import RunPlan
 from runner.losses import build_loss
+from runner.optim import build_optimizer, clip_grads
 from runner.parallelize import PRECISIONS
 from runner.pipeline import Batch, UnsplitStep
 from runner.split import build_meta_model, materialize
 from runner.units import SequentialSpec, tied_groups
+from runner.verify_compare import DRIFT, TOLERANCES, WEIGHT_TOLERANCES, compare, compare_drift, compare_weights
 from runner.watchdog import busy
 
-__all__ = ["TOLERANCES", "collect_grads", "gather_grads", "compare", "verify_first_step", "VerifyFirstStep"]
+__all__ = ["collect", "collect_grads", "gather", "gather_grads", "reference_model", "Reference", "Verify"]
 
 log = logging.getLogger(__name__)
 
-# (rtol, atol) per train.precision. fp32: those of torch's own test_schedule_multiproc.py. bf16:
-# an 8-bit mantissa (relative step 2**-8) and reductions in another order per layout.
-TOLERANCES = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 2e-3)}
+
+def _grad(p: nn.Parameter) -> torch.Tensor | None:
+    return p.grad
 
 
-def collect_grads(modules: Sequence[nn.Module], skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
-    """Full parameter name → a CPU copy of its whole gradient (None where backward left none),
-    but for the names in ``skip`` (copies of a tied weight, which the unsplit model names once).
-    Sharded (FSDP) gradients are gathered: a collective over the dp group."""
+def _weight(p: nn.Parameter) -> torch.Tensor:
+    return p
 
-    def whole(g: torch.Tensor) -> torch.Tensor:
-        return (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+
+def collect(modules: Sequence[nn.Module], value: Callable[[nn.Parameter], torch.Tensor | None] = _grad,
+            skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
+    """Full parameter name → a CPU copy of the whole of ``value(parameter)`` (its gradient by
+    default; None where there is none), but for the names in ``skip`` (copies of a tied weight,
+    which the unsplit model names once). Sharded (DTensor) values are gathered: a collective over
+    their mesh, so every rank calls this at the same point."""
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
     out, seen = {}, set()
     for module in modules:
         for name, p in module.named_parameters():
             if name not in skip and id(p) not in seen:  # a weight two stages share: under its first name
                 seen.add(id(p))
-                out[name] = None if p.grad is None else whole(p.grad)
+                t = value(p)
+                out[name] = None if t is None else whole(t)
     return out
+
+
+def collect_grads(modules: Sequence[nn.Module], skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
+    """Every gradient, by full name (``collect``)."""
+    return collect(modules, _grad, skip)
+
+
+def gather(modules: Sequence[nn.Module], env: DistEnv, value: Callable[[nn.Parameter], torch.Tensor | None] = _grad,
+           skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
+    """Every rank's ``collect``, by full name, on rank 0 (empty elsewhere). Collective."""
+    gathered = gather_to_main(collect(modules, value, skip), env)
+    if gathered is None:  # not rank 0
+        return {}
+    return {name: t for part in gathered for name, t in part.items()}
 
 
 def gather_grads(modules: Sequence[nn.Module], env: DistEnv,
                  skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
     """Every rank's gradients, by full name, on rank 0 (empty elsewhere). Collective."""
-    gathered = gather_to_main(collect_grads(modules, skip), env)
-    if gathered is None:  # not rank 0
-        return {}
-    return {name: g for part in gathered for name, g in part.items()}
+    return gather(modules, env, _grad, skip)
 
 
 def _load_checkpoint_weights(units: nn.Module, tied: list[list[str]], checkpoint: Path) -> None:
@@ -125,106 +154,180 @@ def active_dropout(cfg: DictConfig) -> list[str]:
     return found
 
 
-def compare(
-    got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None], loss: float, ref_loss: float,
-    *, rtol: float = TOLERANCES["fp32"][0], atol: float = TOLERANCES["fp32"][1],
-) -> dict:
-    """Largest absolute and relative gradient differences; ``passed`` as ``torch.allclose``
-    with ``rtol``/``atol`` on the loss and on every gradient, and no gradient missing."""
-    problems = [f"{n}: no gradient in the pipeline" for n in ref if got.get(n) is None and ref[n] is not None]
-    problems += [f"{n}: not in the unsplit model" for n in got if n not in ref]
-    max_abs = max_rel = 0.0
-    worst = None
-    for name, r in ref.items():
-        g = got.get(name)
-        if g is None or r is None:
-            continue
-        diff = (g - r).abs()
-        rel = (diff / r.abs().clamp_min(1e-12)).max().item()
-        if diff.max().item() > max_abs:
-            max_abs, worst = diff.max().item(), name
-        max_rel = max(max_rel, rel)
-        if not torch.allclose(g, r, rtol=rtol, atol=atol):
-            problems.append(f"{name}: max abs diff {diff.max().item():.3g}")
-    loss_diff = abs(loss - ref_loss)
-    if loss_diff > atol + rtol * abs(ref_loss):
-        problems.append(f"loss {loss:.6f} vs unsplit {ref_loss:.6f}")
-    return {
-        "passed": not problems,
-        "loss": loss,
-        "ref_loss": ref_loss,
-        "loss_abs_diff": loss_diff,
-        "max_abs_diff": max_abs,
-        "max_rel_diff": max_rel,
-        "worst_param": worst,
-        "rtol": rtol,
-        "atol": atol,
-        "problems": problems[:20],
-    }
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # AdamW's state per parameter
 
 
-def verify_first_step(
-    cfg: DictConfig,
-    modules: Sequence[nn.Module],
-    loss: float,
-    batch: Batch,
-    env: DistEnv,
-    *,
-    microbatches: int,
-    skip: Collection[str] = (),
-    resume: Path | None = None,
-) -> dict:
-    """Call after the first step's backward, before clipping and the optimizer, with the step's
-    global batch and the layout's microbatch count. The reference runs in the run's precision
-    (autocast for bf16) on CPU. Every rank gets the report; every rank raises ``VerifyError``
-    together when it failed (none is left waiting). ``skip``: names of tied copies (see
-    ``collect_grads``). ``resume``: the checkpoint the run resumed from (the reference's weights)."""
-    got = gather_grads(modules, env, skip)
-    report: dict | None = None
-    if env.is_main:
-        model, forward = reference_model(cfg, resume)
+class Reference:
+    """The unsplit model on rank 0 (CPU, the run's precision), trained as the run trains: the
+    same microbatches and loss scaling (``UnsplitStep``), the run's AdamW and parameter groups
+    (a head tied to the embedding is the embedding's parameter here, so it skips decay as the
+    run's tied-embedding exemption has it do), its clipping and LR schedule (``runner.optim``)."""
+
+    def __init__(self, cfg: DictConfig, plan: RunPlan):
+        self.model, forward = reference_model(cfg, plan.resume)
+        self.unsplit = UnsplitStep(self.model, plan.layout.microbatches, build_loss(cfg.loss), forward=forward)
+        self.optimizer, self.scheduler = build_optimizer([self.model], plan.train)
+        self.grad_clip = plan.train.grad_clip
+
+    def backward(self, batch: Batch) -> tuple[float, float]:
+        """The step's forward and backward on the global batch: its loss and global gradient norm."""
+        self.optimizer.zero_grad(set_to_none=True)
         inputs, targets, kwargs = batch
-        step = UnsplitStep(model, microbatches, build_loss(cfg.loss), forward=forward)
-        ref_loss = step(inputs, targets, **kwargs)
-        rtol, atol = TOLERANCES[cfg.train.precision]
-        report = compare(got, collect_grads([model]), loss, ref_loss.item(), rtol=rtol, atol=atol)
-        if not report["passed"]:
-            dropout = active_dropout(cfg)
-            if dropout:
-                report["problems"].insert(0, (
-                    f"the model applies dropout in training ({', '.join(dropout[:6])}): the pipelined and the "
-                    "unsplit run draw different random masks, so they cannot match. Fix: verify with dropout "
-                    "off (model=hf: +model.config_overrides.<its config key>=0.0), then train with it."))
-        log.info("verify: max abs diff %.3g, max rel diff %.3g, loss diff %.3g -> %s",
-                 report["max_abs_diff"], report["max_rel_diff"], report["loss_abs_diff"],
-                 "passed" if report["passed"] else "FAILED")
+        loss = self.unsplit(inputs, targets, **kwargs).item()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return loss, torch.nn.utils.get_total_norm(grads).item()
+
+    def update(self, grad_norm: float) -> float:
+        """Clip and step as the run's trainer does; returns the learning rate of the update."""
+        clip_grads(list(self.model.parameters()), self.grad_clip, grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return lr
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter by every name it has (a tied weight under each of its names)."""
+        return {n: p.detach() for n, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def resume_state(self, moments: dict[str, dict[str, torch.Tensor | None]], scheduler: dict) -> None:
+        """A resumed run's AdamW state (``state[key][name]``, gathered from its ranks) and LR
+        schedule: the reference then updates from where the run's optimizer stands."""
+        named = dict(self.model.named_parameters())
+        for name, p in named.items():
+            if moments["exp_avg"].get(name) is not None:
+                self.optimizer.state[p] = {key: moments[key][name] for key in ADAM_STATE}
+        self.scheduler.load_state_dict(scheduler)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+
+
+def _gather_adam_state(ctx: StepContext) -> dict[str, dict[str, torch.Tensor | None]]:
+    """This run's AdamW state on rank 0, per state key, by full parameter name. Collective."""
+    state = ctx.optimizer.state
+
+    def of(key: str) -> Callable[[nn.Parameter], torch.Tensor | None]:
+        return lambda p: state[p].get(key) if p in state else None
+
+    return {key: gather(ctx.modules, ctx.env, of(key), ctx.not_counted) for key in ADAM_STATE}
+
+
+def _conclude(report: dict | None, env: DistEnv, what: str) -> dict:
+    """Rank 0's ``report`` on every rank; every rank raises ``VerifyError`` together when it
+    failed (none is left waiting). ``what``: what differed, for the message."""
     if env.world_size > 1:
         box = [report]
         dist.broadcast_object_list(box, src=0)
         report = box[0]
     assert report is not None  # rank 0 made it; the other ranks received it
     if not report["passed"]:
-        raise VerifyError(
-            "verify=true: the pipelined first step differs from the unsplit model's:\n  "
-            + "\n  ".join(report["problems"])
-        )
+        problems = "\n  ".join(report["problems"])
+        raise VerifyError(f"verify=true: {what} from the unsplit model's:\n  {problems}")
     return report
 
 
-class VerifyFirstStep(Hook):
-    """``verify=true``: the first step this run trains, compared with the unsplit model's on the
-    same batch, after the backward and before clipping; its report goes into the summary."""
+def _with_dropout_hint(report: dict, cfg: DictConfig) -> dict:
+    """A failed first step of a model that applies dropout: the reason, first."""
+    dropout = active_dropout(cfg) if not report["passed"] else []
+    if dropout:
+        report["problems"].insert(0, (
+            f"the model applies dropout in training ({', '.join(dropout[:6])}): the pipelined and the "
+            "unsplit run draw different random masks, so they cannot match. Fix: verify with dropout "
+            "off (model=hf: +model.config_overrides.<its config key>=0.0), then train with it."))
+    return report
+
+
+class Verify(Hook):
+    """``verify=true`` (see the module's docstring): rank 0's reference steps beside the run from
+    the first step this run trains; each check's report goes into the summary's ``verify``."""
 
     def __init__(self) -> None:
         self.report: dict | None = None
+        self.first = 0  # the first step this run trains (after a resume: the one after the checkpoint)
+        self.reference: Reference | None = None  # rank 0's, until the last step compared
+        self.lr = 0.0  # the learning rate of the update being verified (rank 0's reference's)
+        self.ref_grad_norm = 0.0  # the reference's global gradient norm at this step, before clipping
+
+    def _nth(self, ctx: StepContext, state: StepState) -> int:
+        """Which verified step this is (from 1), or 0 past the last one compared (K + 1)."""
+        if state.first:
+            self.first = state.step
+        nth = state.step - self.first + 1
+        return nth if self.first and nth <= ctx.plan.verify_steps + 1 else 0
 
     def after_reduce(self, ctx: StepContext, state: StepState) -> None:
-        if state.first:
-            assert state.loss is not None  # reduced before after_reduce
-            busy(f"verifying step {state.step} against the unsplit model")
-            self.report = verify_first_step(ctx.cfg, ctx.modules, state.loss, state.batch, ctx.env,
-                                            microbatches=ctx.plan.layout.microbatches,
-                                            skip=ctx.not_counted, resume=ctx.plan.resume)
+        nth = self._nth(ctx, state)
+        if not nth:
+            return
+        busy(f"verifying step {state.step} against the unsplit model")
+        if nth == 1:
+            self._start(ctx, state)
+        else:
+            self._drift(ctx, state)
+        if ctx.env.is_main and self.reference is not None:
+            if nth <= ctx.plan.verify_steps:
+                self.lr = self.reference.update(self.ref_grad_norm)
+            else:
+                self.reference = None  # K + 1 compared: its memory back
+
+    def _start(self, ctx: StepContext, state: StepState) -> None:
+        """The first step: the reference built (a resumed run's AdamW state copied into it), its
+        loss and every gradient against the run's, before clipping."""
+        assert state.loss is not None  # reduced before after_reduce
+        got = gather_grads(ctx.modules, ctx.env, ctx.not_counted)
+        moments = _gather_adam_state(ctx) if ctx.plan.resume is not None else None
+        report = None
+        if ctx.env.is_main:
+            self.reference = Reference(ctx.cfg, ctx.plan)
+            if moments is not None:
+                self.reference.resume_state(moments, ctx.scheduler.state_dict())
+            ref_loss, self.ref_grad_norm = self.reference.backward(state.batch)
+            rtol, atol = TOLERANCES[ctx.plan.train.precision]
+            report = compare(got, collect_grads([self.reference.model]), state.loss, ref_loss, rtol=rtol, atol=atol)
+            report = _with_dropout_hint(report, ctx.cfg)
+            report.update(grad_norm=state.grad_norm, ref_grad_norm=self.ref_grad_norm, steps=[])
+            log.info("verify: step %d: max abs grad diff %.3g, max rel diff %.3g, loss diff %.3g -> %s", state.step,
+                     report["max_abs_diff"], report["max_rel_diff"], report["loss_abs_diff"],
+                     "passed" if report["passed"] else "FAILED")
+        self.report = _conclude(report, ctx.env, f"the pipelined first step (step {state.step}) differs")
+
+    def _drift(self, ctx: StepContext, state: StepState) -> None:
+        """A later step's loss and gradient norm, computed from the updated weights."""
+        assert state.loss is not None and state.grad_norm is not None
+        report = None
+        if ctx.env.is_main:
+            assert self.reference is not None
+            ref_loss, self.ref_grad_norm = self.reference.backward(state.batch)
+            report = compare_drift(state.loss, ref_loss, state.grad_norm, self.ref_grad_norm,
+                                   rtol=DRIFT[ctx.plan.train.precision])
+            log.info("verify: step %d: loss rel diff %.3g, grad norm rel diff %.3g -> %s", state.step,
+                     report["loss_rel_diff"], report["grad_norm_rel_diff"], "passed" if report["passed"] else "FAILED")
+        self._record(state.step, "loss_and_grad_norm",
+                     _conclude(report, ctx.env, f"step {state.step}'s loss or gradient norm differs"))
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        """After each of the first K updates: every weight (tied copies under each of their names)."""
+        nth = self._nth(ctx, state)
+        if not nth or nth > ctx.plan.verify_steps:
+            return
+        busy(f"verifying the weights after step {state.step} against the unsplit model")
+        got = gather(ctx.modules, ctx.env, _weight)
+        report = None
+        if ctx.env.is_main:
+            assert self.reference is not None
+            units, fraction = WEIGHT_TOLERANCES[ctx.plan.train.precision]
+            report = compare_weights(got, self.reference.weights(), self.lr, max_lr_units=units, max_fraction=fraction)
+            log.info("verify: weights after step %d: at most %.3g lr apart, %.3g%% of them beyond %g lr -> %s",
+                     state.step, report["max_lr_units"], 100 * report["fraction_off"], units,
+                     "passed" if report["passed"] else "FAILED")
+        what = f"the weights after step {state.step}'s update differ"
+        self._record(state.step, "weights", _conclude(report, ctx.env, what))
+
+    def _record(self, step: int, what: str, report: dict) -> None:
+        assert self.report is not None  # the first step's, made before any later one
+        steps = self.report["steps"]
+        if not steps or steps[-1]["step"] != step:
+            steps.append({"step": step})
+        steps[-1][what] = {k: v for k, v in report.items() if k != "problems"}
 
     def summary(self) -> dict:
         return {} if self.report is None else {"verify": self.report}

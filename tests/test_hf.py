@@ -17,7 +17,8 @@ from runner.errors import ConfigError
 from runner.optim import param_groups
 from runner.split import MetaModel, build_meta_model, materialize, plan_split
 from runner.units import SequentialSpec, tied_groups
-from runner.verify import compare, reference_model
+from runner.verify import reference_model
+from runner.verify_compare import compare
 
 from helpers.config import compose
 from helpers.hf import family_configs, write_model

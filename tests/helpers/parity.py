@@ -10,7 +10,7 @@ import torch
 from runner.dist import DistEnv
 from runner.train import train
 from runner.validate import validate
-from runner.verify import TOLERANCES
+from runner.verify_compare import TOLERANCES
 
 from helpers.config import TINY, compose
 from helpers.ranks import FirstGrads
