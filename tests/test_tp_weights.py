@@ -42,7 +42,7 @@ TIED_V = {
     "tied-zbv-sp-lp": ["parallel.pp=2", "parallel.tp=2", "schedule=zbv", "parallel.microbatches=4",
                        "train.batch_size=8", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
     "tied-dualpipev": ["parallel.pp=2", "parallel.tp=2", "schedule=dualpipev", "parallel.microbatches=4",
-                       "train.batch_size=8"],
+                       "train.batch_size=8", "verify=true"],  # verify caught the double update after step 1
 }
 TIED = {**TIED_V, "tied-fsdp-tp2": ["parallel.pp=1", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.tp=2",
                                     "parallel.microbatches=2", "train.batch_size=8"]}
@@ -177,6 +177,14 @@ def test_under_v_schedules_rank_0_holds_both_ends_of_the_pretrained_tied_weight(
         rows = len(torch.chunk(torch.arange(VOCAB), 2)[rank])
         assert all(r["diff"] == 0 and r["local"] == (rows, 32) for r in ends.values()), (case, rank)
     assert not {"model.embed_tokens.weight", "lm_head.weight"} & (set(loaded[2]) | set(loaded[3]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_verify_follows_the_tied_weight_through_two_updates_and_passes(ranks):
+    report = ranks["tied-dualpipev"]["result"]["summary"]["verify"]
+    assert report["passed"] and [sorted(s) for s in report["steps"]][:2] == [
+        ["step", "weights"], ["loss_and_grad_norm", "step", "weights"]]
 
 
 @pytest.mark.multiprocess
