@@ -57,9 +57,11 @@ class RunConfig:
     # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
     logger: Dict[str, Any] = field(default_factory=dict)
     device: str = field(default="auto", metadata=choices(Device))  # auto | cpu | cuda
-    # Also run the unsplit model on the first batch and compare loss and every gradient. null (auto):
-    # on for a model=hf family outside the tested list (model.allow_unlisted=true), off otherwise.
+    # Also train the unsplit model on rank 0 beside the run for verify_steps optimizer steps and compare
+    # gradients, weights, losses and norms (docs/verify.md). null (auto): on for a model=hf family outside
+    # the tested list (model.allow_unlisted=true), off otherwise.
     verify: Optional[bool] = None
+    verify_steps: int = 2  # optimizer steps verify follows (>= 1; 1 = the first update only)
 
 
 def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:

@@ -6,11 +6,12 @@ and memory sizes as users type them (``parse_bytes``). Each package's own group 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, shown
 from runner.options import ActivationCheckpointing, LRSchedule, NoDecay, Precision, choices
 
 __all__ = ["TrainConfig", "EvalConfig", "PlanConfig", "TargetPlanConfig", "parse_bytes"]
@@ -29,10 +30,11 @@ def parse_bytes(key: str, value: Any) -> int | None:
         return None
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS:
-        raise ConfigError(f"{key}={value!r} is not a memory size. Fix: bytes as a number (2000000000, 2e9) "
+    number = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else math.inf
+    if not math.isfinite(number):  # (1e999 reads as inf, which no int holds)
+        raise ConfigError(f"{key}={shown(value)} is not a memory size. Fix: bytes as a number (2000000000, 2e9) "
                           "or with a unit (2GB, 1.5GiB, 512MiB).")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(number)
 
 
 @dataclass

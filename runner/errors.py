@@ -1,11 +1,12 @@
 """The runner's exceptions and exit codes. Code raises the exceptions; only the outermost entry
 (``runner.__main__.cli``) turns them into exit codes, with ``exit_code``."""
 
+import reprlib
 import signal
 
 __all__ = ["RunnerError", "ConfigError", "RankFailedError", "StalledRankError", "VerifyError",
            "NonFiniteLossError", "CheckpointError", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED",
-           "Rejected", "exit_code", "interrupted_exit_code"]
+           "Rejected", "exit_code", "interrupted_exit_code", "shown"]
 
 # Exit codes: distinct from each other and from 1, Python's own status for an uncaught exception
 # (a bug in the runner, shown with its traceback).
@@ -13,6 +14,20 @@ EXIT_CONFIG = 2  # the configuration cannot run: nothing was started (argparse's
 EXIT_FAILED = 3  # the run started and failed: a rank raised, died or stalled, a non-finite step, ...
 # Stopped by a signal: the shell's 128 + the signal number, whichever way the signal arrived.
 EXIT_INTERRUPTED: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+# A value as a message quotes it: a few elements of each container, the ends of a long string. A
+# value read from a file can be huge, or share its parts (YAML aliases) so that its full repr
+# would never end.
+SHOWN_CHARS = 200
+_SHOWN = reprlib.Repr()  # (its keyword arguments are Python 3.12's)
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 160, 60, 60  # (a path whole)
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, at most ``SHOWN_CHARS`` long: for a value quoted in an error message."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
 class RunnerError(Exception):

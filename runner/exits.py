@@ -5,17 +5,19 @@ the runner keeps Python's traceback and status 1."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
 from collections.abc import Callable
 
 from hydra.errors import HydraException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import EXIT_CONFIG, Rejected, RunnerError, exit_code
 
-__all__ = ["expand_home", "outcome", "run_entry"]
+__all__ = ["expand_home", "known_keys", "outcome", "run_entry"]
 
 # An unquoted `~` opening an override's value (or an element of a sweep or list): Hydra's grammar
 # rejects it, and shells expand `~` only at the start of a word, not after `key=`.
@@ -27,6 +29,57 @@ def expand_home(args: list[str]) -> list[str]:
     values of ``key=value`` overrides (``~key`` alone is Hydra's deletion, left as it is)."""
     home = os.path.expanduser("~")
     return [_HOME.sub(lambda _: home, a) if "=" in a and not a.startswith("-") else a for a in args]
+
+
+def _keys(node: DictConfig, path: str) -> list[str]:
+    """The dotted keys of a config node and of the nodes it holds."""
+    keys = []
+    for key in map(str, node.keys()):
+        keys.append(f"{path}{key}")
+        child = node._get_node(key)  # without resolving: a MISSING group stays unread
+        if isinstance(child, DictConfig):
+            keys += _keys(child, f"{path}{key}.")
+    return keys
+
+
+def known_keys() -> list[str]:
+    """Every key a command line can set: the schemas' (registered with Hydra's config store) and
+    those of each group's options in conf/ (the model, data, loss and schedule configs)."""
+    import yaml
+    from hydra.core.config_store import ConfigStore
+
+    from runner.compose import config_dir, register_configs
+
+    register_configs()
+    repo = ConfigStore.instance().repo
+    keys = set(_keys(repo["base_config.yaml"].node, ""))
+    for group in ("schedule", "model", "data", "loss"):  # the groups whose options are schemas
+        keys.update(k for entry in repo.get(group, {}).values() for k in _keys(entry.node, f"{group}."))
+    for option in config_dir().glob("*/*.yaml"):
+        node = yaml.safe_load(option.read_text()) or {}
+        keys.update(f"{option.parent.name}.{k}" for k in node if isinstance(k, str) and k != "defaults")
+    return sorted(k for k in keys if not k.rpartition(".")[2].startswith("_"))
+
+
+_NOT_A_KEY = re.compile(r"Could not override '([^']+)'\.\nTo append to your config use \+\S+?=(.*)\n")
+
+
+def _nearest_keys(message: str) -> str:
+    """Hydra's message for a key that is not in the config, with the nearest valid keys instead of
+    its suggestion to add it with ``+`` (which would only be refused next: ``runner.validate``)."""
+    match = _NOT_A_KEY.search(message)
+    if match is None:
+        return message
+    key, value = match.groups()
+    keys = known_keys()
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}  # by their own names
+    close = ([siblings[n] for n in difflib.get_close_matches(leaf, siblings, n=3)]
+             or difflib.get_close_matches(key, keys, n=3))  # a misspelt group: against every key
+    if not close:
+        return message
+    hint = f"{key} is not a key of the config. Did you mean {' or '.join(close)}? Fix: {close[0]}={value}"
+    return message.replace(match.group(0), f"Could not override '{key}'.\n") + f"\n{hint}"
 
 
 def _run_dir_unwritable(e: BaseException, started: bool) -> bool:
@@ -47,7 +100,7 @@ def outcome(e: BaseException, *, started: bool, failed_jobs: str = "") -> tuple[
     if isinstance(e, (HydraException, OmegaConfBaseException)):  # a typo, a wrong type, an unknown option
         # (Hydra's MissingConfigException is also an OSError: checked first.)
         cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
-        return EXIT_CONFIG, f"{e}{cause}"
+        return EXIT_CONFIG, _nearest_keys(f"{e}{cause}")
     if isinstance(e, RunnerError):
         return exit_code(e), failed_jobs or f"error: {e}"
     if isinstance(e, KeyboardInterrupt):  # SIGINT before a launcher's own handler was set

@@ -27,7 +27,7 @@ import torch
 
 from runner._torch.dcp import read_model_tensors
 from runner.checkpoint.checkpointer import verify_checkpoint
-from runner.checkpoint.files import TOKENIZER_DIR, find_checkpoint, read_train_state
+from runner.checkpoint.files import LOCK_FILE, TOKENIZER_DIR, find_checkpoint, read_train_state
 from runner.config import parse_bytes
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
 from runner.models.hf_dirs import remote_code_problem
@@ -63,13 +63,21 @@ def source_dtype(checkpoint: Path) -> str:
     return _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), "fp32")
 
 
+# What a run directory holds from its start: any directory holding one of these is a run's.
+_RUN_FILES = ("resolved_config.yaml", LOCK_FILE, ".hydra")
+
+
 def _protected(checkpoint: Path) -> list[tuple[Path, str]]:
-    """What an export must never write over or into: the checkpoint (and so its run), and the
-    run's model.path (recorded by the checkpoint, else in the run's resolved_config.yaml)."""
+    """What an export must never write over, into or around: the checkpoint's run directory (the
+    checkpoint itself, outside one), the run's model.path (recorded by the checkpoint, else in the
+    run's resolved_config.yaml) and the tokenizer the run trained with."""
     import yaml
 
-    found = [(checkpoint, "the checkpoint being exported")]
-    model_path = read_train_state(checkpoint).get("model_path")
+    state = read_train_state(checkpoint)
+    in_run = checkpoint.parent.name == "checkpoints"
+    found = [(checkpoint.parent.parent, "the run directory of the checkpoint being exported") if in_run else
+             (checkpoint, "the checkpoint being exported")]
+    model_path = state.get("model_path")
     resolved = checkpoint.parent.parent / "resolved_config.yaml"
     if model_path is None and resolved.is_file():
         try:
@@ -78,15 +86,37 @@ def _protected(checkpoint: Path) -> list[tuple[Path, str]]:
             model_path = None
     if model_path:
         found.append((Path(model_path).expanduser().resolve(), "the run's own model.path"))
+    if isinstance(state.get("tokenizer"), dict) and state["tokenizer"].get("path"):
+        found.append((Path(state["tokenizer"]["path"]), "the tokenizer the run trained with (data.tokenizer)"))
     return found
+
+
+def _run_dir_around(out: Path) -> Path | None:
+    """A run directory (any run's) that ``out`` is, is inside, or holds."""
+    for path in (out, *out.parents):
+        if any((path / name).exists() for name in _RUN_FILES):
+            return path
+    for root, dirs, files in os.walk(out) if out.is_dir() else ():  # (symlinks not followed, as rmtree)
+        if set(_RUN_FILES) & {*dirs, *files}:
+            return Path(root)
+    return None
+
+
+def _relation(out: Path, path: Path) -> str | None:
+    if out == path:
+        return "is"
+    return "is inside" if path in out.parents else "holds" if out in path.parents else None
 
 
 def _check_target(out: Path, checkpoint: Path, *, overwrite: bool) -> None:
     """Before anything is read or written: ``out`` may be replaced."""
-    for path, what in _protected(checkpoint):
-        if out == path or out in path.parents or (what.startswith("the checkpoint") and path in out.parents):
-            raise ConfigError(f"output directory {out} would write over {what} ({path}), even with --overwrite. "
-                              "Fix: another output directory.")
+    protected = _protected(checkpoint)
+    if (run := _run_dir_around(out)) is not None:
+        protected.append((run, "a run directory"))
+    for path, what in protected:
+        if relation := _relation(out, path):
+            raise ConfigError(f"output directory {out} {relation} {what} ({path}): an export never writes there, "
+                              "even with --overwrite. Fix: an output directory outside it.")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output directory {out} is an existing file. Fix: another output directory.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -198,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-size", default="5GB",
                         help="safetensors shard size, e.g. 5GB, 500MiB (default 5GB)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty output directory (never the run's model.path or the checkpoint)")
+                        help="replace a non-empty output directory (never a run directory, nor the run's model.path "
+                             "or tokenizer)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     try:

@@ -3,10 +3,13 @@
 them: the training step meets them as a hook, a checkpoint's save as its ``before_commit`` callback.
 
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
-(SIGKILL), ``stall`` (sleep far past the collective timeout), ``nan`` (a non-finite loss) or
-``nangrad`` (a finite loss with a non-finite gradient), on that rank at the start of that step
-(numbered from 1, as in the logs and metrics.jsonl): a hook (``fault_hooks``) the trainer holds
-only when such a fault is set.
+(SIGKILL), ``stall`` (sleep far past the collective timeout), ``sigstop`` (SIGSTOP in the middle of
+the rank's first action of the step, inside its first stage's forward, where its tp peers then wait
+in that action's collectives), ``nan`` (a non-finite loss), ``nangrad`` (a finite loss with a
+non-finite gradient) or ``double-step`` (that rank's optimizer applies the step's update twice: a
+silently wrong run, which only ``verify`` catches), on that rank at that step (numbered from 1, as
+in the logs and metrics.jsonl): a hook (``fault_hooks``) the trainer holds only when such a fault is
+set.
 ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0 between the shard writes and the commit
 of step N's checkpoint (``commit_fault``, the callback the trainer hands its ``Checkpointer``).
 """
@@ -17,6 +20,8 @@ import os
 import signal
 import time
 from typing import Callable
+
+import torch
 
 from runner.hooks import Hook, StepContext, StepState
 
@@ -29,9 +34,21 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _stop_in_forward(module: torch.nn.Module) -> None:
+    """SIGSTOP this process as ``module``'s next forward begins (once), as a debugger or a job
+    control stop would leave it: its heartbeat says it is inside the action."""
+
+    def stop(*_) -> None:
+        handle.remove()
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    handle = module.register_forward_pre_hook(stop)
+
+
 class TrainFault(Hook):
-    """``what`` on ``rank`` at ``step``: raise, kill and stall as the step begins; nan and nangrad
-    once its backward has run."""
+    """``what`` on ``rank`` at ``step``: raise, kill and stall as the step begins, sigstop in its
+    first forward; nan and nangrad once its backward has run; double-step once its gradients are
+    clipped."""
 
     def __init__(self, what: str, rank: int, step: int):
         self.what, self.rank, self.step = what, rank, step
@@ -48,6 +65,8 @@ class TrainFault(Hook):
             _kill()
         if self.what == "stall":
             time.sleep(3600)
+        if self.what == "sigstop":
+            _stop_in_forward(ctx.modules[0])
 
     def after_backward(self, ctx: StepContext, state: StepState) -> None:
         if not self._due(ctx, state):
@@ -56,6 +75,10 @@ class TrainFault(Hook):
             state.local_loss = state.local_loss * float("nan")
         if self.what == "nangrad":  # a finite loss with a non-finite gradient
             next(p.grad for p in ctx.params if p.grad is not None).mul_(float("nan"))
+
+    def after_clip(self, ctx: StepContext, state: StepState) -> None:
+        if self._due(ctx, state) and self.what == "double-step":  # the trainer's own step follows
+            ctx.optimizer.step()
 
 
 def fault_hooks() -> list[Hook]:

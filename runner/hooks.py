@@ -1,6 +1,6 @@
 """Hooks: what runs inside a training step but is not training. The ``Trainer`` (``runner.train``)
-calls every hook it holds at four points of each step, in order, on every rank, and merges what
-they report into the summary. ``verify`` (``runner.verify``), fault injection (``runner.faults``)
+calls every hook it holds at five points of each step, in order, on every rank, and merges what
+they report into the summary. ``verify`` (``runner.verify.hook``), fault injection (``runner.faults``)
 and the tests' gradient probes are hooks; the loop itself has no test seams.
 
 A hook sees the run through a ``StepContext`` (built once, after the trainer's setup) and the step
@@ -36,6 +36,8 @@ class StepContext:
     modules: Sequence[StageModule]  # this rank's stages, by full-model parameter names
     params: Sequence[torch.nn.Parameter]  # their parameters (a weight two local stages share: once)
     not_counted: frozenset[str]  # tied copies the global gradient norm skips (``TiedWeights.not_counted``)
+    optimizer: torch.optim.Optimizer  # this rank's AdamW (verify copies a resumed run's state from it)
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # its LR schedule
     plan: RunPlan  # the resolved run: layout, resume, verify
     cfg: DictConfig  # the composed config: what verify builds its unsplit reference from
 
@@ -67,6 +69,9 @@ class Hook:
 
     def after_clip(self, ctx: StepContext, state: StepState) -> None:
         """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped."""
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        """The optimizer and the LR schedule have stepped: the parameters hold the step's update."""
 
     def summary(self) -> dict[str, Any]:
         """Entries for rank 0's ``summary.json`` (e.g. ``verify``'s report)."""

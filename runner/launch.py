@@ -63,7 +63,7 @@ def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO 
     why = spawn_reason(plan.device, plan.threads_per_rank) if auto else ""
     log.info("starting %d rank processes (%s%s)", plan.world_size, method, f": {why}" if why else "")
     ctx = mp.get_context(method)
-    heartbeats = watchdog.Heartbeats(ctx, plan.world_size)
+    heartbeats = watchdog.Heartbeats(ctx, [plan.dims.coords(r) for r in range(plan.world_size)])
     console_queue = ctx.Queue()  # the ranks' console lines, printed here
     results, sender = ctx.Pipe(duplex=False)
     assert plan.run_dir is not None  # launch() validated with its run directory

@@ -77,6 +77,7 @@ class RunPlan:
     run_dir: Path | None  # None where nothing runs (the planner's candidates)
     resume: Path | None  # the checkpoint directory checkpoint.resume named (a run directory, latest: found)
     verify: bool
+    verify_steps: int  # the optimizer steps verify follows (runner.verify)
     train: TrainConfig
     eval: EvalConfig
     checkpoint: CheckpointConfig

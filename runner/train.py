@@ -30,7 +30,7 @@ from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import RunPlan
 from runner.models.split import StageModule
-from runner.optim import build_optimizer
+from runner.optim import build_optimizer, clip_grads
 from runner.outputs.metrics import (
     MetricsWriter,
     as_ran,
@@ -47,8 +47,8 @@ from runner.ranks.clock import StartupClock
 from runner.ranks.console import step_record
 from runner.ranks.dist import DistEnv, all_reduce_sum, gather_to_main
 from runner.ranks.processes import raise_if_stopped
-from runner.ranks.watchdog import beat, busy
-from runner.verify import VerifyFirstStep
+from runner.ranks.watchdog import beat, busy, waiting
+from runner.verify.hook import Verify
 
 __all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm"]
 
@@ -70,8 +70,10 @@ def reduce_loss_and_grad_norm(local_loss: torch.Tensor | None, params: list[torc
     world's sums divided by ``stage_ranks`` are the loss and the squared global norm. A per-rank
     clip would scale each stage differently; this norm is the same on every rank."""
     loss = local_loss.detach().float() if local_loss is not None else torch.zeros((), device=env.device)
-    sums = all_reduce_sum(torch.stack([loss, _squares(params, env.device)]), env) / mesh.dims.stage_ranks
-    loss_value, norm_sq = sums.tolist()  # the step's one host sync
+    local = torch.stack([loss, _squares(params, env.device)])
+    with waiting("the step's loss and gradient-norm all-reduce"):  # blocked here, a rank waits for its peers
+        sums = all_reduce_sum(local, env) / mesh.dims.stage_ranks
+        loss_value, norm_sq = sums.tolist()  # the step's one host sync
     return loss_value, math.sqrt(norm_sq)
 
 
@@ -98,16 +100,6 @@ def _shards(g: DTensor) -> int:
     ``_StridedShard``, which torch does not count as a ``Shard`` (a gradient is never ``Partial``:
     its reductions have run)."""
     return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-
-
-def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """The parameters grouped by the mesh their DTensors live on, and the plain ones: torch's
-    foreach ops take neither a mix of DTensors and tensors nor DTensors of two meshes (with FSDP
-    over tp, the tp-sharded weights are on the (dp, tp) mesh, the others on dp's alone)."""
-    kinds: dict[object, list[torch.nn.Parameter]] = {}
-    for p in params:
-        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return list(kinds.values())
 
 
 def _replica_share(batch: Batch, mesh: Mesh, device: torch.device) -> Batch:
@@ -159,7 +151,7 @@ class Trainer:
         self.plan, self.cfg, self.env = plan, cfg, env
         self.run_dir = plan.run_dir
         self.clock = clock or StartupClock()
-        self.hooks: list[Hook] = [*fault_hooks(), *([VerifyFirstStep()] if plan.verify else []), *hooks]
+        self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if plan.verify else []), *hooks]
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
@@ -192,7 +184,8 @@ class Trainer:
         self.metrics = (MetricsWriter(self.run_dir, cfg.logging, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
         self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
-                                   not_counted=frozenset(self.tied.not_counted()), plan=plan, cfg=cfg)
+                                   not_counted=frozenset(self.tied.not_counted()), optimizer=self.optimizer,
+                                   scheduler=self.scheduler, plan=plan, cfg=cfg)
         self.clock.mark("setup")  # optimizer, checkpoint, profiler, loggers
 
     # -- step ------------------------------------------------------------------------------------
@@ -223,15 +216,12 @@ class Trainer:
             raise NonFiniteLossError(_non_finite_message(state.step, state.loss, state.grad_norm,
                                                          self.checkpointer.last_good))
         self._call("after_reduce", state)
-        grad_clip = self.plan.train.grad_clip
-        if grad_clip > 0:
-            norm = torch.tensor(state.grad_norm)
-            for group in _by_kind(self.params):  # torch's foreach ops take DTensors or tensors, not both
-                torch.nn.utils.clip_grads_with_norm_(group, grad_clip, norm)
+        clip_grads(self.params, self.plan.train.grad_clip, state.grad_norm)
         self._call("after_clip", state)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
+        self._call("after_step", state)
         step_time = time.perf_counter() - start
         self.profiler.end_step()
         self.step_times.append(step_time)
@@ -260,7 +250,8 @@ class Trainer:
         held = [loss for loss in losses if loss is not None]  # all of them or none
         local = torch.stack(held).mean() if held else None
         loss_t = local if local is not None else torch.zeros((), device=env.device)
-        return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dims.stage_ranks
+        with waiting("the evaluation's loss all-reduce"):
+            return all_reduce_sum(loss_t.float(), env).item() / self.mesh.dims.stage_ranks
 
     # -- checkpoint ------------------------------------------------------------------------------
     def checkpoint(self, step: int) -> None:

@@ -100,6 +100,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
     degrees = [(ParallelDims.key(name), p.get(name, 1)) for name in ParallelDims.ORDER]
     for key, value in [*degrees, ("parallel.microbatches", p.microbatches), ("train.steps", t.steps),
+                       ("verify_steps", cfg.verify_steps),
                        ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len)]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1.")
@@ -111,10 +112,8 @@ def _check_numbers(cfg: DictConfig) -> None:
         raise ConfigError(f"launch.timeout_s={cfg.launch.timeout_s}, launch.grace_s={cfg.launch.grace_s}: the "
                           "timeout must be > 0 seconds and the grace period >= 0. Fix: e.g. launch.timeout_s=300.")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
-        raise ConfigError(
-            f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
-            "every must be >= 0 and keep >= 1."
-        )
+        raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
+                          "every must be >= 0 and keep >= 1.")
     split = p.microbatches * p.dp  # equal microbatches in every replica
     if t.batch_size < split:
         raise ConfigError(
@@ -338,13 +337,14 @@ def check_config(cfg: DictConfig) -> None:
     check_loggers(cfg.logging, cfg.get("logger"))  # enabled loggers' packages are importable, options known
 
 
-def _layout(cfg: DictConfig, csv: str | None) -> Layout:
+def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
     from runner.data.datasets import check_vocab
     from runner.models.split import build_meta_model, check_init, check_shapes, plan_split
     from runner.parallel.tp import check_tp
+    from runner.verify.memory import check_reference_fits
 
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.train
     num_stages, stage_to_rank = _schedule_layout(cfg, csv)
     data, kwargs = _check_batches(cfg)
     _check_loss(cfg)
@@ -356,9 +356,10 @@ def _layout(cfg: DictConfig, csv: str | None) -> Layout:
                         stage_modules if pipelined else None)
     check_init(meta)
     _check_keyword_inputs(meta, kwargs)
-    vocab = check_shapes(meta, stages, microbatch=microbatch_size(cfg.train.batch_size, dp=p.dp,
-                                                                  microbatches=p.microbatches),
-                         seq_len=cfg.train.seq_len, kwargs=kwargs)
+    microbatch = microbatch_size(t.batch_size, dp=p.dp, microbatches=p.microbatches)
+    vocab = check_shapes(meta, stages, microbatch=microbatch, seq_len=t.seq_len, kwargs=kwargs)
+    if verify:  # the unsplit reference, on rank 0's host beside the run
+        check_reference_fits(meta, microbatch=microbatch, dp=p.dp, seq_len=t.seq_len, device=device, kwargs=kwargs)
     check_vocab(data, cfg.data.get("vocab_size"), vocab)  # every id of a token file, read once
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
@@ -390,10 +391,11 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     device = resolve_device(cfg.device, ranks_on_host)
     _check_host(cfg, device, ranks_on_host)
-    layout = _layout(cfg, csv)
+    verify = resolve_verify(cfg)
+    layout = _layout(cfg, csv, verify=verify, device=device)
     resume = _resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
     threads = _threads_per_rank(cfg, ranks_on_host)
     return RunPlan(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=_rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
-                   verify=resolve_verify(cfg), **rank_options(cfg))  # what the ranks read, typed
+                   verify=verify, verify_steps=cfg.verify_steps, **rank_options(cfg))  # what the ranks read, typed

@@ -110,6 +110,35 @@ def test_a_crafted_non_tensor_entry_runs_no_code(run_copy, tmp_path):
     assert not marker.exists()
 
 
+def test_a_crafted_rng_state_runs_no_code_and_is_refused_as_metadata_is(run_copy, tmp_path):
+    step = run_copy / "checkpoints" / "step-2"
+    marker = tmp_path / "pwned"
+    torch.save(_Payload(marker), step / "rng-rank0.pt")
+    torch.load(step / "rng-rank0.pt", weights_only=False)  # the payload is live: an unguarded load runs it
+    assert marker.exists()
+    marker.unlink()
+    write_manifest(step, 0, _all_files(step))
+    refused = (rf"checkpoint {re.escape(str(step))} was refused: rng-rank0\.pt refers to \S*exec, which is not plain "
+               r"data; loading it could run code, so it was not loaded\. Fix: use only checkpoints this runner wrote")
+    with pytest.raises(ConfigError, match=refused):  # before any rank starts, as a crafted .metadata is
+        _train(tmp_path / "resume", "train.steps=3", resume=step)
+    torch.save({"not": "an RNG state"}, step / "rng-rank0.pt")
+    write_manifest(step, 0, _all_files(step))
+    with pytest.raises(ConfigError, match=r"was refused: rng-rank0\.pt holds \{'not': 'an RNG state'\}, not a CPU"):
+        _train(tmp_path / "resume", "train.steps=3", resume=step)
+    # A rank reads it through the same reader: a file planted after the check before launch.
+    shutil.copy(run_copy / "checkpoints" / "step-1" / "rng-rank0.pt", step / "rng-rank0.pt")
+    write_manifest(step, 0, _all_files(step))
+    cfg = compose(*ONE, "train.steps=3", f"checkpoint.resume={step}")
+    (tmp_path / "again").mkdir()
+    plan = validate(cfg, tmp_path / "again")
+    (step / "rng-rank0.pt").write_bytes(pickle.dumps(_Payload(marker)))  # plain pickle, not torch.save's zip
+    write_manifest(step, 0, _all_files(step))
+    with pytest.raises(CheckpointError, match=r"was refused: rng-rank0\.pt is not plain data \(Unsupported operand"):
+        train(plan, cfg, ENV)
+    assert not marker.exists()
+
+
 def test_a_damaged_file_is_named_and_nothing_is_loaded(run_copy, tmp_path):
     step = run_copy / "checkpoints" / "step-2"
     shard = next(step.glob("*.distcp"))

@@ -129,6 +129,7 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
         rc, err = done.returncode, done.stderr
         imported = {line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
         assert rc == 2 and case.split("=")[0] in err and "Traceback" not in err, err  # a configuration error
+        assert case != "trian.steps=5" or "Did you mean train.steps" in err  # one round trip for a typo
         assert "hydra" in imported and not {"torch", "runner.launch", "runner.train"} & imported, case
     done = run_cli("experiment=smoke", "model=mlp", "model._target_=helpers.models.exploding_mlp", cwd=tmp_path,
                    timeout=80)

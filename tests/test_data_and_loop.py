@@ -1,9 +1,10 @@
-"""Datasets, the optimizer's groups and LR schedules, and the verify comparison: the pieces of the
+"""Datasets, the optimizer's groups and LR schedules, and verify's comparisons: the pieces of the
 loop that need no ranks."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ import torch
 from runner.data.datasets import SyntheticData, TextData, get_batch
 from runner.errors import ConfigError
 from runner.models.builtin import transformer
-from runner.optim import lr_factor, param_groups
-from runner.verify import compare
+from runner.optim import build_optimizer, lr_factor, param_groups
+from runner.verify.compare import compare, compare_drift, compare_weights
 
 
 def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
@@ -27,8 +28,6 @@ def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
 
 
 def test_each_replica_takes_its_rows_of_the_batch_contiguous():
-    from types import SimpleNamespace
-
     from runner.train import _replica_share
 
     x, y = SyntheticData(vocab_size=32, signal=0.9, seed=0).batch(1, 8, 16)
@@ -107,6 +106,37 @@ def test_weight_decay_skips_biases_norms_and_embeddings_by_default():
     assert len(everything["params"]) == len(name_of) and not none["params"]
 
 
+def test_the_optimizer_refuses_two_parameters_over_one_memory(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from runner.ranks.dist import cleanup
+
+    train = SimpleNamespace(weight_decay=0.1, no_decay=["bias"], lr=1e-3, betas=[0.9, 0.95], steps=4,
+                            warmup_steps=0, min_lr_ratio=0.1, lr_schedule="cosine")
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    build_optimizer([a, b], train)  # distinct weights, and views of one buffer that do not overlap:
+    flat = torch.zeros(32)
+    a.weight, b.weight = torch.nn.Parameter(flat[:16].view(4, 4)), torch.nn.Parameter(flat[16:].view(4, 4))
+    build_optimizer([a, b], train)
+    b.weight = torch.nn.Parameter(a.weight.data)  # a second wrapper over the first's memory
+    with pytest.raises(RuntimeError, match=r"holds (0|1)\.weight and (0|1)\.weight|over the same memory"):
+        build_optimizer([a, b], train)
+    # A DTensor parameter has no storage of its own: two wrappers of one (the pretrained tied weight
+    # under tp, wrapped by both stages' styles) are found through their local tensors.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        weight = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        a.weight, b.weight = torch.nn.Parameter(weight), torch.nn.Parameter(torch.randn(4, 4))
+        build_optimizer([a, b], train)
+        b.weight = torch.nn.Parameter(weight)
+        with pytest.raises(RuntimeError, match="over the same memory"):
+            build_optimizer([a, b], train)
+    finally:
+        cleanup()
+
+
 def test_verify_comparison_catches_scaled_and_missing_gradients():
     ref = {"a": torch.randn(10), "b": torch.randn(3)}
     same = compare({k: v.clone() for k, v in ref.items()}, ref, 1.0, 1.0)
@@ -117,3 +147,67 @@ def test_verify_comparison_catches_scaled_and_missing_gradients():
     missing = compare({"a": ref["a"], "b": None}, ref, 1.0, 1.0)
     assert not missing["passed"] and "b: no gradient" in missing["problems"][0]
     assert not compare(ref, ref, 1.0, 1.01)["passed"]  # the loss is compared too
+
+
+def _adamw(w: torch.Tensor, grads: list[torch.Tensor], lr: float) -> torch.Tensor:
+    """``w`` after one AdamW update per gradient in ``grads`` (the runner's betas and decay)."""
+    p = torch.nn.Parameter(w.clone())
+    optimizer = torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    for g in grads:
+        p.grad = g.clone()
+        optimizer.step()
+    return p.detach()
+
+
+def test_verify_holds_updated_weights_to_lr_units_a_rounding_sign_flip_passes_a_double_update_fails():
+    torch.manual_seed(0)
+    w, g, lr = torch.randn(1000), torch.randn(1000), 1e-3
+    ref = {"w": _adamw(w, [g], lr)}
+
+    def flipped(n: int) -> torch.Tensor:  # rounding flips the sign of n gradient elements near zero
+        f = g.clone()
+        f[:n] = -f[:n]
+        return f
+
+    # An early Adam update is lr x sign(g): each flipped element lands 2 lr away, which fp32
+    # gradient tolerances would call a failure; 0.5% of the elements is within the rule.
+    few = _adamw(w, [flipped(5)], lr)
+    assert not torch.allclose(few, ref["w"], rtol=1e-5, atol=4e-5)
+    report = compare_weights({"w": few}, ref, lr)
+    assert report["passed"] and report["max_lr_units"] == pytest.approx(2, rel=1e-3)
+    assert report["fraction_off"] == pytest.approx(0.005)
+    many = compare_weights({"w": _adamw(w, [flipped(20)], lr)}, ref, lr)  # 2%: more than 1% of the elements
+    assert not many["passed"] and many["problems"][:2] == [
+        "2.00% of the weights differ by more than 0.5 lr (lr 0.001; at most 1% may), most of them in:",
+        "w: 2.0% of its elements (at most 2 lr)"]
+    # The same update applied twice, or skipped: every element about lr away (and lr x decay x w).
+    for wrong in (_adamw(w, [g, g], lr), w):
+        report = compare_weights({"w": wrong}, ref, lr)
+        assert not report["passed"] and report["fraction_off"] == 1.0, report
+        assert 1 < report["max_lr_units"] < 1.5 and report["worst_param"] == "w"
+    assert not compare_weights({"w": ref["w"], "v": w}, ref, lr)["passed"]  # a name the model does not have
+    assert not compare_weights({"w": ref["w"] + 1e-9}, ref, 0.0)["passed"]  # lr 0: nothing may move
+
+
+def test_verify_counts_weights_off_over_the_model_so_a_tensor_of_rounding_noise_passes():
+    # A key bias's true gradient is zero; its rounding noise differs between layouts, so AdamW moves
+    # about half of it 2 lr the other way (seen at pp=2 x tp=2 in bf16). A double update of the
+    # other weights still fails.
+    torch.manual_seed(0)
+    lr, w, g = 1e-3, {"k_bias": torch.randn(32), "w": torch.randn(4000)}, {"w": torch.randn(4000)}
+    g["k_bias"] = torch.randn(32) * 1e-5
+    ref = {n: _adamw(w[n], [g[n]], lr) for n in w}
+    noise = {"k_bias": _adamw(w["k_bias"], [torch.randn(32) * 1e-5], lr), "w": ref["w"]}
+    report = compare_weights(noise, ref, lr)
+    assert report["passed"] and report["worst_param"] == "k_bias" and 0.003 < report["fraction_off"] < 0.01
+    twice = compare_weights({**noise, "w": _adamw(w["w"], [g["w"], g["w"]], lr)}, ref, lr)
+    assert not twice["passed"] and twice["problems"][1].startswith("w: 100.0% of its elements")
+
+
+def test_verify_holds_later_losses_and_gradient_norms_to_a_relative_tolerance():
+    assert compare_drift(2.0, 2.0 * (1 + 5e-5), 1.0, 1.0 * (1 - 5e-5))["passed"]
+    loss = compare_drift(2.0019, 2.0, 1.0, 1.0)  # the tied weight stepped twice: 1.9e-3 at step 2 (issue 33)
+    assert not loss["passed"] and loss["problems"][0].startswith("loss 2.0019 vs unsplit 2")
+    norm = compare_drift(2.0, 2.0, 1.25, 1.0)
+    assert not norm["passed"] and norm["problems"][0].startswith("gradient norm 1.25 vs unsplit 1")
+    assert norm["grad_norm_rel_diff"] == pytest.approx(0.25)

@@ -88,8 +88,8 @@ def test_the_planner_calibrates_on_the_cores_of_two_ranks_of_one_pipeline():
                     stage_to_rank={0: 0, 1: 1})
     cpus = tuple((c,) for c in range(6))
     plan = RunPlan(layout=layout, dims=DIMS, batch_size=12, seq_len=4, steps=1, device="cpu", threads_per_rank=1,
-                   rank_cpus=cpus, run_dir=None, resume=None, verify=False, train=TrainConfig(), eval=EvalConfig(),
-                   checkpoint=CheckpointConfig(), profile=ProfileConfig())
+                   rank_cpus=cpus, run_dir=None, resume=None, verify=False, verify_steps=2, train=TrainConfig(),
+                   eval=EvalConfig(), checkpoint=CheckpointConfig(), profile=ProfileConfig())
     assert _neighbour_cpus(plan) == [(0,), (3,)]  # pipeline ranks 0 and 1 of replica 0: ranks 0 and 3
     assert _neighbour_cpus(dataclasses.replace(plan, rank_cpus=None)) is None
 

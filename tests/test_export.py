@@ -1,9 +1,9 @@
 """``python -m runner.export`` never writes over what a user handed it and never half-writes: it
-writes beside the target and renames, refuses a non-empty target (unless ``--overwrite``) and the
-run's own model.path, ships the tokenizer the run trained with, writes the source dtype unless
-told otherwise, and answers with the main CLI's exit codes. In-process: one tiny Llama run (bf16
-pretrained weights, trained with another tokenizer than its model directory's), its checkpoint
-exported many times."""
+writes beside the target and renames, refuses a non-empty target (unless ``--overwrite``) and any
+run directory, the model and the tokenizer the run used, ships the tokenizer the run trained with,
+writes the source dtype unless told otherwise, and answers with the main CLI's exit codes.
+In-process: one tiny Llama run (bf16 pretrained weights, trained with another tokenizer than its
+model directory's), its checkpoint exported many times."""
 
 from __future__ import annotations
 
@@ -136,15 +136,31 @@ def test_a_non_empty_target_is_refused_and_overwrite_replaces_it_whole(trained, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-model"]  # no temporary or old directory left
 
 
-@pytest.mark.parametrize("where", ["model", "run", "checkpoint"])
-def test_export_never_writes_over_the_runs_model_path_or_checkpoint(trained, where, capsys):
-    target = {"model": trained / "model", "run": trained / "run",
-              "checkpoint": trained / "run" / "checkpoints" / "step-2"}[where]
-    before = _listing(target)
-    assert _main(str(trained / "run"), str(target), "--overwrite") == 2
-    err = capsys.readouterr().err
-    assert "even with --overwrite" in err and ("model.path" in err if where == "model" else "checkpoint" in err)
-    assert _listing(target) == before
+# Where an export never writes, with or without --overwrite: the run (itself, anything inside it, a
+# directory holding it), the model directory and the tokenizer it trained with, and any other run.
+PROTECTED = {"model": ("model", "the run's own model.path"), "inside the model": ("model/exported", "model.path"),
+             "tokenizer": ("tokenizer-b", "the tokenizer the run trained with"),
+             "run": ("run", "the run directory"), "checkpoint": ("run/checkpoints/step-2", "the run directory"),
+             "another checkpoint": ("run/checkpoints/step-1", "is inside the run directory"),
+             "hydra": ("run/.hydra", "is inside the run directory"),
+             "checkpoint's tokenizer": ("run/checkpoints/step-2/tokenizer", "is inside the run directory"),
+             "above the run": (".", "holds the run directory"),
+             "another run": ("other-run/exported", "is inside a run directory")}
+
+
+@pytest.mark.parametrize("where", list(PROTECTED))
+def test_export_never_writes_into_a_run_or_the_model_or_tokenizer_it_used(trained, where, capsys):
+    (trained / "run" / ".hydra").mkdir(exist_ok=True)  # as Hydra's runs hold it
+    (trained / "other-run").mkdir(exist_ok=True)
+    (trained / "other-run" / "resolved_config.yaml").write_text("model: {}\n")
+    relative, named = PROTECTED[where]
+    target = (trained / relative).resolve()
+    before = _listing(trained)
+    for overwrite in ([], ["--overwrite"]):
+        assert _main(str(trained / "run"), str(target), *overwrite) == 2
+        err = capsys.readouterr().err
+        assert named in err and "even with --overwrite" in err and "Fix: " in err and "Traceback" not in err, err
+    assert _listing(trained) == before and not (trained / "model" / "exported").exists()
 
 
 def test_bad_arguments_exit_2_before_anything_is_written(trained, tmp_path, capsys):
@@ -199,4 +215,4 @@ def test_without_a_recorded_model_path_the_runs_resolved_config_names_it(trained
     state_file.write_text(json.dumps(state))
     assert f"path: {trained / 'model'}" in (run / "resolved_config.yaml").read_text()
     assert _main(str(run), str(trained / "model"), "--overwrite") == 2
-    assert "would write over the run's own model.path" in capsys.readouterr().err
+    assert "is the run's own model.path" in capsys.readouterr().err

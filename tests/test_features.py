@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runner.models.builtin import transformer
-from runner.verify import TOLERANCES
+from runner.verify.compare import TOLERANCES
 
 from helpers.config import TINY, resolved
 from helpers.parity import CLIP, assert_close_at_bf16, assert_matches, reference
@@ -32,8 +32,8 @@ OPTIONS = {
     "eval": ["eval.every=2", "eval.steps=2"],
     "bf16": ["train.precision=bf16", "verify=true"],  # verify at bf16 tolerances
     # Decay on every parameter, strong, and a constant LR after warmup (the defaults: cosine, no decay
-    # on biases, norms and embeddings).
-    "optim": ["train.lr_schedule=constant", "train.no_decay=[]", "train.weight_decay=0.5"],
+    # on biases, norms and embeddings); verify's reference updates with the same groups and schedule.
+    "optim": ["train.lr_schedule=constant", "train.no_decay=[]", "train.weight_decay=0.5", "verify=true"],
 }
 # What each case is compared with: the pp=1 run with the options that change the numbers.
 REFERENCE_OF = {"ac-full": "base", "ac-every2": "base", "padding": "padding", "user-loss": "user-loss",
@@ -96,6 +96,8 @@ def test_every_option_matches_the_unsplit_model(pp2, refs, option, name):
         assert report["passed"] and report["rtol"] == TOLERANCES["bf16"][0], case
     else:
         assert_matches(got, ref, case)
+    if option in ("bf16", "optim"):  # verify followed the first 2 updates
+        assert [sorted(s).count("weights") for s in got["summary"]["verify"]["steps"]] == [1, 1, 0], case
 
 
 @pytest.mark.multiprocess

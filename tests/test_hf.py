@@ -17,7 +17,8 @@ from runner.errors import ConfigError
 from runner.models.split import MetaModel, build_meta_model, materialize, plan_split
 from runner.models.units import SequentialSpec, tied_groups
 from runner.optim import param_groups
-from runner.verify import compare, reference_model
+from runner.verify.compare import compare
+from runner.verify.hook import reference_model
 
 from helpers.config import compose
 from helpers.hf import family_configs, write_model

@@ -94,6 +94,8 @@ def test_every_schedule_at_pp2_matches_transformers_own_training(pp2, references
     assert_matches(got, references(model, PP2), case)
     report = got["summary"]["verify"]
     assert report["passed"] and report["max_abs_diff"] < 4e-5, case
+    # It followed 2 updates (GPT-2: its head and embedding, copies on two stages, each by its name).
+    assert ["weights" in step for step in report["steps"]] == [True, True, False], case
 
 
 @pytest.mark.timeout(400)

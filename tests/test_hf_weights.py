@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -254,6 +255,40 @@ def test_damaged_weight_files_and_indexes_are_named(tmp_path):
             (path / "model.safetensors.index.json").write_text(json.dumps(index))
         with pytest.raises(ConfigError, match=message):
             validate(_cfg(path))
+
+
+def test_index_entries_outside_the_model_directory_are_refused_before_launch(tmp_path):
+    path = write_model(tmp_path / "m", "llama", weights=True)
+    keys = list(load_file(path / "model.safetensors"))
+    outside = shutil.copy(path / "model.safetensors", tmp_path / "outside.safetensors")  # a whole, readable file
+    for entry in ["../outside.safetensors", str(outside)]:
+        weight_map = {**{k: "model.safetensors" for k in keys}, "model.norm.weight": entry}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ConfigError, match=r"model.safetensors.index.json maps tensors to files outside the "
+                                              rf"model directory: 'model.norm.weight' -> '{re.escape(entry)}'.*Fix: "):
+            validate(_cfg(path))
+
+
+def test_integer_weights_for_float_parameters_are_refused_before_launch_integer_buffers_are_not(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runner.models.hf_weights import Weights, read_weights
+
+    path = write_model(tmp_path / "m", "llama", weights=True)
+    tensors = load_file(path / "model.safetensors")
+    for name in ("model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        tensors[name] = tensors[name].to(torch.int32)  # e.g. quantized values whose scales are elsewhere
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"2 float parameter\(s\) are stored as integers: model.layers.1.mlp.up_proj"
+                                          r"\.weight \(I32 in model.safetensors\), model.norm.weight \(I32 .*Fix: "):
+        validate(_cfg(path))
+    # A persistent integer buffer (position ids) is read as the integers it is.
+    save_file({**load_file(write_model(tmp_path / "b", "llama", weights=True) / "model.safetensors"),
+               "model.position_ids": torch.arange(64)}, tmp_path / "b" / "model.safetensors", metadata={"format": "pt"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "b"))
+    model.model.register_buffer("position_ids", torch.empty(64, dtype=torch.int64, device="meta"))
+    assert Weights(tmp_path / "b", read_weights(tmp_path / "b"), model, []).source("model.position_ids").dtype == "I64"
 
 
 def test_non_finite_pretrained_weights_are_named_by_tensor(tmp_path):

@@ -59,6 +59,7 @@ CSV_FILES = ["interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv", "zbv_pp2_m
 SYNTHESIZED = [("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3.0)]
 # The pp=2 cases held to the unsplit model; each run's recorded order replayed from its
 # schedule.csv (replay-*) must reproduce the run.
+DOUBLE_STEP = "double-step-on-rank-1-at-step-2"
 PP2_CASES = [*SCHEDULES, *(f"csv-{csv}" for csv in CSV_FILES), *(f"torch-{name}" for name in TORCH_FILES),
              "explicit-split", *(name for name, *_ in SYNTHESIZED), *(f"replay-{name}" for name in SCHEDULES)]
 
@@ -101,11 +102,16 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
     cases["verify-catches-dropout"] = ["model=mlp", "model._target_=helpers.models.dropout_mlp", "verify=true",
                                        "parallel.microbatches=4", "train.batch_size=8"]
+    # A defect only an update shows: rank 1 applies step 2's update twice. Verify follows the first
+    # 2 updates and fails the run; following 1 (step 1's gradients and update, step 2's loss) misses it.
+    cases[DOUBLE_STEP] = ["schedule=1f1b", *PP2, "verify=true"]
+    cases[f"{DOUBLE_STEP}-verify-1-step"] = [*cases[DOUBLE_STEP], "verify_steps=1"]
     # Every run writes the order that ran as schedule.csv; feeding it back must reproduce the run.
     for name in SCHEDULES:
         cases[f"replay-{name}"] = ["schedule=csv", f"schedule.csv={out / 'pp2' / name / 'schedule.csv'}", *PP2]
     cases.update(_long_runs(*PP2))
-    return out, run_cases(out / "pp2", 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
+    return out, run_cases(out / "pp2", 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()},
+                          faults={name: "double-step:1:2" for name in cases if name.startswith(DOUBLE_STEP)})
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +136,9 @@ def test_every_pp2_case_matches_the_unsplit_model(pp2, pp2_reference, case):
     if not case.startswith("replay-"):
         report = got["summary"]["verify"]
         assert report["passed"] and report["max_abs_diff"] < GRAD_ATOL, case
+        # It followed the optimizer: the weights after steps 1 and 2, the loss and norm of steps 2 and 3.
+        assert [sorted(s) for s in report["steps"]] == [["step", "weights"], ["loss_and_grad_norm", "step", "weights"],
+                                                        ["loss_and_grad_norm", "step"]], case
     bubble = got["summary"]["bubble"]
     assert all(0 <= b < 1 for b in bubble["per_rank"]) and 0 <= bubble["theoretical"] < 1, case
 
@@ -156,6 +165,16 @@ def test_every_schedule_runs_20_steps_at_pp2(pp2, name):
 @pytest.mark.timeout(240)
 def test_verify_fails_a_model_that_is_random_in_training_mode(pp2):
     assert pp2[1]["verify-catches-dropout"]["error"].startswith("VerifyError: verify=true")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_verify_catches_an_update_applied_twice_that_the_first_step_does_not_show(pp2):
+    caught, missed = pp2[1][DOUBLE_STEP], pp2[1][f"{DOUBLE_STEP}-verify-1-step"]
+    error = caught.get("error", "")
+    assert error.startswith("VerifyError: verify=true: the weights after step 2's update differ"), caught
+    assert "block3.attn.qkv.weight: " in error and "block0." not in error and "more" in error  # rank 1 only
+    assert "error" not in missed and missed["summary"]["verify"]["passed"]  # step 1 and the first update agree
 
 
 @pytest.mark.multiprocess

@@ -144,6 +144,8 @@ BAD = [({"pp": 8, "microbatches": 24, "F": 1, "B": 1}, r"no W\. Fix: add W"),
         r"memory_limit='2GB' is in bytes, but the file gives no activation_bytes.*Fix: add activation_bytes"),
        ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "memory_limit": "3x1f1b"},
         r"memory_limit='3x1f1b' is not a memory size.*or 1f1b"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "memory_limit": "1e999"},
+        r"memory_limit='1e999' is not a memory size"),
        ([1, 2], r"holds list, not a mapping")]
 
 
@@ -164,6 +166,55 @@ def test_costs_files_that_do_not_parse_name_the_line(tmp_path):
         read_costs(str(tmp_path / "c.yaml"))
     with pytest.raises(ConfigError, match=r"nowhere\.yaml: cannot read it.*Fix"):
         read_costs(str(tmp_path / "nowhere.yaml"))
+
+
+# B holds nine levels of nine aliases: a few hundred bytes whose value expands to 9^9 leaves (the repr
+# of it in the refusal of B's length once hung the planner).
+LAUGHS = "pp: 2\nmicrobatches: 4\nF: 1\nW: 1\nB:\n  - &a0 [lol]\n" + "".join(
+    f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9)) + "  - [" + ", ".join(["*a8"] * 9) + "]\n"
+
+
+@pytest.mark.timeout(20)
+def test_costs_files_refuse_aliases_and_deep_nesting_while_loading(tmp_path):
+    (tmp_path / "laughs.yaml").write_text(LAUGHS)
+    with pytest.raises(ConfigError, match=r"laughs\.yaml: line 7 has an alias \(\*a0\).*Fix: write the value out"):
+        read_costs(str(tmp_path / "laughs.yaml"))
+    (tmp_path / "deep.yaml").write_text("F: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: nested 17 levels deep at line 1, deeper than the 16"):
+        read_costs(str(tmp_path / "deep.yaml"))
+    (tmp_path / "deep.json").write_text('{"F": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=r"deep\.json: nested 17 levels deep at line 1, deeper than the 16"):
+        read_costs(str(tmp_path / "deep.json"))
+    # Python refuses to read an integer of more than 4300 digits: a ValueError, not a parse error.
+    for suffix in ("json", "yaml"):
+        (tmp_path / f"digits.{suffix}").write_text('{"pp": ' + "9" * 5000 + "}")
+        with pytest.raises(ConfigError, match=rf"digits\.{suffix}: not {suffix.upper()}: .*4300"):
+            read_costs(str(tmp_path / f"digits.{suffix}"))
+
+
+def test_a_run_directory_whose_summary_nests_past_pythons_limit_is_refused(tmp_path):
+    from runner.plan.probe import read_run
+
+    (tmp_path / "summary.json").write_text('{"bubble": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=r"is not a finished run's directory or summary\.json \(maximum recursion"):
+        read_run(tmp_path)
+
+
+def test_a_value_quoted_in_a_refusal_is_bounded(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"pp": 2, "microbatches": 4, "F": 1, "W": 1, "B": "x" * 100_000}))
+    with pytest.raises(ConfigError, match=r"B='xxx.*\.\.\.xxx.*' is not a positive number") as refused:
+        read_costs(str(path))
+    assert len(str(refused.value)) < 500
+    path.write_text(json.dumps({"pp": 2, "microbatches": 4, "F": 1, "W": 1, "B": 1,
+                                "weight_grad_fraction": [[list(range(100)) for _ in range(100)]]}))
+    with pytest.raises(ConfigError, match=r"weight_grad_fraction=\[\[\[0, 1, 2, .*\.\.\.") as refused:
+        read_costs(str(path))
+    assert len(str(refused.value)) < 500
+    path.write_text(json.dumps({"pp": 2, "microbatches": 4, "F": 1, "W": 1, "B": 1, "memory_limit": "9" * 100_000}))
+    with pytest.raises(ConfigError, match=r"memory_limit='999.*\.\.\.999.*' is not a memory size") as refused:
+        read_costs(str(path))
+    assert len(str(refused.value)) < 500
 
 
 def test_bytes_limits_count_activation_bytes_per_stage(tmp_path):

@@ -26,9 +26,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.multiprocessing import ProcessExitedException
 
 from runner.errors import CheckpointError
+from runner.parallel.dims import Coords, ParallelDims
+from runner.ranks import watchdog
 from runner.ranks.processes import connect, rendezvous, spawn
 from runner.ranks.supervise import rank_failure
-from runner.ranks.watchdog import Heartbeats
+from runner.ranks.watchdog import Beat, Heartbeats, culprits, describe, silent
 
 from helpers.cli import start_cli
 from helpers.config import ROOT, TINY, compose
@@ -77,17 +79,27 @@ def _no_rank_left(run_dir: Path, proc: subprocess.Popen, within: float = 10) -> 
     return not _rank_processes(run_dir, proc)
 
 
+TP = ("parallel.tp=2",)  # pp=2 x tp=2: ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault,failing_rank,symptom", [
-    ("raise:1:3", 1, "injected fault on rank 1 at step 3"),  # steps are numbered from 1
-    ("kill:1:3", 1, "SIGKILL"),
+@pytest.mark.parametrize("fault,layout,failing_rank,symptom", [
+    ("raise:1:3", (), 1, "injected fault on rank 1 at step 3"),  # steps are numbered from 1
+    ("kill:1:3", (), 1, "SIGKILL"),
     # Rank 1 sleeps at the start of step 3: named with its last action, not as a peer's gloo timeout.
-    ("stall:1:3", 1, r"rank 1 stalled: no progress for 1\d\.\d s; its last action: began step 3"),
-])
-def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, failing_rank, symptom):
+    # Its tp peer then waits in its first action's collectives and stage 1's ranks for its message,
+    # all within microseconds: the rank silent longest is any of them (issue 33 saw rank 3 named).
+    # (pp=2 alone: the in-process tests of the watchdog and of rank_failure.)
+    ("stall:1:3", TP, 1, r"rank 1 stalled: no progress for 1\d\.\d s; its last action: began step 3; "
+                         r"its coordinates: pp 0, dp 0, tp 1\."),
+    # Stopped inside its first forward: its tp peer waits inside the same action, beat for beat.
+    ("sigstop:1:3", TP, 1, r"rank 1 stalled: no progress for 1\d\.\d s; its last action: running stage 0 action "
+                           r"0F0 of step 3; its coordinates: pp 0, dp 0, tp 1; the system shows it stopped"),
+], ids=["raise", "kill", "stall-tp", "sigstop-tp"])
+def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, layout, failing_rank, symptom):
     run_dir = tmp_path / "run"
-    proc = _start("train.steps=50", run_dir=run_dir, fault=fault)
+    proc = _start("train.steps=50", *layout, run_dir=run_dir, fault=fault)
     _wait_for_steps(run_dir, proc, 2)
     fault_began = time.monotonic()  # rank 1 reaches step 3 as step 2's metrics are written
     _, err = proc.communicate(timeout=100)
@@ -223,8 +235,8 @@ def test_launch_port_listens_on_loopback_only(tmp_path):
     del client, server
 
 
-def _heartbeats(world: int) -> Heartbeats:
-    return Heartbeats(multiprocessing.get_context("fork"), world)
+def _heartbeats(dims: ParallelDims) -> Heartbeats:
+    return Heartbeats(multiprocessing.get_context("fork"), [dims.coords(r) for r in range(dims.world_size)])
 
 
 def _error_file(tmp_path: Path, rank: int, exc: BaseException) -> str:
@@ -239,7 +251,7 @@ def _error_file(tmp_path: Path, rank: int, exc: BaseException) -> str:
 
 
 def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_path):
-    heartbeats = _heartbeats(2)
+    heartbeats = _heartbeats(ParallelDims(pp=2, dp=1))
     exited = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=1)]
     # A checkpoint-load error is one paragraph naming the file, not DCP's rank tracebacks.
     try:
@@ -255,7 +267,7 @@ def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_pat
     message = str(rank_failure([1], exited, [str(tmp_path / "none-0"), str(tmp_path / "none-1")], heartbeats))
     assert message.startswith("rank 1 failed:") and "No space left on device" in message
     # A peer's collective timeout names the rank it waited for.
-    stalled = _heartbeats(2)
+    stalled = _heartbeats(ParallelDims(pp=2, dp=1))
     stalled.set(1, "began step 7")
     time.sleep(0.05)
     stalled.set(0, "finished stage 0 action 0F1 of step 7")
@@ -263,30 +275,116 @@ def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_pat
     message = str(rank_failure([0], exited, timeout, stalled))
     assert message.startswith("rank 1 stalled: no progress for") and "its last action: began step 7" in message
     assert "Rank 0 timed out waiting for it" in message
+    # At pp=2 x tp=2, rank 0 timed out inside an action its tp peer stopped in: the peer is named,
+    # not stage 1's ranks, silent as long but waiting for stage 0's message.
+    tp = _heartbeats(ParallelDims(pp=2, dp=1, tp=2))
+    for rank in range(4):
+        tp.set(rank, "began step 7")
+    for rank in (0, 1):
+        tp.set(rank, "running stage 0 action 0F0 of step 7")
+    for rank in (2, 3):
+        tp.set_waiting(rank, "a message of the pipeline schedule")
+    message = str(rank_failure([0], exited * 2, [timeout[0], "none", "none", "none"], tp))
+    assert message.startswith("rank 1 stalled: no progress for") and "its coordinates: pp 0, dp 0, tp 1." in message
+    assert "Rank 0 timed out waiting for it" in message
 
 
-def test_the_watchdog_names_the_rank_silent_longest():
-    heartbeats = _heartbeats(3)
+def test_the_heartbeat_table_counts_each_ranks_beats_and_waits_and_leaves_busy_phases_unjudged():
+    heartbeats = _heartbeats(ParallelDims(pp=3, dp=1))
     time.sleep(0.05)
-    assert heartbeats.stalled([0, 1, 2], timeout_s=0.04) is None  # starting up (loggers, weights): not judged
-    heartbeats.set(2, "running stage 2 action 2B1 of step 4")
+    assert not silent(heartbeats.beats(), timeout_s=0.04)  # starting up (loggers, weights): not judged
+    watchdog.attach(heartbeats, 2)
+    try:
+        watchdog.beat("finished stage 2 action 2F1 of step 4")
+        with watchdog.waiting("a message of the pipeline schedule"):
+            [row] = heartbeats.beats([2])
+            assert (row.what, row.waiting, row.count, row.coords) == (
+                "finished stage 2 action 2F1 of step 4", "a message of the pipeline schedule", 3, Coords(2, 0, 0))
+        [row] = heartbeats.beats([2])
+        assert (row.waiting, row.count) == ("", 4)
+    finally:
+        watchdog.attach(None, 0)
+    for rank in (0, 1):
+        heartbeats.set(rank, "began step 5")
+    assert not silent(heartbeats.beats(), timeout_s=10)
     time.sleep(0.05)
-    heartbeats.set(0, "finished stage 0 action 0F3 of step 4")
-    heartbeats.set(1, "finished stage 1 action 1F3 of step 4")
-    assert heartbeats.stalled([0, 1, 2], timeout_s=10) is None
-    assert heartbeats.stalled([0, 1, 2], timeout_s=0.04) == 2
-    assert heartbeats.stalled([0, 1], timeout_s=0.04) is None  # rank 2 has exited
-    text = heartbeats.describe(2, [0, 1, 2])
-    assert text.startswith("rank 2 stalled: no progress for 0.") and "last action: running stage 2 action 2B1" in text
-    assert "rank 0: finished stage 0 action 0F3 of step 4" in text
+    assert silent(heartbeats.beats(), timeout_s=0.04)
+    assert not silent(heartbeats.beats([]), timeout_s=0.04)  # every rank has exited
     # Long I/O is not judged, nor are the ranks that may be waiting for it.
     heartbeats.set(2, "saving checkpoint step-4", busy=True)
     time.sleep(0.05)
-    assert heartbeats.stalled([0, 1, 2], timeout_s=0.04) is None
+    assert not silent(heartbeats.beats(), timeout_s=0.04)
+
+
+_PIPE = "a message of the pipeline schedule"
+
+
+def _table(dims: ParallelDims, rows: list[tuple[str, str, int]], ages: list[float] | None = None) -> list[Beat]:
+    """A synthetic heartbeat table: per rank, its last beat, what it waits for, its count."""
+    ages = ages or [10.4] * len(rows)
+    return [Beat(rank, dims.coords(rank), what, waits, age, count, False)
+            for rank, ((what, waits, count), age) in enumerate(zip(rows, ages))]
+
+
+# What the ranks' rows hold once every rank has blocked, as runs of each layout leave them
+# (counts: beats and marks so far; ranks holding the same stages made the same ones).
+_TP_STALL = (ParallelDims(pp=2, dp=1, tp=2), [  # stall:1:3 at pp=2 x tp=2, as issue 33 saw it
+    ("running stage 0 action 0F0 of step 3", "", 101),  # its tp peer, in the action's first collective
+    ("began step 3", "", 100),
+    ("began step 3", _PIPE, 91),  # stage 1's ranks, for stage 0's first message
+    ("began step 3", _PIPE, 91)])
+_TP_SAME_ACTION = (_TP_STALL[0], [  # rank 1 stalled inside 0F0: its tp peer waits inside the same action
+    ("running stage 0 action 0F0 of step 3", "", 101),
+    ("running stage 0 action 0F0 of step 3", "", 101),
+    ("began step 3", _PIPE, 91),
+    ("began step 3", _PIPE, 91)])
+_DP_STALL = (ParallelDims(pp=2, dp=2, dp_mode="ddp"), [  # stall:1:3 at pp=2 x dp=2 (rank 1: replica 1's stage 0)
+    ("finished stage 0 action 0B3 of step 3", "", 120),  # replica 0 ran its step; DDP's all-reduce waits for rank 1
+    ("began step 3", "", 100),
+    ("finished stage 1 action 1B3 of step 3", "", 110),  # ... and for rank 3
+    ("began step 3", _PIPE, 91)])
+_PP_STALL = (ParallelDims(pp=3, dp=1), [  # pp=3: stage 1 stalled inside a backward
+    ("finished stage 0 action 0F3 of step 4", _PIPE, 60),
+    ("running stage 1 action 1B1 of step 4", "", 55),
+    ("finished stage 2 action 2B1 of step 4", _PIPE, 50)])
+_CYCLE = (ParallelDims(pp=2, dp=1), [("finished stage 0 action 0F0 of step 2", _PIPE, 30),
+                                     ("finished stage 1 action 1F0 of step 2", _PIPE, 30)])
+
+
+@pytest.mark.parametrize("layout,stopped,named", [
+    (_TP_STALL, (), [1]),
+    (_TP_SAME_ACTION, (1,), [1]),  # SIGSTOP: the system says which one
+    (_TP_SAME_ACTION, (), [0, 1]),  # a Python-level stall inside the action: both, never a guess
+    (_DP_STALL, (), [1]),
+    (_PP_STALL, (), [1]),
+    (_CYCLE, (), [0, 1]),  # everyone waits: everyone named
+], ids=["tp", "tp-sigstop-in-action", "tp-stall-in-action", "dp", "pp", "all-waiting"])
+def test_the_watchdog_names_the_rank_the_others_wait_for_not_the_one_silent_longest(layout, stopped, named):
+    dims, rows = layout
+    # The rank silent longest is the last one, a waiting rank in every case: the old rule's answer.
+    beats = _table(dims, rows, ages=[10.3] * (len(rows) - 1) + [10.5])
+    assert culprits(beats, stopped) == named
+
+
+def test_a_stall_message_names_the_rank_its_coordinates_and_last_action_or_every_rank_it_cannot_tell_apart():
+    beats = _table(*_TP_STALL)
+    message = describe([1], beats)
+    assert message.startswith("rank 1 stalled: no progress for 10.4 s; its last action: began step 3; "
+                              "its coordinates: pp 0, dp 0, tp 1. The others' last actions: "
+                              "rank 0 (pp 0, dp 0, tp 0): running stage 0 action 0F0 of step 3, 10.4 s ago; "), message
+    assert ("rank 3 (pp 1, dp 0, tp 1): began step 3, then waiting for a message of the pipeline schedule, "
+            "10.4 s ago.") in message
+    assert "the system shows it stopped (SIGSTOP" in describe([1], beats, stopped={1})
+    message = describe([0, 1], _table(*_TP_SAME_ACTION))
+    assert message.startswith("ranks 0, 1 stalled, and the heartbeats cannot tell which of them stopped on its own "
+                              "and which wait for it: rank 0 (pp 0, dp 0, tp 0): running stage 0 action 0F0 of step 3, "
+                              "10.4 s ago; rank 1 (pp 0, dp 0, tp 1): running stage 0 action 0F0"), message
+    # A peer's collective timed out first (it raised): compared with, never named.
+    assert culprits(_table(*_TP_SAME_ACTION), cleared={0}) == [1]
 
 
 def test_every_torch_load_is_weights_only():
-    for path in (ROOT / "runner").rglob("*.py"):
+    for path in (ROOT / "runner").glob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
             assert "weights_only=True" in call, f"{path.name}: {call}"
 

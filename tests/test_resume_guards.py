@@ -98,6 +98,9 @@ def test_verify_on_a_resumed_run_compares_against_the_checkpoints_weights(model,
                      base=base)
     assert summary["first_step"] == 3 and summary["verify"]["passed"], summary["verify"]["problems"]
     assert summary["verify"]["max_abs_diff"] < 1e-5
+    # The reference updated from the checkpoint's AdamW state and LR schedule, as the run did.
+    weights = summary["verify"]["steps"][0]["weights"]
+    assert weights["passed"] and weights["max_lr_units"] < 0.01, weights
 
 
 def _hydra_config(run_dir: Path):

@@ -138,9 +138,11 @@ def test_dp_over_tp_and_tied_weights_under_tp_match_the_unsplit_model(tp4, refer
 @pytest.mark.parametrize("case", ["fsdp-tp2-dp2-tied", "llama-resume-pp1-tp2"])
 def test_verify_passes_with_tp_over_dp_and_after_a_resume(tp4, case):
     """``verify=true`` gathers the 2-D DTensors whole and compares them with the unsplit model (for
-    the resume, loaded with the pp=2 x tp=2 checkpoint's weights)."""
+    the resume, loaded with the pp=2 x tp=2 checkpoint's weights), and follows 2 updates (for the
+    resume, from the AdamW moments its ranks hold as sharded DTensors)."""
     report = tp4[1][case]["summary"]["verify"]
     assert report["passed"] and report["max_abs_diff"] < 4e-5, report
+    assert ["weights" in step for step in report["steps"]] == [True, True, False], report["steps"]
 
 
 @pytest.mark.slow

@@ -53,6 +53,20 @@ def test_typos_and_wrong_types_fail_at_compose_time(override):
         compose(override)
 
 
+@pytest.mark.parametrize("override,nearest", [("trian.steps=5", "train.steps=5"), ("train.stpes=5", "train.steps=5"),
+                                              ("model.dimm=3", "model.dim=3"),
+                                              ("parallel.microbtches=8", "parallel.microbatches=8")])
+def test_a_misspelt_key_gets_the_nearest_keys_in_the_first_message(override, nearest):
+    from runner.exits import outcome
+
+    with pytest.raises(ConfigCompositionException) as info:
+        compose(override)
+    code, message = outcome(info.value, started=False)
+    key = nearest.split("=")[0]
+    assert code == 2 and f"Did you mean {key}" in message and f"Fix: {nearest}" in message
+    assert f"+{override}" not in message  # not Hydra's advice to add it, which the runner refuses next
+
+
 BAD = [
     # (overrides, substrings the message must contain)
     (["schedule=csv"], ["schedule.csv", "missing"]),
@@ -102,6 +116,7 @@ BAD = [
     (["launch.timeout_s=-1"], ["launch.timeout_s=-1"]),
     (["launch.grace_s=-1"], ["launch.grace_s=-1", ">= 0"]),
     (["plan.probe_seconds=-1"], ["plan.probe_seconds=-1", ">= 0", "0 to plan without probes"]),
+    (["verify_steps=0"], ["verify_steps=0 must be at least 1"]),
     # ZB-H1 and ZB-H2 by name (runner/pipeline/zb_orders.py): one stage per rank, enough microbatches, eager.
     (["schedule=zbh1", "parallel.stages_per_rank=2"],
      ["schedule=zbh1 runs one stage per rank", "parallel.stages_per_rank=2", "Fix: parallel.stages_per_rank=1"]),
@@ -287,3 +302,27 @@ def test_memory_sizes_take_the_forms_users_type():
     assert compose(*TINY, "plan.memory_limit=2e9").plan.memory_limit == "2000000000.0"  # a float, as typed
     with pytest.raises(ConfigError, match="plan.memory_limit='lots'"):
         validate(compose(*TINY, "plan.memory_limit=lots"))
+
+
+def test_verify_is_refused_before_launch_where_its_unsplit_reference_would_not_fit(monkeypatch):
+    from runner.models.split import build_meta_model
+    from runner.verify.memory import num_params, reference_bytes
+
+    huge = [*PP2, "model.dim=65536", "model.n_layers=1"]  # 5e10 parameters: a TB of training state
+    validate(compose(*huge))  # verify off: nothing trains it unsplit
+    with pytest.raises(ConfigError) as info:
+        validate(compose(*huge, "verify=true"))
+    for text in ["verify=true: the unsplit reference needs about", "GiB is available", "Fix: verify=false",
+                 "model.n_layers"]:
+        assert text in str(info.value), str(info.value)
+    # The estimate: 7 fp32 copies of every parameter (weights, gradients, AdamW's moments, the run's
+    # copy gathered to compare, as it arrives), and the activations one microbatch leaves for backward.
+    meta = build_meta_model(compose(*TINY).model)
+    state = 7 * 4 * num_params(meta)
+    estimate = reference_bytes(meta, microbatch=2, seq_len=16, kwargs={})
+    assert state < estimate < 2 * state
+    monkeypatch.setattr("runner.verify.memory.available_bytes", lambda: 10 * estimate)
+    validate(compose(*PP2, "verify=true"))
+    monkeypatch.setattr("runner.verify.memory.available_bytes", lambda: estimate // 2)
+    with pytest.raises(ConfigError, match="unsplit reference needs about"):
+        validate(compose(*PP2, "verify=true"))

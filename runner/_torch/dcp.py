@@ -6,8 +6,9 @@ DCP unpickles in two places. ``FileSystemReader.read_metadata`` reads ``.metadat
 optimizer's hyperparameters, for one) with ``torch.load`` and ``weights_only`` off. A crafted file runs
 arbitrary code through either. ``SafeReader`` unpickles ``.metadata`` admitting only DCP's metadata
 classes and the plain values they hold; ``SafePlanner`` loads byte entries with
-``weights_only=True``. Anything else is refused with ``UnsafeCheckpointError``. (Tensor entries are
-already read with ``weights_only=True`` by DCP itself.)
+``weights_only=True`` (``load_plain``, which also reads the ranks' ``rng-rank<R>.pt``). Anything else
+is refused with ``UnsafeCheckpointError``, in one message (``refusal``). (Tensor entries are already
+read with ``weights_only=True`` by DCP itself.)
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from runner.errors import CheckpointError
+from runner.errors import CheckpointError, shown
 
-__all__ = ["UnsafeCheckpointError", "SafeReader", "SafePlanner", "root_causes", "read_model_tensors"]
+__all__ = ["UnsafeCheckpointError", "SafeReader", "SafePlanner", "load_plain", "read_rng_state", "refusal",
+           "root_causes", "read_model_tensors"]
 
 # What DCP's ``.metadata`` pickle refers to (torch 2.13): its dataclasses, tensor sizes, dtypes
 # and layouts, and the path it was saved to.
@@ -90,18 +92,41 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def load_plain(source: str | Path | io.BytesIO, what: str) -> Any:
+    """A pickle of a checkpoint (``what``: how the refusal names it) read as tensors and plain
+    values (``torch.load(weights_only=True)``); anything else is refused with
+    ``UnsafeCheckpointError`` and none of it runs."""
+    try:
+        return torch.load(source, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        # Torch's message also suggests weights_only=False: quote only its unpickler's finding.
+        detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))
+        problem = (f"refers to {found.group(1)}, which is not plain data" if found else
+                   f"is not plain data ({detail.group(1)[:200] if detail else type(e).__name__})")
+        raise UnsafeCheckpointError(f"{what} {problem}; loading it could run code, so it was not loaded") from None
+
+
+def refusal(checkpoint: Path | str, error: UnsafeCheckpointError, where: str = "") -> str:
+    """The message of a checkpoint refused for what a file of it holds (``where``: on which rank)."""
+    return (f"checkpoint {checkpoint} was refused{where}: {error}. Fix: use only checkpoints this runner wrote; a "
+            "checkpoint from elsewhere may have been tampered with.")
+
+
+def read_rng_state(file: Path) -> torch.Tensor:
+    """A rank's ``rng-rank<R>.pt``, through ``load_plain``."""
+    state = load_plain(file, file.name)
+    if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8):
+        raise UnsafeCheckpointError(f"{file.name} holds {shown(state)}, not a CPU generator's state")
+    return state
+
+
 class SafePlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that loads non-tensor entries with ``weights_only=True``."""
+    """``DefaultLoadPlanner`` that loads non-tensor entries through ``load_plain``."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-            what = f"refers to {found.group(1)}, which is not plain data" if found else f"is not plain data ({e})"
-            raise UnsafeCheckpointError(f"entry {fqn!r} {what}; loading it could run code, so it was not "
-                                        "loaded") from None
+        obj = load_plain(value, f"entry {fqn!r}")
         # torch 2.13's DefaultLoadPlanner.load_bytes, with the value loaded above.
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -126,7 +151,7 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     try:
         metadata = reader.read_metadata()
     except UnsafeCheckpointError as e:
-        raise CheckpointError(f"checkpoint {checkpoint} was refused: {e}.") from None
+        raise CheckpointError(refusal(checkpoint, e)) from None
     entries = {key.removeprefix("model."): meta for key, meta in metadata.state_dict_metadata.items()
                if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     wanted = sum(m.size.numel() * m.properties.dtype.itemsize for m in entries.values())
@@ -142,7 +167,7 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     except (Exception, CheckpointException) as e:  # the latter is a BaseException
         rank, exc = root_causes(e)[0]
         if isinstance(exc, UnsafeCheckpointError):
-            raise CheckpointError(f"checkpoint {checkpoint} was refused: {exc}.") from None
+            raise CheckpointError(refusal(checkpoint, exc)) from None
         first_line = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(f"checkpoint {checkpoint} could not be read: {type(exc).__name__}: {first_line}") from e
     return model

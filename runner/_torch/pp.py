@@ -7,11 +7,13 @@ torch 2.13.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Callable, Mapping, Sequence, cast
 from unittest import mock
 
 import torch
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
@@ -119,3 +121,19 @@ def replicate(module, *, mesh):
     from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
 
     return _replicate(module, mesh=mesh)
+
+
+_wait_p2p = _schedules._wait_batch_p2p  # torch's own
+
+
+def mark_p2p_waits(waiting: Callable[[str], AbstractContextManager[None]]) -> None:
+    """Run every wait of torch's schedules for their sends and receives (``_wait_batch_p2p``,
+    which every schedule and the CSV runtime call by its module's name) inside ``waiting(what)``
+    (``runner.ranks.watchdog.waiting``): the launcher then tells a rank waiting for its pipeline
+    neighbour's message from one that stalled. Process-wide: wraps torch's own function, once."""
+
+    def marked(work: list) -> None:
+        with waiting("a message of the pipeline schedule"):
+            _wait_p2p(work)
+
+    _schedules._wait_batch_p2p = marked

@@ -39,7 +39,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from runner._torch.dcp import SafePlanner, SafeReader, UnsafeCheckpointError, root_causes
+from runner._torch.dcp import (
+    SafePlanner,
+    SafeReader,
+    UnsafeCheckpointError,
+    read_rng_state,
+    refusal,
+    root_causes,
+)
 from runner.checkpoint.files import (
     complete_steps,
     files_of,
@@ -154,8 +161,7 @@ def _load_failure(path: Path, error: BaseException) -> str:
     rank, exc = root_causes(error)[0]
     where = "" if rank is None else f" (rank {rank})"
     if isinstance(exc, UnsafeCheckpointError):
-        return (f"checkpoint {path} was refused{where}: {exc}. Fix: resume only from checkpoints this runner "
-                "wrote; a checkpoint from elsewhere may have been tampered with.")
+        return refusal(path, exc, where)
     first_line = (str(exc).strip().splitlines() or [""])[0]
     return f"checkpoint {path} could not be loaded{where}: {type(exc).__name__}: {first_line}"
 
@@ -312,7 +318,10 @@ class Checkpointer:
         self.scheduler.load_state_dict(train_state["lr_scheduler"])
         rng = path / f"rng-rank{self.env.rank}.pt"
         if train_state["world_size"] == self.env.world_size and rng.is_file():
-            torch.set_rng_state(torch.load(rng, weights_only=True))
+            try:
+                torch.set_rng_state(read_rng_state(rng))
+            except UnsafeCheckpointError as e:
+                raise CheckpointError(_load_failure(path, e)) from None
         self.last_good = path
         log.info("resumed from %s at step %d", path, steps_done)
         return steps_done

@@ -84,16 +84,26 @@ def _by_module(names: list[str], model: dict) -> dict[str, int]:
     return counts
 
 
-def _check_tensors(cfg: DictConfig, path: Path, build_meta_model: Callable[..., Any]) -> None:
-    """Every model tensor of the checkpoint exists in the configured model, with its shape."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from runner._torch.dcp import SafeReader, UnsafeCheckpointError
+def _read_pickles(path: Path, world_size: int) -> Any:
+    """The checkpoint's ``.metadata``, after reading it and every rank's RNG state through the safe
+    readers: a crafted pickle in any of them is refused here, before a rank starts."""
+    from runner._torch.dcp import SafeReader, UnsafeCheckpointError, read_rng_state, refusal
 
     try:
         metadata = SafeReader(str(path)).read_metadata()
+        for rank in range(world_size):
+            if (path / f"rng-rank{rank}.pt").is_file():
+                read_rng_state(path / f"rng-rank{rank}.pt")
     except UnsafeCheckpointError as e:
-        raise CheckpointError(f"checkpoint {path} was refused: {e}.") from None
+        raise CheckpointError(refusal(path, e)) from None
+    return metadata
+
+
+def _check_tensors(cfg: DictConfig, path: Path, metadata: Any, build_meta_model: Callable[..., Any]) -> None:
+    """Every model tensor of the checkpoint (its DCP ``metadata``) exists in the configured model,
+    with its shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     model = {n: tuple(t.shape) for n, t in
@@ -117,5 +127,5 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path,
     path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
     state = read_train_state(path)
     _check_tokenizer(cfg, path, state)
-    _check_tensors(cfg, path, build_meta_model)
+    _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model)
     return path, state["step"]

@@ -16,12 +16,12 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,6 +33,8 @@ log = logging.getLogger("runner.hf_weights")  # named as before runner/ became p
 INDEX = "model.safetensors.index.json"
 # safetensors' names of the floating dtypes a checkpoint stores its weights in.
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# safetensors' integer dtypes (I8 ... I64, U8 ... U64, BOOL), by prefix.
+_INTEGER_DTYPES = ("I", "U", "BOOL")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ def _index(directory: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise _fail(path, "has no weight_map (tensor name -> file)", "the index save_pretrained writes, with its "
                     "weight_map, or delete it (a single model.safetensors needs none)")
+    # Lexically, not resolved: a hub cache's snapshot holds symlinks into its blobs/, which is fine.
+    outside = [f"{shown(k)} -> {shown(f)}" for k, f in weight_map.items()
+               if isinstance(f, str) and (PurePath(f).is_absolute() or ".." in PurePath(f).parts)]
+    if outside:
+        raise _fail(path, f"maps tensors to files outside the model directory: {', '.join(outside[:5])}"
+                    f"{' …' if len(outside) > 5 else ''}", "file names of the model directory itself, as "
+                    "save_pretrained writes them (copy the files into the directory and name them there)")
     absent = sorted({f for f in weight_map.values() if not isinstance(f, str) or not (directory / f).is_file()},
                     key=str)
     if absent:
@@ -153,6 +162,7 @@ class Weights:
             raise ConfigError(f"{where}: the weights hold no tensor for {len(missing)} of the model's: "
                               f"{', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}. Fix: complete weights "
                               "for this config.json, or model.pretrained=false for random initialisation.")
+        self._check_float(model)
         for name, target in expected.items():
             s = self.source(name)
             assert s is not None  # none is missing: checked above
@@ -160,6 +170,23 @@ class Weights:
                 raise ConfigError(f"{where}: {s.key} in {s.file} has shape {s.shape}, but the model's {name} is "
                                   f"{tuple(target.shape)}. Fix: the config.json written with these weights (sizes "
                                   "such as hidden_size, vocab_size, num_key_value_heads), or weights for this config.")
+
+
+    def _check_float(self, model: PreTrainedModel) -> None:
+        """A float parameter stored as integers is refused (a documented choice, docs/models.md):
+        cast to fp32, quantized values without their scales, or a broken conversion, would train
+        as if they were weights. Integer buffers (position ids) are read as the integers they are."""
+        stored = {n: s for n, p in model.named_parameters(remove_duplicate=False)
+                  if p.is_floating_point() and (s := self.source(n)) is not None}
+        integer = sorted(n for n, s in stored.items() if s.dtype.startswith(_INTEGER_DTYPES))
+        if integer:
+            named = [f"{n} ({stored[n].dtype} in {stored[n].file})" for n in integer[:8]]
+            raise ConfigError(
+                f"model.path={str(self.directory)!r}: {len(integer)} float parameter(s) are stored as integers: "
+                f"{', '.join(named)}{' …' if len(integer) > 8 else ''}. Cast to fp32 they would train as weights "
+                "(quantized values without their scales, or a broken conversion?). Fix: the model's floating-point "
+                "weights (save_pretrained of the unquantized model, in fp32, bf16 or fp16), or "
+                "model.pretrained=false for random initialisation.")
 
 
 def _not_ignored(model: PreTrainedModel, unexpected: list[str]) -> set[str]:

@@ -193,7 +193,9 @@ def format_table(summary: dict) -> str:
     ]
     if "verify" in summary:
         v = summary["verify"]
+        updates = [s["weights"]["max_lr_units"] for s in v.get("steps", []) if "weights" in s]
+        after = f"; weights after {len(updates)} updates at most {max(updates):.2g} lr apart" if updates else ""
         rows.append(("verify", f"{'passed' if v['passed'] else 'FAILED'} (max abs grad diff "
-                               f"{v['max_abs_diff']:.2g}, max rel {v['max_rel_diff']:.2g})"))
+                               f"{v['max_abs_diff']:.2g}, max rel {v['max_rel_diff']:.2g}{after})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

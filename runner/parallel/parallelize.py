@@ -1,5 +1,6 @@
 """What is applied to each stage module after it is materialised and before it becomes a
-``PipelineStage``, in torchtitan's order: tensor parallelism (``runner.parallel.tp``), activation
+``PipelineStage``, in torchtitan's order: tensor parallelism (``runner.parallel.tp``, applied by
+``runner.pipeline`` to all of a rank's stage modules before it shares their tied weights), activation
 checkpointing, then ``torch.compile``, then precision and data parallelism (FSDP's
 mixed-precision policy needs the unsharded module; over tp it shards the tp shards: 2-D).
 Nothing here renames a parameter: checkpoints and ``verify`` keep the unsplit model's names."""
@@ -17,7 +18,6 @@ from runner._torch.dist import own_compile_cache
 from runner.options import ActivationCheckpointing, Precision
 from runner.parallel.dp import DP_MODES
 from runner.parallel.mesh import Mesh
-from runner.parallel.tp import TPPlan, apply_tp
 
 if TYPE_CHECKING:
     from runner.config import TrainConfig
@@ -52,13 +52,9 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = recomputed
 
 
-def parallelize(module: StageModule, train: TrainConfig, dp_mode: str, mesh: Mesh,
-                tp_plan: TPPlan | None = None) -> StageModule:
-    """Tensor parallelism (the model's ``tp_plan``, where the mesh has a tp dimension), activation
-    checkpointing, compile, precision and dp (``runner.parallel.dp``) for one stage module (in place:
-    returns the same module)."""
-    if mesh.tp_mesh is not None and tp_plan is not None:
-        apply_tp(module, mesh, tp_plan)
+def parallelize(module: StageModule, train: TrainConfig, dp_mode: str, mesh: Mesh) -> StageModule:
+    """Activation checkpointing, compile, precision and dp (``runner.parallel.dp``) for one stage module
+    already sharded over its tp group (``runner.parallel.tp.apply_tp``; in place: returns the same module)."""
     for name in checkpointed_blocks(module.spec.blocks(), train.activation_checkpointing, train.ac_every):
         if name in module.units:
             _checkpoint_forward(module.get_submodule(name))

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from runner.parallel.mesh import Mesh
+from runner.ranks.watchdog import waiting
 
 __all__ = ["TiedGroup", "share_local_copies", "TiedWeights"]
 
@@ -108,7 +109,8 @@ class TiedWeights:
             for g in grads[1:]:
                 total += _local_tensor(g)
             if pg is not None:
-                dist.all_reduce(total, group=pg)
+                with waiting("the tied weights' gradient sum"):  # between stages: outside any action
+                    dist.all_reduce(total, group=pg)
             for p in copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

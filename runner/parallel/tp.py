@@ -56,6 +56,7 @@ from torch.distributed.tensor.parallel import (
 
 from runner.errors import ConfigError
 from runner.models.shards import param_layouts, stage_plan, style_of
+from runner.ranks.watchdog import waiting
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -303,17 +304,22 @@ def sum_partial_grads(modules: list[nn.Module], mesh: Mesh) -> None:
     """Sum over the tp group the gradients each shard holds only its part of: those ``apply_tp``
     named, and a replicated DTensor weight's gradient left partial by DTensor (a norm's under
     sequence parallelism: each rank's slice of the tokens adds its part), as its weight is placed."""
-    import torch.distributed as dist
-
     group = mesh.group("tp") if mesh.tp_mesh is not None else None
     if group is None:
         return
-    for module in modules:
-        for name in getattr(module, "tp_grad_sum", ()):  # StageModule's
-            grad = module.get_parameter(name).grad
-            if grad is not None:
-                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
-        for p in module.parameters():
-            grad = p.grad
-            if isinstance(grad, DTensor) and isinstance(p, DTensor) and any(pl.is_partial() for pl in grad.placements):
-                p.grad = grad.redistribute(grad.device_mesh, p.placements)
+    with waiting("the tp group's sum of partial gradients"):  # after the schedule: outside any action
+        for module in modules:
+            _sum_partial(module, group)
+
+
+def _sum_partial(module: nn.Module, group) -> None:
+    import torch.distributed as dist
+
+    for name in getattr(module, "tp_grad_sum", ()):  # StageModule's
+        grad = module.get_parameter(name).grad
+        if grad is not None:
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+    for p in module.parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor) and isinstance(p, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            p.grad = grad.redistribute(grad.device_mesh, p.placements)

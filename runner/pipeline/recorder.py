@@ -5,8 +5,8 @@ ones wrap compute *and* the wait for its input in ``PP:`` ranges), and the decla
 ``pipeline_order`` is not always what executes. So the recorder wraps each ``PipelineStage``'s
 forward, backward and weight-backward calls: whatever the schedule, each action becomes an
 ``Action`` with its own start and end, and a ``compute:<stage><F|B|I|W><microbatch>`` range in the
-torch profiler trace. Outside the recorded window a wrapped call costs one flag check and two
-heartbeats (``runner.ranks.watchdog``: what the rank is doing, for the launcher).
+torch profiler trace. Outside the recorded window an action costs one flag check and two
+heartbeats (``runner.ranks.watchdog``: what the rank is doing, for the launcher), at pp=1 too.
 """
 
 from __future__ import annotations
@@ -58,6 +58,16 @@ class Recorder:
 
     @contextmanager
     def action(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:
+        """One compute action: a heartbeat as it starts and as it ends (the launcher's watchdog names
+        a stalled rank's last action), and its time while ``active``."""
+        name = f"stage {stage} action {stage}{kind}{microbatch} of step {self.step}"
+        beat(f"running {name}")
+        with self._timed(stage, kind, microbatch):
+            yield
+        beat(f"finished {name}")
+
+    @contextmanager
+    def _timed(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:
         if not self.active:
             yield
             return
@@ -92,16 +102,12 @@ class Recorder:
             @functools.wraps(method)
             def call(chunk_id, *args, **kwargs):
                 kind = kind_of(kwargs)
-                name = f"stage {index} action {index}{kind}{chunk_id} of step {self.step}"
-                beat(f"running {name}")  # the launcher's watchdog names a stalled rank's last action
                 try:
                     with self.action(index, kind, chunk_id):
-                        result = method(chunk_id, *args, **kwargs)
+                        return method(chunk_id, *args, **kwargs)
                 except Exception as e:  # say where in the pipeline it happened
                     e.add_note(f"runner: in pipeline stage {index}, action {index}{kind}{chunk_id}")
                     raise
-                beat(f"finished {name}")
-                return result
 
             return call
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -16,16 +16,17 @@ from torch.distributed.pipelining import PipelineStage
 from runner._torch import pp as _torch_pp
 from runner.layout import Layout, RunPlan
 from runner.losses import build_loss
-from runner.models.split import build_meta_model, materialize
+from runner.models.split import StageModule, build_meta_model, materialize
 from runner.models.units import describe_names
 from runner.parallel.dp import DP_MODES
 from runner.parallel.mesh import Mesh
 from runner.parallel.parallelize import parallelize
 from runner.parallel.tied import TiedWeights, share_local_copies
-from runner.parallel.tp import loss_context, sum_partial_grads, tp_plan
+from runner.parallel.tp import apply_tp, loss_context, sum_partial_grads, tp_plan
 from runner.pipeline.recorder import Recorder
 from runner.pipeline.schedule import build_schedule
 from runner.ranks.dist import DistEnv
+from runner.ranks.watchdog import waiting
 
 __all__ = ["Batch", "UnsplitStep", "PipelinedStep", "build_step"]
 
@@ -109,8 +110,10 @@ class PipelinedStep:
         self.loss_context = loss_context(loss_parallel and self.has_last)
 
     def attach(self, recorder: Recorder) -> None:
+        """Time and note (heartbeats) each stage's actions; note the schedule's waits for messages."""
         for stage in self.stages:
             recorder.wrap_stage(stage)
+        _torch_pp.mark_p2p_waits(waiting)
 
     def _run(self, run, inputs, targets, kwargs) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -154,19 +157,27 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     loss_parallel = tp is not None and tp.loss_parallel
     styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
 
+    def sharded(units: Sequence[str]) -> StageModule:
+        """This rank's part of ``units``: materialised, then sharded over its tp group."""
+        module = materialize(meta, units, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
+        if tp is not None and mesh.tp_mesh is not None:
+            apply_tp(module, mesh, tp)
+        return module
+
     if layout.pp == 1:
-        module = materialize(meta, meta.unit_names, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
-        unsplit = UnsplitStep(parallelize(module, plan.train, dp_mode, mesh, tp), layout.microbatches, loss_fn,
-                              mesh=mesh, loss_parallel=loss_parallel)
+        unsplit = UnsplitStep(parallelize(sharded(meta.unit_names), plan.train, dp_mode, mesh), layout.microbatches,
+                              loss_fn, mesh=mesh, loss_parallel=loss_parallel)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     indices = layout.stages_on(mesh.pp_rank)
-    modules = [materialize(meta, layout.stages[i], seed=seed, device=env.device, tp_mesh=mesh.tp_mesh,
-                           tp_plan=styles) for i in indices]
-    if not DP_MODES[dp_mode].per_stage:  # a mode wrapping each stage on its own cannot share a parameter
+    modules = [sharded(layout.stages[i]) for i in indices]
+    # After tp, which wraps each module's weights in parameters of its own (a pretrained tied weight,
+    # already a DTensor, would become two parameters over one storage, each stepped by the optimizer).
+    # A mode wrapping each stage on its own cannot share a parameter: its copies are summed instead.
+    if not DP_MODES[dp_mode].per_stage:
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, plan.train, dp_mode, mesh, tp)
+        module = parallelize(module, plan.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)

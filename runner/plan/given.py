@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from runner.config import parse_bytes
-from runner.errors import ConfigError
+from runner.errors import ConfigError, shown
 from runner.plan.problem import Problem
 
 __all__ = ["GivenCosts", "is_costs_file", "read_costs", "check_fraction", "memory_limit", "RELATIVE_LIMITS",
@@ -39,6 +40,9 @@ RELATIVE_LIMITS = {"1f1b": 1.0, "2x1f1b": 2.0}
 DEFAULT_WEIGHT_GRAD_FRACTION = 0.4
 KEYS = ("pp", "microbatches", "F", "B", "W", "comm_s", "weight_grad_fraction", "memory_limit", "activation_bytes")
 SUFFIXES = (".yaml", ".yml", ".json")
+# A costs file nests 2 levels (a list per stage in the mapping); a deeper one is refused while it is
+# read, before the parsers' recursion (Python's limit: a RecursionError) or anything else meets it.
+MAX_NESTING = 16
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,8 @@ def is_costs_file(value: object) -> bool:
 def check_fraction(key: str, value: object) -> float:
     """M_W / M_B: a number from 0 (a W needs nothing an I freed) to 1 (an I frees nothing)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"{key}={value!r}: the share of a microbatch's activations its weight gradient still needs "
-                          "after the input gradient (M_W / M_B) is a number from 0 to 1. Fix: measure it, or use "
+        raise ConfigError(f"{key}={shown(value)}: the share of a microbatch's activations its weight gradient still "
+                          "needs after the input gradient (M_W / M_B) is a number from 0 to 1. Fix: measure it, or use "
                           f"{DEFAULT_WEIGHT_GRAD_FRACTION} (the zero-bubble paper's models: 0.37-0.43).")
     return float(value)
 
@@ -97,7 +101,7 @@ def memory_limit(key: str, value: object, problem: Problem | None = None) -> flo
 
 
 def _bad(path: str, key: str, value: Any, problem: str, fix: str) -> ConfigError:
-    return ConfigError(f"plan.costs={path}: {key}={value!r} {problem}. Fix: {fix}")
+    return ConfigError(f"plan.costs={path}: {key}={shown(value)} {problem}. Fix: {fix}")
 
 
 def _count(path: str, data: dict, key: str) -> int:
@@ -135,6 +139,53 @@ def _bytes(path: str, key: str, value: Any) -> float | None:
         return None
 
 
+class _Refused(yaml.YAMLError):
+    """What ``_load`` refuses in a file that parses: a message naming the problem and the fix."""
+
+
+def _too_deep(depth: int, line: int) -> _Refused:
+    return _Refused(f"nested {depth} levels deep at line {line}, deeper than the {MAX_NESTING} a costs file may "
+                    "nest (it needs 2: a list per stage inside the mapping). Fix: one number or a list of numbers "
+                    "for each key (docs/planner.md, 'Plans from given costs').")
+
+
+class _CostsLoader(yaml.SafeLoader):
+    """YAML's safe loader without aliases (each one is a reference to a node, so nine levels of
+    nine expand a few hundred bytes to 9^9 values) and no deeper than ``MAX_NESTING``."""
+
+    depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"line {event.start_mark.line + 1} has an alias (*{event.anchor}): aliases are refused "
+                           "in costs files. Fix: write the value out where the alias stands.")
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise _too_deep(self.depth, self.peek_event().start_mark.line + 1)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _json_nesting(text: str) -> None:
+    """Refuses JSON nested deeper than ``MAX_NESTING``: brackets counted outside strings."""
+    depth = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[{\]}]', text):
+        bracket = token.group()
+        depth += 1 if bracket in "[{" else -1 if bracket in "]}" else 0
+        if depth > MAX_NESTING:
+            raise _too_deep(depth, text.count("\n", 0, token.start()) + 1)
+
+
+def _parse(text: str, suffix: str) -> object:
+    if suffix == ".json":
+        _json_nesting(text)
+        return json.loads(text)
+    return yaml.load(text, Loader=_CostsLoader)  # a safe loader: no aliases, depth bounded
+
+
 def _load(path: str) -> dict:
     file = Path(path).expanduser()
     try:
@@ -143,7 +194,9 @@ def _load(path: str) -> dict:
         raise ConfigError(f"plan.costs={path}: cannot read it ({e.strerror or e}). Fix: the path of a .yaml or .json "
                           "file of costs (docs/planner.md, 'Plans from given costs').") from e
     try:
-        data = json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
+        data = _parse(text, file.suffix.lower())
+    except _Refused as e:
+        raise ConfigError(f"plan.costs={path}: {e}") from e
     except json.JSONDecodeError as e:
         raise ConfigError(f"plan.costs={path}: not JSON, line {e.lineno}: {e.msg}. Fix: the JSON there.") from e
     except yaml.YAMLError as e:
@@ -151,6 +204,9 @@ def _load(path: str) -> dict:
         line = f", line {where.line + 1}" if where is not None else ""
         raise ConfigError(f"plan.costs={path}: not YAML{line}: {getattr(e, 'problem', e)}. Fix: the YAML "
                           "there.") from e
+    except ValueError as e:  # a number Python will not read (an integer of more than 4300 digits)
+        raise ConfigError(f"plan.costs={path}: not {'JSON' if file.suffix.lower() == '.json' else 'YAML'}: "
+                          f"{e}. Fix: numbers of a few digits there.") from e
     if not isinstance(data, dict):
         raise ConfigError(f"plan.costs={path}: holds {type(data).__name__}, not a mapping of keys. Fix: a file of "
                           f"keys {', '.join(KEYS)}.")

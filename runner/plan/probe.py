@@ -113,7 +113,7 @@ def read_run(path: str | Path, label: str | None = None) -> Measured:
         return Measured(label or str(run_dir), [list(v) for v in summary["stages"].values()], summary["microbatches"],
                         order, {(int(k[:-1]), k[-1]): v for k, v in bubble["mean_costs_s"].items()},
                         bubble["pipeline_step_s"], statistics.median(steps))
-    except (OSError, KeyError, TypeError, ValueError) as e:
+    except (OSError, KeyError, TypeError, ValueError, RecursionError) as e:  # (a summary nested past Python's limit)
         raise ConfigError(f"plan.costs={str(path)!r} is not a finished run's directory or summary.json ({e}). Fix: "
                           "point it at a run directory (outputs/<date>/<time>) with summary.json, schedule.csv and "
                           "metrics.jsonl, or leave it null to probe.") from e

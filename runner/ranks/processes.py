@@ -318,6 +318,7 @@ def stop(processes: list, grace_s: float) -> None:
         if p.is_alive():
             try:
                 os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) handles it only once continued
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + grace_s

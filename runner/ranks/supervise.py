@@ -1,7 +1,8 @@
 """The launcher's watch over the rank processes it spawned: the first failure or a stall ends the
 whole job in bounded time, reported from its root cause; SIGINT/SIGTERM to the launcher stop every
-rank. A rank silent for ``launch.timeout_s`` while training is stalled (``runner.ranks.watchdog``: each
-rank notes its progress in memory shared with the launcher), and named with its last action."""
+rank. Once a training rank has been silent for ``launch.timeout_s``, the rank that stopped on its
+own is named with its coordinates and last action (``runner.ranks.watchdog``: each rank notes its
+progress and its waits for peers in memory shared with the launcher)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from runner.errors import EXIT_INTERRUPTED, RankFailedError, RunnerError, StalledRankError, interrupted_exit_code
 from runner.ranks import watchdog
@@ -46,11 +47,12 @@ def _exit_description(process) -> str:
     return f"process exited with code {code} and no traceback"
 
 
-def rank_failure(failed: list[int], processes: list, error_files: list[str],
-                 heartbeats: watchdog.Heartbeats) -> RunnerError:
+def rank_failure(failed: list[int], processes: list, error_files: list[str], heartbeats: watchdog.Heartbeats,
+                 stopped: Collection[int] = ()) -> RunnerError:
     """The root cause among the ``failed`` ranks (the first whose traceback is not a peer's
     disappearance): a runner error's message, or that rank's full traceback. A peer's collective
-    timeout is reported as the stall of the rank it waited for."""
+    timeout is reported as the stall of the rank it waited for (``stopped``: the ranks the system
+    showed stopped before they were ended)."""
     traces = {}
     for rank, path in enumerate(error_files):
         trace = _read_trace(path) or heartbeats.error(rank)
@@ -62,12 +64,14 @@ def rank_failure(failed: list[int], processes: list, error_files: list[str],
         if root not in traces:
             return RankFailedError(f"rank {root}: {_exit_description(processes[root])}")
     text = traces[root]
-    if _TIMED_OUT.search(text):  # it waited for a peer: the peer that went silent first stalled
-        others = [r for r in range(heartbeats.world) if r not in traces and processes[r].exitcode != 0]
-        stalled = max(others, key=heartbeats.age, default=None)  # busy or not: it did not answer
-        if stalled is not None:
-            return StalledRankError(f"{heartbeats.describe(stalled, list(range(heartbeats.world)))} Rank {root} "
-                                    f"timed out waiting for it. {_STALL_FIX}")
+    if _TIMED_OUT.search(text):  # it waited for a peer: name the one that stopped on its own
+        done = set(traces) | {r for r, p in enumerate(processes) if p.exitcode == 0}  # they did not stall
+        beats = heartbeats.beats()
+        named = watchdog.culprits(beats, stopped, cleared=done)  # busy or not: it did not answer
+        if named:
+            them = "it" if len(named) == 1 else "them"
+            return StalledRankError(f"{watchdog.describe(named, beats, stopped)} Rank {root} timed out waiting for "
+                                    f"{them}. {_STALL_FIX}")
     match = re.search(r"^runner\.errors\.\w+: (.*)", text, flags=re.S | re.M)
     if match:
         return RunnerError(f"rank {root}: {match.group(1).strip()}")
@@ -78,12 +82,27 @@ _STALL_FIX = ("Fix: see what that rank waits for (its log; py-spy dump --pid), o
               "if that phase legitimately takes longer.")
 
 
+def _stopped_ranks(processes: list) -> set[int]:
+    """The ranks the system shows stopped (SIGSTOP, Ctrl-Z's job control, a debugger): state T or
+    t in ``/proc``. Such a rank makes no progress of its own, wherever its heartbeat stopped."""
+    found = set()
+    for rank, p in enumerate(processes):
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]  # the name, in parentheses, may hold spaces
+        except (OSError, IndexError):  # exited, or no /proc (not Linux): not known stopped
+            continue
+        if state in ("T", "t"):
+            found.add(rank)
+    return found
+
+
 def _end_if_stalled(processes: list, heartbeats: watchdog.Heartbeats, timeout_s: float, grace_s: float) -> None:
-    running = [r for r, p in enumerate(processes) if p.is_alive()]
-    stalled = heartbeats.stalled(running, timeout_s)
-    if stalled is None:
+    beats = heartbeats.beats([r for r, p in enumerate(processes) if p.is_alive()])
+    if not watchdog.silent(beats, timeout_s):
         return
-    message = heartbeats.describe(stalled, running)
+    stopped = _stopped_ranks(processes)
+    message = watchdog.describe(watchdog.culprits(beats, stopped), beats, stopped)
     log.error("%s Stopping the job.", message)
     stop(processes, grace_s)
     raise StalledRankError(f"{message} (launch.timeout_s={timeout_s:g}). {_STALL_FIX}")
@@ -107,12 +126,13 @@ def wait_for_ranks(processes: list, error_files: list[str], heartbeats: watchdog
     while True:
         failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
         if failed:
+            stopped = _stopped_ranks(processes)  # before they are ended
             stop(processes, grace_s)
             codes = {processes[r].exitcode for r in failed}
             if codes <= set(EXIT_INTERRUPTED.values()):  # a signal reached the ranks themselves
                 log.warning("rank(s) %s stopped by SIGINT/SIGTERM", failed)  # (Ctrl-C: the whole process group)
                 raise SystemExit(max(codes))
-            raise rank_failure(failed, processes, error_files, heartbeats)
+            raise rank_failure(failed, processes, error_files, heartbeats, stopped)
         running = [p for p in processes if p.exitcode is None]
         if not running:
             return _receive(results) if results is not None and results.poll() else received

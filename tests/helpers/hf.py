@@ -116,7 +116,7 @@ def hf_training(cfg: DictConfig, steps: int) -> dict:
     from runner.losses import build_loss
     from runner.optim import build_optimizer
     from runner.pipeline.step import UnsplitStep
-    from runner.verify import collect_grads, reference_model
+    from runner.verify.hook import collect_grads, reference_model
 
     model, forward = reference_model(cfg)
     t = cfg.train

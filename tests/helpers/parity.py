@@ -10,7 +10,7 @@ import torch
 from runner.ranks.dist import DistEnv
 from runner.train import train
 from runner.validate import validate
-from runner.verify import TOLERANCES
+from runner.verify.compare import TOLERANCES
 
 from helpers.config import TINY, compose
 from helpers.ranks import FirstGrads

@@ -3,8 +3,10 @@ theirs); the tests put many cases into one spawn (``run_cases``) and assert each
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import traceback
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from runner.hooks import Hook, StepContext, StepState
 from runner.ranks.processes import spawn as spawn_ranks
 from runner.train import train
 from runner.validate import validate
-from runner.verify import gather_grads
+from runner.verify.hook import gather_grads
 
 
 def spawn(world: int, fn, *args) -> None:
@@ -55,17 +57,33 @@ class FirstGrads(Hook):
             self.clipped = gather_grads(ctx.modules, ctx.env, skip=ctx.not_counted)
 
 
-def train_cases(env, out_dir: str, cases: dict[str, dict], more_hooks=None) -> None:
+@contextlib.contextmanager
+def _fault(spec: str | None):
+    """``RUNNER_FAULT=<spec>`` (``runner.faults``) in this rank while one case trains."""
+    if spec is None:
+        yield
+        return
+    os.environ["RUNNER_FAULT"] = spec
+    try:
+        yield
+    finally:
+        del os.environ["RUNNER_FAULT"]
+
+
+def train_cases(env, out_dir: str, cases: dict[str, dict], more_hooks=None, faults=None) -> None:
     """Train every case on the same process group; rank 0 saves losses, first-step gradients
     and the summary, or the runner error every rank raised, to ``<out_dir>/<case>.pt``.
-    ``more_hooks``: a function (importable by the ranks) making each case's other hooks."""
+    ``more_hooks``: a function (importable by the ranks) making each case's other hooks;
+    ``faults``: case -> the ``RUNNER_FAULT`` it trains under."""
     for name, cfg_dict in cases.items():
         cfg = OmegaConf.create(cfg_dict)
         run_dir = Path(out_dir) / name
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
             grads = FirstGrads()
-            result = train(validate(cfg, run_dir), cfg, env, hooks=[grads, *(more_hooks() if more_hooks else [])])
+            with _fault((faults or {}).get(name)):
+                result = train(validate(cfg, run_dir), cfg, env,
+                               hooks=[grads, *(more_hooks() if more_hooks else [])])
             record = {"losses": result.losses, "grads": grads.grads, "clipped": grads.clipped,
                       "summary": result.summary}
         except RunnerError as e:
@@ -74,8 +92,9 @@ def train_cases(env, out_dir: str, cases: dict[str, dict], more_hooks=None) -> N
             torch.save(record, Path(out_dir) / f"{name}.pt")
 
 
-def run_cases(out_dir: Path, world: int, cases: dict[str, dict], more_hooks=None) -> dict[str, dict]:
+def run_cases(out_dir: Path, world: int, cases: dict[str, dict], more_hooks=None,
+              faults: dict[str, str] | None = None) -> dict[str, dict]:
     """One spawn of ``world`` ranks trains every case (name -> resolved config, see
     ``helpers.config.resolved``); returns each case's record (``train_cases``)."""
-    spawn(world, train_cases, str(out_dir), cases, more_hooks)
+    spawn(world, train_cases, str(out_dir), cases, more_hooks, faults)
     return {name: torch.load(Path(out_dir) / f"{name}.pt", weights_only=False) for name in cases}
