@@ -384,7 +384,7 @@ def test_a_stall_message_names_the_rank_its_coordinates_and_last_action_or_every
 
 
 def test_every_torch_load_is_weights_only():
-    for path in (ROOT / "runner").glob("*.py"):
+    for path in (ROOT / "runner").rglob("*.py"):
         for call in re.findall(r"torch\.load\([^)]*\)", path.read_text()):
             assert "weights_only=True" in call, f"{path.name}: {call}"
 
