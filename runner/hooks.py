@@ -38,6 +38,7 @@ class StepContext:
     not_counted: frozenset[str]  # tied copies the global gradient norm skips (``TiedWeights.not_counted``)
     plan: RunPlan  # the resolved run: layout, resume, verify
     cfg: DictConfig  # the composed config: what verify builds its unsplit reference from
+    optimizer: torch.optim.Optimizer | None = None  # the rank's optimizer (its state: runner.rehearse.memory)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class Hook:
 
     def after_clip(self, ctx: StepContext, state: StepState) -> None:
         """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped."""
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        """The optimizer and the LR schedule have stepped (gradients are still held)."""
 
     def summary(self) -> dict[str, Any]:
         """Entries for rank 0's ``summary.json`` (e.g. ``verify``'s report)."""

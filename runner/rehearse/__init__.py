@@ -1,5 +1,5 @@
 """Rehearsal: every distinct rank role of a run, measured alone on the machine at hand
-(``python -m runner rehearse.enabled=true ...``, see docs/rehearsal.md).
+(``python -m runner rehearse=on ...``, see docs/rehearsal.md).
 
 Entry points:
 

@@ -2,7 +2,9 @@
 answered here, locally. Every use of torch's private distributed API the rehearsal needs is in
 this file (like ``runner/_torch_pp.py`` and ``runner/_torch_dist.py`` for the real runs): the
 ``Work`` made from a future (``torch._C._distributed_c10d._create_work_from_future``), the options
-classes of the collectives, and the backend plug-in's extended options. Tested with torch 2.13.
+classes of the collectives, the backend plug-in's registry; and torch's memory tracker
+(``torch.distributed._tools.mem_tracker``, private), which ``peak_tracker`` adapts to stages
+called once per microbatch. Tested with torch 2.13.
 
 Peers are assumed symmetric (every tp shard and dp replica does what this rank does), so each
 collective completes at once with a result of the right shape and dtype and finite values:
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future  # private: a Work from a future
 from torch.futures import Future
 
-__all__ = ["BACKEND", "RECV_FILL", "Ledger", "RehearsalGroup", "register", "ledger"]
+__all__ = ["BACKEND", "RECV_FILL", "Ledger", "RehearsalGroup", "register", "ledger", "peak_tracker", "peak_split"]
 
 BACKEND = "rehearse"
 RECV_FILL = 0.01  # what a received floating tensor holds: finite, small, not zero (no silent no-op)
@@ -242,3 +244,37 @@ def register() -> None:
     """Make ``init_process_group(backend="rehearse", ...)`` create rehearsal groups (once)."""
     if BACKEND.upper() not in dist.Backend._plugins:  # private: torch keeps no public registry query
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def peak_tracker(modules, optimizer):
+    """A ``MemTracker`` (enter it around the steps) following ``modules`` and ``optimizer``. The
+    tracker refuses a root module called twice in one iteration, which a pipeline stage is (once
+    per microbatch): each forward of a stage module starts its module statistics afresh (only the
+    device-wide peak is read, ``peak_split``)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*modules, optimizer)
+    roots = {id(m) for m in modules}
+    pre_forward = tracker._pre_fw_hook  # registered with the module tracker as the tracker is entered
+
+    def fresh_pre_forward(module, inputs):
+        if id(module) in roots and not tracker._mod_tracker.is_bw:
+            tracker.memory_tracking.pop(module, None)
+        pre_forward(module, inputs)
+
+    tracker._pre_fw_hook = fresh_pre_forward  # type: ignore[method-assign]
+    return tracker
+
+
+def peak_split(tracker) -> dict[str, int]:
+    """The tracker's peak on this rank's device: parameters, gradients, optimizer state,
+    activations and the rest (buffers, temporaries, other), and their total."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_kind = next(iter(snapshot.values())) if snapshot else {}
+    params, grads, opt = (by_kind.get(k, 0) for k in (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT))
+    total = by_kind.get("Total", 0)
+    return {"params": params, "grads": grads, "optimizer_state": opt,
+            "activations_and_rest": total - params - grads - opt, "total": total}
