@@ -183,8 +183,8 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
         module = parallelize(module, plan.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
-        static = {} if io is None else {"input_args": io[index][0], "output_args": io[index][1]}
-        stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group, **static)
+        stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group,
+                              input_args=io[index][0] if io else None, output_args=io[index][1] if io else None)
         _torch_pp.allow_eval(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)

@@ -72,3 +72,40 @@ def test_receives_are_finite_and_the_pipeline_vote_reads_static(rank_37_of_256):
     assert x.tolist() == [768.0, 768.0]  # 256 equal peers
     counts = collectives_by_dim(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8))
     assert counts["world"]["recv"] == {"count": 2, "bytes": 3 * 5 * 4 + 4}
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rehearse.ranks=[0,4]"], "rehearse.ranks=[0, 4]: [4] outside this run's ranks 0..3"),
+    (["rehearse.capacity=eighty"], "rehearse.capacity"),
+    (["rehearse.steps=0"], "rehearse.steps=0"),
+    (["parallel.microbatches=3", "train.batch_size=8"], "microbatches"),  # a layout the run's checks refuse
+])
+def test_bad_rehearsal_input_is_refused_before_anything_is_built(overrides, expected, tmp_path):
+    from runner.errors import ConfigError
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "parallel.tp=2", "rehearse=on", *overrides)
+    with pytest.raises(ConfigError, match="Fix:") as e:
+        check_rehearsal(cfg, tmp_path)
+    assert expected in str(e.value)
+
+
+def test_device_cuda_without_a_gpu_is_refused(tmp_path):
+    from runner.errors import ConfigError
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    cfg = compose(*TINY[1:], "device=cuda", "parallel.pp=2", "rehearse=on")
+    with pytest.raises(ConfigError, match="device=cuda: a rehearsal runs each rank on this host's device"):
+        check_rehearsal(cfg, tmp_path)
+
+
+def test_the_default_ranks_are_one_per_pipeline_rank_at_dp0_tp0():
+    from runner.rehearse.launch import default_ranks
+
+    assert default_ranks(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8)) == [0, 32, 64, 96, 128, 160, 192, 224]

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="override"
+# (torch's stubs overload each collective with its Python-API form; a backend implements the options form)
 """The rehearsal process group: one process plays rank ``r`` of a world of ``N``, and every peer is
 answered here, locally. Every use of torch's private distributed API the rehearsal needs is in
 this file (like ``runner/_torch_pp.py`` and ``runner/_torch_dist.py`` for the real runs): the
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future  # private: a Work from a future
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, no stub
 from torch.futures import Future
 
 __all__ = ["BACKEND", "RECV_FILL", "Ledger", "RehearsalGroup", "register", "ledger", "peak_tracker", "peak_split"]
@@ -91,7 +93,7 @@ class RehearsalGroup(dist.ProcessGroup):
     """A process group whose peers are this process (see the module's docstring)."""
 
     def __init__(self, rank: int, size: int, name: str, ranks: tuple[int, ...], book: Ledger):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form, not in the stubs
         self._rank, self._size, self._name, self._ranks, self._book = rank, size, name, ranks, book
 
     # Python groups skip ``_set_group_name``: functional collectives find the group by this name.

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -82,13 +83,17 @@ def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> tuple[RunPlan, lis
     return plan, ranks, capacity
 
 
-def _run_one(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
-    from runner.rehearse.rank import rank_main
+def _rank_process(*args: Any) -> None:
+    """The spawned process: only it imports the training code (``runner.rehearse.rank`` and, through
+    it, ``runner.train``), by name, so the launcher's imports stay short."""
+    importlib.import_module("runner.rehearse.rank").rank_main(*args)
 
+
+def _run_one(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
     out = run_dir / "rehearsal" / f"rank{rank}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     process = multiprocessing.get_context("spawn").Process(
-        target=rank_main, args=(plan, cfg, rank, steps, run_dir / "rehearsal" / f"rank{rank}", out),
+        target=_rank_process, args=(plan, cfg, rank, steps, run_dir / "rehearsal" / f"rank{rank}", out),
         name=f"rehearse-rank{rank}")
     process.start()
     process.join(RANK_TIMEOUT_S)
