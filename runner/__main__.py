@@ -48,6 +48,12 @@ def main(cfg: DictConfig) -> float | None:
         clock.mark("compose", composed_at)
         import torch
 
+        if cfg.rehearse.enabled:  # each rank's step rehearsed alone, not run
+            from runner.rehearse.launch import format_rehearsal, rehearse
+
+            torch.set_num_threads(1)
+            print(format_rehearsal(rehearse(cfg, run_dir)))
+            return None
         from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
 
         # Nothing has computed in this process yet: one thread keeps it so, and its ranks forkable

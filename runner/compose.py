@@ -26,6 +26,7 @@ from runner.parallel.config import ParallelConfig
 from runner.parallel.dims import ParallelDims
 from runner.pipeline.config import CsvScheduleConfig, ScheduleConfig
 from runner.ranks.config import LaunchConfig
+from runner.rehearse.config import RehearseConfig
 
 __all__ = ["RunConfig", "register_configs", "config_dir", "RANK_OPTIONS", "rank_options"]
 
@@ -51,6 +52,7 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)  # rehearse=on: runner.rehearse
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Experiment loggers as Hydra's logger group: logger=wandb, 'logger=[tensorboard,mlflow]'
@@ -89,6 +91,7 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
+    cs.store(group="rehearse", name="base_rehearse", node=RehearseConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
     cs.store(group="schedule", name="base_csv_schedule", node=CsvScheduleConfig)
     cs.store(group="model", name="base_transformer", node=TransformerConfig)

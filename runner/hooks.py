@@ -36,7 +36,7 @@ class StepContext:
     modules: Sequence[StageModule]  # this rank's stages, by full-model parameter names
     params: Sequence[torch.nn.Parameter]  # their parameters (a weight two local stages share: once)
     not_counted: frozenset[str]  # tied copies the global gradient norm skips (``TiedWeights.not_counted``)
-    optimizer: torch.optim.Optimizer  # this rank's AdamW (verify copies a resumed run's state from it)
+    optimizer: torch.optim.Optimizer  # this rank's AdamW (verify copies a resumed run's state; rehearsals measure it)
     scheduler: torch.optim.lr_scheduler.LRScheduler  # its LR schedule
     plan: RunPlan  # the resolved run: layout, resume, verify
     cfg: DictConfig  # the composed config: what verify builds its unsplit reference from

@@ -145,13 +145,14 @@ class Trainer:
     injection when ``RUNNER_FAULT`` asks for it, ``verify`` when the plan does)."""
 
     def __init__(self, plan: RunPlan, cfg: DictConfig, env: DistEnv, *, clock: StartupClock | None = None,
-                 hooks: Sequence[Hook] = ()):
+                 hooks: Sequence[Hook] = (), static_stages: bool = False):
         if plan.run_dir is None:
             raise ValueError("a run needs a run directory: validate(cfg, run_dir)")
         self.plan, self.cfg, self.env = plan, cfg, env
         self.run_dir = plan.run_dir
         self.clock = clock or StartupClock()
         self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if plan.verify else []), *hooks]
+        self.static_stages = static_stages  # stages built with static metadata (runner.pipeline.step.build_step)
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
@@ -161,7 +162,9 @@ class Trainer:
         plan, cfg, env, t = self.plan, self.cfg, self.env, self.plan.train
         self.data = build_dataset(cfg.data, seed=t.seed)
         self.mesh = build_mesh(env, plan.dims)
-        self.step_fn, self.tied = build_step(plan, cfg, env, self.mesh)
+        example = (_replica_share(get_batch(self.data, 1, plan.batch_size, plan.seq_len), self.mesh, env.device)
+                   if self.static_stages else None)
+        self.step_fn, self.tied = build_step(plan, cfg, env, self.mesh, example=example)
         self.clock.mark("build")
         self.modules = _stage_modules(self.step_fn.modules)
         named = {n: p for m in self.modules for n, p in m.named_parameters(remove_duplicate=False)}

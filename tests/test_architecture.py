@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("validate", "rundir"),  # the checks before launch -> RunPlan
     ("train",),  # the Trainer
     ("launch", "exits"),  # the ranks started; how a command line ends (a typo's nearest keys: compose's)
-    ("plan", "export", "study"),  # applications of the run: nothing below imports the planner
+    ("plan", "rehearse", "export", "study"),  # applications of the run: nothing below imports them
     ("__main__", "loggers", "report", "hf"),  # the command line; shims at old paths (issue #34)
 ]
 # A package's schema (runner/<package>/config.py) may be imported from any layer: the config tree

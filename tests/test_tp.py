@@ -7,6 +7,7 @@ One 4-rank spawn (module-scoped) runs every case; the references run once each, 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from helpers.config import EXAMPLES, TINY, compose, resolved
 from helpers.hf import hf_training, write_model
 from helpers.parity import CLIP, GRAD_ATOL, SCHEDULES, assert_close_at_bf16, assert_matches, reference
 from helpers.ranks import run_cases
+from helpers.rehearsal import held_bytes_hooks
 
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 TP2 = [*PP2, "parallel.tp=2"]
@@ -52,7 +54,7 @@ def tp4(models, tmp_path_factory) -> dict[str, dict]:
     for family, schedules in HF_FAMILIES.items():
         cases.update({f"{family}-{s}": resolved(*_hf_base(models[family]), *TP2, f"schedule={s}", "verify=true")
                       for s in schedules})
-    return run_cases(out, 4, cases)
+    return run_cases(out, 4, cases, more_hooks=held_bytes_hooks)  # every rank's held bytes: the rehearsal's check
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +251,37 @@ def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_ve
     assert sum(map(sum, per_action.values())) + len(outside) == sum(e["tid"] == 2 for e in timeline)
     assert all(len(set(counts)) == 1 for counts in per_action.values()), per_action
     assert all(per_action[(stage, "F")][0] > 0 for stage in range(4))  # every stage's forward runs tp layers
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_rehearsal_of_pp2_tp2_holds_what_each_real_rank_holds_and_composes_a_simulated_step(tp4, tmp_path):
+    """``rehearse=on`` for the builtin-1f1b case: one rank per pipeline rank, each alone at world
+    size 4 over the rehearsal group; its parameter, gradient and optimizer-state bytes are the
+    real gloo rank's exactly, and the composed step is the simulator's replay of its costs."""
+    import json
+
+    from runner.pipeline.schedule import schedule_order
+    from runner.pipeline.simulate import simulate
+
+    from helpers.cli import run_cli
+
+    done = run_cli(*TINY, *CLIP, *TP2, "schedule=1f1b", "rehearse=on", "rehearse.capacity=100KiB",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "rehearsal.json").read_text())
+    real = tp4["builtin-1f1b"]["summary"]["held_bytes"]
+    assert [r["rank"] for r in report["ranks"]] == [0, 2]  # pp 0 and pp 1, each at dp=0, tp=0
+    for r in report["ranks"]:
+        assert r["held_bytes"] == real[r["rank"]], r["rank"]
+        assert all(v > 0 for v in r["peak_bytes"].values()), r["peak_bytes"]
+        assert {(a["stage"], a["kind"]) for a in r["actions"]} == {(r["coords"]["pp"], "F"), (r["coords"]["pp"], "B")}
+        assert r["collectives"]["tp"]["all_reduce"]["count"] > 0 and all(math.isfinite(x) for x in r["losses"])
+    step = report["step"]
+    costs = {(int(k[:-1]), k[-1]): v for k, v in step["stage_costs_s"].items()}
+    timeline = simulate(schedule_order("1f1b", 2, 4, 1), costs, num_stages=2, comm_s=step["message_s"])
+    assert step["pipeline_s"] == pytest.approx(max(a.end for a in timeline)) and step["pipeline_s"] > 0
+    assert step["step_s"] == pytest.approx(step["pipeline_s"] + step["collectives_s"] + step["optimizer_s"])
+    assert 0 < step["bubble"] < 1
+    assert report["memory"][0].startswith("rank 0 needs") and "try" in report["memory"][0]  # 100 KiB is too little
+    assert "composed step" in done.stdout and "assumed: tp shards and dp replicas" in done.stdout

@@ -25,7 +25,7 @@ from runner.errors import ConfigError
 from runner.models.shards import place_shards
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
-__all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes",
+__all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
            "check_init", "materialize", "tied_groups"]
 
 log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
@@ -252,6 +252,31 @@ def check_shapes(
         raise ConfigError(f"The model returns shape {tuple(x.shape)}, not logits (batch, seq, vocab) with "
                           f"(batch, seq) = {(microbatch, seq_len)}. Fix: end the model with a head to the vocabulary.")
     return x.shape[-1]
+
+
+def stage_io(meta: MetaModel, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int,
+             kwargs: dict[str, torch.Tensor] | None = None, seq_shards: int = 1,
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each stage's input and output for one microbatch, as meta tensors (shapes and dtypes, no
+    memory), from the same unit-by-unit pass ``check_shapes`` makes (which has accepted it): what a
+    ``PipelineStage`` built with static metadata is given. ``seq_shards`` (sequence parallelism)
+    slices the sequence of what flows between stages, as each tp rank holds it."""
+    x = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
+    kwargs = {k: v.to("meta") for k, v in (kwargs or {}).items()}
+    out = []
+    last = len(stages) - 1
+    for units in stages:
+        inputs = x
+        for name in units:
+            x = meta.spec.run(meta.module, [name], x, kwargs)
+        out.append((inputs, x))
+    if seq_shards > 1:
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty(t.shape[0], t.shape[1] // seq_shards, *t.shape[2:])
+
+        out = [(x_in if i == 0 else local(x_in), x_out if i == last else local(x_out))
+               for i, (x_in, x_out) in enumerate(out)]
+    return out
 
 
 def _seed_for(seed: int, name: str) -> int:

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 from runner._torch import pp as _torch_pp
 from runner.layout import Layout, RunPlan
 from runner.losses import build_loss
-from runner.models.split import StageModule, build_meta_model, materialize
+from runner.models.split import StageModule, build_meta_model, materialize, stage_io
 from runner.models.units import describe_names
 from runner.parallel.dp import DP_MODES
 from runner.parallel.mesh import Mesh
@@ -146,10 +146,14 @@ class PipelinedStep:
         return self._run(self.schedule.eval, inputs, targets, kwargs)
 
 
-def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tuple[UnsplitStep | PipelinedStep,
-                                                                               TiedWeights]:
+def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
+               example: Batch | None = None) -> tuple[UnsplitStep | PipelinedStep, TiedWeights]:
     """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
-    them for the schedule. Also returns what keeps weights tied across stages equal."""
+    them for the schedule. Also returns what keeps weights tied across stages equal.
+
+    ``example`` (this replica's share of a batch) builds every stage with static metadata (its
+    input and output shapes, from the meta model): torch's schedules then vote static and never
+    infer shapes by messages. Without it (real runs today) the stages infer them on each step."""
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     seed, loss_fn = plan.train.seed, build_loss(cfg.loss)
     layout, dp_mode = plan.layout, plan.dp_mode
@@ -168,6 +172,8 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
         unsplit = UnsplitStep(parallelize(sharded(meta.unit_names), plan.train, dp_mode, mesh), layout.microbatches,
                               loss_fn, mesh=mesh, loss_parallel=loss_parallel)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
+    # Before materialising: a stage takes the meta model's modules (and allocates them).
+    io = _static_io(meta, plan, mesh, example) if example is not None else None
     indices = layout.stages_on(mesh.pp_rank)
     modules = [sharded(layout.stages[i]) for i in indices]
     # After tp, which wraps each module's weights in parameters of its own (a pretrained tied weight,
@@ -180,7 +186,8 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
         module = parallelize(module, plan.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
-        stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group)
+        stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group,
+                              input_args=io[index][0] if io else None, output_args=io[index][1] if io else None)
         _torch_pp.allow_eval(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
@@ -190,6 +197,16 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh) -> tupl
     embeddings = {n for names in meta.tied for n in names
                   if any(isinstance(meta.module.get_submodule(x.rpartition(".")[0]), nn.Embedding) for x in names)}
     return step, TiedWeights(meta.tied, rank_of, step.modules, mesh, embedding_names=embeddings)
+
+
+def _static_io(meta, plan: RunPlan, mesh: Mesh, example: Batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each stage's input and output for one microbatch of ``example``, as meta tensors."""
+    inputs, _, kwargs = example
+    m = plan.layout.microbatches
+    first = {k: v.tensor_split(m)[0] for k, v in kwargs.items()}
+    shards = mesh.dims.tp if mesh.dims.sequence_parallel and mesh.dims.tp > 1 else 1
+    return stage_io(meta, plan.layout.stages, microbatch=len(inputs.tensor_split(m)[0]), seq_len=inputs.shape[1],
+                    kwargs=first, seq_shards=shards)
 
 
 def _params_of(meta, unit: str) -> list[str]:

@@ -1,0 +1,282 @@
+# mypy: disable-error-code="override"
+# (torch's stubs overload each collective with its Python-API form; a backend implements the options form)
+"""The rehearsal process group: one process plays rank ``r`` of a world of ``N``, and every peer is
+answered here, locally. Every use of torch's private distributed API the rehearsal needs is in
+this file (like ``runner/_torch/pp.py`` and ``runner/_torch/dist.py`` for the real runs): the
+``Work`` made from a future (``torch._C._distributed_c10d._create_work_from_future``), the options
+classes of the collectives, the backend plug-in's registry; and torch's memory tracker
+(``torch.distributed._tools.mem_tracker``, private), which ``peak_tracker`` adapts to stages
+called once per microbatch. Tested with torch 2.13.
+
+Peers are assumed symmetric (every tp shard and dp replica does what this rank does), so each
+collective completes at once with a result of the right shape and dtype and finite values:
+
+* all-reduce (and reduce): ``SUM`` leaves ``value * group_size`` (equal peers), ``AVG``, ``MAX``,
+  ``MIN`` and the bitwise ones leave the value, ``PRODUCT`` leaves it too (a power could overflow);
+* all-gather (every form): the local shard, replicated; reduce-scatter: this rank's chunk of the
+  input, scaled as all-reduce scales; all-to-all: the input, in place of every peer's;
+* broadcast: the local value (every rank built the same); scatter: the root's chunk where the
+  root is here, else a small finite fill; gather: copies of the input;
+* send: nothing (recorded); recv: ``RECV_FILL`` for floating tensors, 1 for integer ones. The
+  pipeline schedules' static/dynamic vote (an int32[1] multiplied along the stages) so reads 1:
+  every peer voted static, as a real run of stages built with static metadata would;
+* barrier: nothing.
+
+Every call is counted in ``Ledger`` by kind and by the group's ranks, with the bytes this rank
+passes (its larger buffer: the gathered output, the reduced input, the sent or received tensor).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, no stub
+from torch.futures import Future
+
+__all__ = ["BACKEND", "RECV_FILL", "Ledger", "RehearsalGroup", "register", "ledger", "peak_tracker", "peak_split"]
+
+BACKEND = "rehearse"
+RECV_FILL = 0.01  # what a received floating tensor holds: finite, small, not zero (no silent no-op)
+
+
+@dataclass
+class Ledger:
+    """The collectives this process issued: ``calls[(kind, ranks)] = [count, bytes]``, ``ranks``
+    the group's global ranks (the caller names the dimension they span)."""
+
+    calls: dict[tuple[str, tuple[int, ...]], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, ranks: tuple[int, ...], nbytes: int) -> None:
+        with self.lock:
+            entry = self.calls[(kind, ranks)]
+            entry[0] += 1
+            entry[1] += nbytes
+
+    def clear(self) -> None:
+        with self.lock:
+            self.calls.clear()
+
+    def snapshot(self) -> list[tuple[str, tuple[int, ...], int, int]]:
+        with self.lock:
+            return [(kind, ranks, c, b) for (kind, ranks), (c, b) in sorted(self.calls.items())]
+
+
+_LEDGER = Ledger()
+
+
+def ledger() -> Ledger:
+    """This process's ledger (one rehearsed rank per process)."""
+    return _LEDGER
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _done(result) -> dist.Work:
+    fut: Future = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+def _fill(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.fill_(RECV_FILL if (t.is_floating_point() or t.is_complex()) else 1)
+
+
+class RehearsalGroup(dist.ProcessGroup):
+    """A process group whose peers are this process (see the module's docstring)."""
+
+    def __init__(self, rank: int, size: int, name: str, ranks: tuple[int, ...], book: Ledger):
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) form, not in the stubs
+        self._rank, self._size, self._name, self._ranks, self._book = rank, size, name, ranks, book
+
+    # Python groups skip ``_set_group_name``: functional collectives find the group by this name.
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"RehearsalGroup(rank {self._rank} of {self._size}, ranks {self._ranks[:8]}…)"
+
+    def _log(self, kind: str, nbytes: int) -> None:
+        self._book.add(kind, self._ranks, nbytes)
+
+    def _scale(self, t: torch.Tensor, op) -> None:
+        if op == dist.ReduceOp.SUM and self._size > 1 and t.dtype != torch.bool:
+            with torch.no_grad():
+                t.mul_(self._size)
+
+    # -- reductions --------------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:
+            self._scale(t, op)
+        self._log("all_reduce", _nbytes(tensors))
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def reduce(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for out, chunks in zip(outputs, inputs):
+            out.copy_(chunks[self._rank])
+            self._scale(out, op)
+        self._log("reduce_scatter", _nbytes([c for chunks in inputs for c in chunks]))
+        return _done(outputs)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self.reduce_scatter([output], [list(torch.chunk(input, self._size))], opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self.reduce_scatter_single(o, i, opts)
+        return _done(outputs)
+
+    # -- gathers -----------------------------------------------------------------------------------
+    def allgather(self, outputs, inputs, opts=None):
+        for outs, t in zip(outputs, inputs):
+            for o in outs:
+                o.copy_(t)
+        self._log("all_gather", _nbytes([o for outs in outputs for o in outs]))
+        return _done(outputs)
+
+    def all_gather_single(self, output, input, opts=None):
+        output.copy_(input.reshape(1, -1).expand(self._size, -1).reshape(output.shape))
+        self._log("all_gather", _nbytes([output]))
+        return _done([output])
+
+    def _allgather_base(self, output, input, opts=None):
+        return self.all_gather_single(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self.all_gather_single(o, i, opts)
+        return _done(outputs)
+
+    def allgather_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather(outputs, inputs, opts)
+
+    def gather(self, outputs, inputs, opts=None):
+        for outs in outputs:
+            for o, t in zip(outs, inputs * len(outs)):
+                o.copy_(t)
+        self._log("gather", _nbytes(inputs) * self._size)
+        return _done(outputs)
+
+    # -- one to all, all to all ----------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        self._log("broadcast", _nbytes(tensors))
+        return _done(tensors)
+
+    def scatter(self, outputs, inputs, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for i, out in enumerate(outputs):
+            if root == self._rank and inputs:
+                out.copy_(inputs[i][self._rank])
+            else:
+                _fill(out)
+        self._log("scatter", _nbytes(outputs))
+        return _done(outputs)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            o.copy_(i)
+        self._log("all_to_all", _nbytes(outputs))
+        return _done(outputs)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        if output.shape == input.shape:
+            output.copy_(input)
+        else:
+            _fill(output)
+        self._log("all_to_all", _nbytes([output]))
+        return _done([output])
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def barrier(self, opts=None):
+        self._log("barrier", 0)
+        return _done([])
+
+    # -- point to point ------------------------------------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        self._log("send", _nbytes(tensors))
+        return _done(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        for t in tensors:
+            _fill(t)
+        self._log("recv", _nbytes(tensors))
+        return _done(tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self.recv(tensors, -1, tag)
+
+
+def _create(options, backend_options) -> RehearsalGroup:
+    """The plug-in's creator (``extended_api=True``: the group's global ranks come with it)."""
+    ranks = tuple(options.global_ranks_in_group) or tuple(range(options.group_size))
+    return RehearsalGroup(options.group_rank, options.group_size, options.group_id, ranks, _LEDGER)
+
+
+def register() -> None:
+    """Make ``init_process_group(backend="rehearse", ...)`` create rehearsal groups (once)."""
+    if BACKEND.upper() not in dist.Backend._plugins:  # private: torch keeps no public registry query
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def peak_tracker(modules, optimizer):
+    """A ``MemTracker`` (enter it around the steps) following ``modules`` and ``optimizer``. The
+    tracker refuses a root module called twice in one iteration, which a pipeline stage is (once
+    per microbatch): each forward of a stage module starts its module statistics afresh (only the
+    device-wide peak is read, ``peak_split``)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*modules, optimizer)
+    roots = {id(m) for m in modules}
+    pre_forward = tracker._pre_fw_hook  # registered with the module tracker as the tracker is entered
+
+    def fresh_pre_forward(module, inputs):
+        if id(module) in roots and not tracker._mod_tracker.is_bw:
+            tracker.memory_tracking.pop(module, None)
+        pre_forward(module, inputs)
+
+    tracker._pre_fw_hook = fresh_pre_forward  # type: ignore[method-assign]
+    return tracker
+
+
+def peak_split(tracker) -> dict[str, int]:
+    """The tracker's peak on this rank's device: parameters, gradients, optimizer state,
+    activations and the rest (buffers, temporaries, other), and their total."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_kind = next(iter(snapshot.values())) if snapshot else {}
+    params, grads, opt = (by_kind.get(k, 0) for k in (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT))
+    total = by_kind.get("Total", 0)
+    return {"params": params, "grads": grads, "optimizer_state": opt,
+            "activations_and_rest": total - params - grads - opt, "total": total}

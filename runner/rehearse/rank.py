@@ -1,0 +1,111 @@
+"""One rehearsed rank, in a process of its own: the runner's own ``Trainer`` (stage build, tp,
+FSDP/DDP, schedule, loss, clipping, AdamW) over a rehearsal process group at the run's full world
+size, with its stages built with static metadata (no shape messages), for ``steps`` steps. What
+it measures (``RankResult``, written as JSON for the launcher):
+
+* memory: the bytes held in parameters, gradients and optimizer state (``memory.held_bytes``), and
+  the peak over the steps before the last (all of them when ``steps`` is 1), split by torch's
+  ``MemTracker`` (``torch.distributed._tools``; on CPU and CUDA alike, it tracks the tensors'
+  storages, not RSS) into parameters, gradients, optimizer state and activations + the rest
+  (buffers, temporaries, other);
+* time: each compute action of the last step (F/B/I/W per stage and microbatch, from the runner's
+  recorder), the optimizer step (after clipping to after AdamW and the LR schedule), the step;
+* collectives of the last step: count and bytes by kind and mesh dimension (tp, dp, pp, world)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from runner._torch.rehearsal import peak_split, peak_tracker
+from runner.hooks import Hook, StepContext, StepState
+from runner.layout import RunPlan
+from runner.rehearse.memory import held_bytes
+from runner.rehearse.world import collectives_by_dim, init_rehearsal, reset_collectives
+
+__all__ = ["rehearsal_plan", "run_rank", "rank_main"]
+
+log = logging.getLogger(__name__)
+
+
+def rehearsal_plan(plan: RunPlan, steps: int, run_dir: Path) -> RunPlan:
+    """The run's plan for a rehearsed rank: ``steps`` steps into ``run_dir``, no checkpoint, no
+    evaluation, no verify, no torch profiler; the recorder times the last step's actions."""
+    return dataclasses.replace(
+        plan, steps=steps, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
+        checkpoint=dataclasses.replace(plan.checkpoint, every=0),
+        eval=dataclasses.replace(plan.eval, every=0),
+        profile=dataclasses.replace(plan.profile, enabled=False, wait=steps - 1, warmup=0, active=1))
+
+
+class _Measure(Hook):
+    """The last step's held bytes, optimizer time and collectives."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.held: dict[str, int] = {}
+        self.optimizer_s = 0.0
+        self._clipped = 0.0
+        self.collectives: dict = {}
+
+    def begin_step(self, ctx: StepContext, state: StepState) -> None:
+        if state.step == self.steps:
+            reset_collectives()
+
+    def after_clip(self, ctx: StepContext, state: StepState) -> None:
+        self._clipped = time.perf_counter()
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        self.optimizer_s = time.perf_counter() - self._clipped
+        self.held = held_bytes(ctx.params, ctx.optimizer)
+        if state.step == self.steps:
+            self.collectives = collectives_by_dim(ctx.mesh.dims)
+
+
+def run_rank(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
+    """Rehearse ``rank`` of ``plan`` in this process (which must hold no process group); returns
+    its measurements."""
+    from runner.train import Trainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
+    env = init_rehearsal(rank, plan.world_size, device)
+    try:
+        measure = _Measure(steps)
+        trainer = Trainer(rehearsal_plan(plan, steps, run_dir), cfg, env, hooks=[measure], static_stages=True)
+        trainer.setup()
+        tracker = peak_tracker(trainer.modules, trainer.optimizer)
+        # The tracker's dispatch mode slows every op: memory is tracked over the steps before the
+        # last (the first one creates the optimizer state), the last step is timed untracked.
+        with tracker:
+            for index in range(max(1, steps - 1)):
+                trainer.step(index)
+        for index in range(max(1, steps - 1), steps):
+            trainer.step(index)
+        recorder = trainer.profiler.recorder
+        actions = [{"stage": a.op.stage, "kind": a.op.kind, "microbatch": a.op.microbatch,
+                    "seconds": (a.end_ns - a.start_ns) / 1e9} for a in recorder.actions if a.step == steps]
+        coords = trainer.mesh.coords
+        return {"rank": rank, "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
+                "stages": plan.layout.stages_on(coords.pp), "steps": steps, "losses": trainer.losses,
+                "held_bytes": measure.held, "peak_bytes": peak_split(tracker),
+                "step_s": trainer.step_times[-1], "optimizer_s": measure.optimizer_s, "actions": actions,
+                "collectives": measure.collectives, "memory_tracker": "torch.distributed._tools.MemTracker"}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_main(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path, out: Path) -> None:
+    """A spawned process's target: rehearse ``rank`` and write its result to ``out`` (JSON)."""
+    torch.set_num_threads(plan.threads_per_rank)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = run_rank(plan, cfg, rank, steps, run_dir)
+    out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,111 @@
+"""Rehearsal (docs/rehearsal.md): one process plays one rank of a large world, every peer answered
+by the rehearsal process group; what a rank measures, composed into the whole step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runner.parallel.dims import ParallelDims
+from runner.rehearse.world import collectives_by_dim, init_rehearsal, reset_collectives
+
+
+@pytest.fixture
+def rank_37_of_256():
+    """This process as rank 37 of a pp=8 x dp=4 x tp=8 world (pp 1, dp 0, tp 5)."""
+    from runner._torch.dist import drop_dtensor_caches
+
+    reset_collectives()
+    env = init_rehearsal(37, 256, torch.device("cpu"))
+    try:
+        yield env
+    finally:
+        dist.destroy_process_group()
+        drop_dtensor_caches()
+        reset_collectives()
+
+
+def test_rank_37_of_256_trains_tp_and_fsdp_with_finite_values_and_counts_its_collectives(rank_37_of_256):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (8, 4, 8), mesh_dim_names=("pp", "dp", "tp"))
+    assert tuple(mesh.get_coordinate()) == (1, 0, 5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reset_collectives()  # the steps' collectives only
+    for _ in range(2):
+        loss = model(torch.randn(4, 16)).pow(2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert math.isfinite(loss.item()) and math.isfinite(norm.full_tensor().item())
+    for p in model.parameters():
+        assert torch.isfinite(p.to_local()).all()
+        assert p.to_local().shape[0] * 4 * 8 >= p.shape[0]  # this rank's shard only
+    counts = collectives_by_dim(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8))
+    # FSDP gathers the weights once a step (the root module keeps them through the backward) and
+    # reduce-scatters the gradients over dp; tp all-reduces the row-wise output and the norm's sums.
+    assert counts["dp"]["all_gather"]["count"] == 2 and counts["dp"]["reduce_scatter"]["count"] == 2
+    assert counts["tp"]["all_reduce"]["count"] >= 2
+    assert all(v["bytes"] > 0 for kinds in counts.values() for k, v in kinds.items() if k != "barrier")
+
+
+def test_receives_are_finite_and_the_pipeline_vote_reads_static(rank_37_of_256):
+    buffer = torch.empty(3, 5)
+    dist.recv(buffer, src=36)
+    assert torch.isfinite(buffer).all() and (buffer != 0).all()
+    vote = torch.zeros(1, dtype=torch.int32)
+    dist.recv(vote, src=36)
+    assert vote.item() == 1  # every peer voted static
+    x = torch.full((2,), 3.0)
+    dist.all_reduce(x)
+    assert x.tolist() == [768.0, 768.0]  # 256 equal peers
+    counts = collectives_by_dim(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8))
+    assert counts["world"]["recv"] == {"count": 2, "bytes": 3 * 5 * 4 + 4}
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rehearse.ranks=[0,4]"], "rehearse.ranks=[0, 4]: [4] outside this run's ranks 0..3"),
+    (["rehearse.capacity=eighty"], "rehearse.capacity"),
+    (["rehearse.steps=0"], "rehearse.steps=0"),
+    (["parallel.microbatches=3", "train.batch_size=8"], "microbatches"),  # a layout the run's checks refuse
+])
+def test_bad_rehearsal_input_is_refused_before_anything_is_built(overrides, expected, tmp_path):
+    from runner.errors import ConfigError
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "parallel.tp=2", "rehearse=on", *overrides)
+    with pytest.raises(ConfigError, match="Fix:") as e:
+        check_rehearsal(cfg, tmp_path)
+    assert expected in str(e.value)
+
+
+def test_device_cuda_without_a_gpu_is_refused(tmp_path):
+    from runner.errors import ConfigError
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    cfg = compose(*TINY[1:], "device=cuda", "parallel.pp=2", "rehearse=on")
+    with pytest.raises(ConfigError, match="device=cuda: a rehearsal runs each rank on this host's device"):
+        check_rehearsal(cfg, tmp_path)
+
+
+def test_the_default_ranks_are_one_per_pipeline_rank_at_dp0_tp0():
+    from runner.rehearse.launch import default_ranks
+
+    assert default_ranks(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8)) == [0, 32, 64, 96, 128, 160, 192, 224]
