@@ -15,6 +15,8 @@ import types
 import pytest
 from omegaconf import OmegaConf
 
+import runner.outputs.metrics  # noqa: F401  (imported before the fixture swaps the owner in every
+import runner.validate  # noqa: F401  module holding it: alone, this test would import them after)
 from runner.errors import ConfigError
 from runner.parallel.dims import ParallelDims
 

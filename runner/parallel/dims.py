@@ -32,7 +32,9 @@ class Coords:
     _of: dict[str, int]
 
     def __init__(self, *values: int, **named: int) -> None:
-        object.__setattr__(self, "_of", {**dict(zip(ParallelDims.ORDER, values)), **named})
+        given = {**dict(zip(ParallelDims.ORDER, values)), **named}
+        order = [*(n for n in ParallelDims.ORDER if n in given), *(n for n in given if n not in ParallelDims.ORDER)]
+        object.__setattr__(self, "_of", {n: given[n] for n in order})  # read in the owner's order, as given
 
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):
