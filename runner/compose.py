@@ -28,7 +28,7 @@ from runner.pipeline.config import CsvScheduleConfig, ScheduleConfig
 from runner.ranks.config import LaunchConfig
 from runner.rehearse.config import RehearseConfig
 
-__all__ = ["RunConfig", "register_configs", "config_dir", "RANK_OPTIONS", "rank_options"]
+__all__ = ["RunConfig", "SCHEMAS", "register_configs", "config_dir", "RANK_OPTIONS", "rank_options"]
 
 
 def config_dir() -> Path:
@@ -84,6 +84,23 @@ def rank_options(cfg: DictConfig) -> dict[str, Any]:
             for key, schema in RANK_OPTIONS.items()}
 
 
+# The schemas the group options in conf/ extend, name -> (group, dataclass): ``conf/schedule/1f1b.yaml``
+# opens with ``defaults: [/schema_schedule@_here_]``. Stored at the root of the config store, not in
+# their groups, so that they are no options of the groups: not in --help, nor offered by tab completion.
+SCHEMAS: dict[str, tuple[str, type]] = {
+    "schema_rehearse": ("rehearse", RehearseConfig),
+    "schema_schedule": ("schedule", ScheduleConfig),
+    "schema_schedule_csv": ("schedule", CsvScheduleConfig),
+    "schema_model_transformer": ("model", TransformerConfig),
+    "schema_model_mlp": ("model", MLPConfig),
+    "schema_model_hf": ("model", HFModelConfig),
+    "schema_data_synthetic": ("data", SyntheticDataConfig),
+    "schema_data_text": ("data", TextDataConfig),
+    "schema_data_hf": ("data", HFDataConfig),
+    "schema_data_tokens": ("data", TokensDataConfig),
+}
+
+
 def register_configs() -> None:
     if not OmegaConf.has_resolver("world_size"):  # ${world_size:${parallel}}: ranks per job (runner.parallel.dims)
         OmegaConf.register_new_resolver("world_size", lambda parallel: ParallelDims.from_config(parallel).world_size)
@@ -91,16 +108,8 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("runner_vocab", _tokenizer_vocab, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    cs.store(group="rehearse", name="base_rehearse", node=RehearseConfig)
-    cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
-    cs.store(group="schedule", name="base_csv_schedule", node=CsvScheduleConfig)
-    cs.store(group="model", name="base_transformer", node=TransformerConfig)
-    cs.store(group="model", name="base_mlp", node=MLPConfig)
-    cs.store(group="model", name="base_hf", node=HFModelConfig)
-    cs.store(group="data", name="base_synthetic", node=SyntheticDataConfig)
-    cs.store(group="data", name="base_text", node=TextDataConfig)
-    cs.store(group="data", name="base_hf", node=HFDataConfig)
-    cs.store(group="data", name="base_tokens", node=TokensDataConfig)
+    for name, (_, node) in SCHEMAS.items():
+        cs.store(name=name, node=node)
 
 
 register_configs()

@@ -184,7 +184,7 @@ class Trainer:
                                     first_step=self.first_step + 1, tp=plan.dims.tp)
         self.step_fn.attach(self.profiler.recorder)
         self.config = as_ran(cfg, plan)
-        self.metrics = (MetricsWriter(self.run_dir, cfg.logging, run_config=self.config,
+        self.metrics = (MetricsWriter(self.run_dir, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
         self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
                                    not_counted=frozenset(self.tied.not_counted()), optimizer=self.optimizer,

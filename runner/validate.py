@@ -25,6 +25,7 @@ from runner.config_nodes import check_model_vocab, missing_keys
 from runner.errors import CheckpointError, ConfigError
 from runner.layout import Layout, RunPlan, microbatch_size
 from runner.options import allowed
+from runner.outputs.config import LOGGING_MOVED
 from runner.outputs.loggers import check_loggers
 from runner.parallel.dims import ParallelDims
 from runner.parallel.dp import DP_MODES
@@ -328,13 +329,31 @@ def _resume_point(cfg: DictConfig, run_dir: Path) -> Path:
 def check_config(cfg: DictConfig) -> None:
     """The checks that need no torch: missing values, unknown keys, option values, numbers,
     loggers."""
+    _refuse_logging_keys(cfg)
     _check_missing(cfg)
     check_model_vocab(cfg)
     _check_unknown_keys(cfg)
     _check_choices(cfg)
     _check_numbers(cfg)
     _schedule_file(cfg)
-    check_loggers(cfg.logging, cfg.get("logger"))  # enabled loggers' packages are importable, options known
+    check_loggers(cfg.get("logger"))  # enabled loggers' packages are importable, options known
+
+
+def _refuse_logging_keys(cfg: DictConfig) -> None:
+    """``logging.<name>=true`` and ``logging.<name>_<option>``, the older spelling of the ``logger``
+    group, are refused with the group's spelling as the fix: one way to turn on each logger."""
+    for key, (name, option) in LOGGING_MOVED.items():
+        value = (cfg.get("logging") or {}).get(key)
+        if value is None:
+            continue
+        shown = str(value).lower() if isinstance(value, bool) else value
+        if option is not None:
+            fix = f"logger={name} logger.{name}.{option}={shown}"
+        elif value:
+            fix = f"logger={name} (several: 'logger=[tensorboard,mlflow]')"
+        else:
+            fix = f"leave logging.{key} out (no logger runs unless logger= names it)"
+        raise ConfigError(f"logging.{key}={shown} is no longer read: the loggers are the logger group. Fix: {fix}.")
 
 
 def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> Layout:

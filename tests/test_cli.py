@@ -26,7 +26,7 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     # One forks its ranks (the default on CPU), one spawns fresh interpreters: the same run.
     # The spawned one also logs to MLflow: from rank 0 only, one run.
     procs = [start_cli("experiment=smoke", "verify=true", "launch.pin_cpus=true", *extra, cwd=tmp_path)
-             for extra in ([], ["launch.start_method=spawn", "logging.mlflow=true"])]
+             for extra in ([], ["launch.start_method=spawn", "logger=mlflow"])]
     for done in [finish(p) for p in procs]:
         out, err = done.stdout, done.stderr
         assert done.returncode == 0, err
@@ -116,6 +116,46 @@ def test_an_unknown_config_name_is_a_configuration_error():
     assert code == 2 and "Cannot find primary config 'nope'" in message
 
 
+def test_the_groups_options_are_the_yaml_files_only():
+    """What --help and completion list of a group is the config store's and conf/'s options of that
+    group: the schemas are stored outside every group (held through the CLI below)."""
+    from hydra.core.config_store import ConfigStore
+
+    from runner.compose import SCHEMAS, config_dir
+
+    store = ConfigStore.instance()
+    for group in {group for group, _ in SCHEMAS.values()}:
+        assert sorted(store.list(group) if store.repo.get(group) else []) == [], group
+        assert not [p for p in (config_dir() / group).glob("*.yaml") if p.stem.startswith(("base_", "schema_"))]
+    assert not [name for name in store.list("") if name.startswith("base_") and name != "base_config.yaml"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_help_and_tab_completion_offer_no_internal_schema(tmp_path):
+    """The schemas the group options extend (``runner.compose.SCHEMAS``) are no options: neither
+    ``--help`` nor tab completion lists them (nor any ``base_*``), and every user-facing option is there."""
+    from runner.compose import SCHEMAS
+
+    internal = re.compile(r"\b(base_\w+|schema_\w+)")
+    done = run_cli("--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    groups = done.stdout.split("== Config ==")[0]
+    assert not internal.search(groups), groups
+    assert "schedule: 1f1b, csv, dualpipev" in groups and "model: hf, mlp, transformer" in groups
+    assert "data: hf, synthetic, text, tokens" in groups and "rehearse: on\n" in groups
+    for line, expected in [("runner ", "schedule="), ("runner schedule=", "schedule=zbv"),
+                           ("runner schedule=b", ""), ("runner model=", "model=transformer"),
+                           ("runner data=", "data=tokens"), ("runner rehearse=", "rehearse=on"),
+                           ("runner sch", "schedule=")]:
+        done = run_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": line})
+        assert done.returncode == 0, done.stderr
+        offered = done.stdout.split()
+        assert not any(internal.search(word) for word in offered), (line, offered)
+        assert (expected in offered) if expected else offered == [], (line, offered)
+    assert set(SCHEMAS) and all(name.startswith("schema_") for name in SCHEMAS)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
@@ -168,7 +208,7 @@ def _cores_of_each_rank(log: str) -> list[str]:
 
 def test_pp1_trains_the_unsplit_model_in_this_process_with_tensorboard_scalars(tmp_path):
     summary = launch(compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4",
-                             "logging.tensorboard=true"), tmp_path)
+                             "logger=tensorboard"), tmp_path)
     assert summary["pp"] == 1 and summary["num_stages"] == 1 and len(summary["losses"]) == 5
     assert summary["bubble"]["theoretical"] == 0 and (tmp_path / "schedule.csv").read_text() == "0F0,0B0,0F1,0B1\n"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

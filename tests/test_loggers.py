@@ -32,7 +32,7 @@ BUBBLE = {"mean": 0.25, "theoretical": 0.2, "theoretical_source": "test"}
 
 def _run(run_dir: Path, *overrides: str, run_config=None, artifacts: list[Path] = ()) -> None:
     cfg = compose(*TINY, *overrides)
-    writer = MetricsWriter(run_dir, cfg.logging, run_config=cfg if run_config is None else run_config)
+    writer = MetricsWriter(run_dir, run_config=cfg if run_config is None else run_config)
     for record in RECORDS:
         writer.write(record)
     writer.close(BUBBLE, artifacts=artifacts)
@@ -63,7 +63,7 @@ def test_tensorboard_logs_every_numeric_key_and_val_loss(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _run(tmp_path, "logging.tensorboard=true")
+    _run(tmp_path, "logger=tensorboard")
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(0, 3.5), (1, 3.0), (2, 2.5)]
@@ -77,12 +77,12 @@ def test_mlflow_local_store_holds_metrics_params_and_run(tmp_path, no_network):
     from mlflow.tracking import MlflowClient
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-    cfg = compose(*TINY, "logging.mlflow=true")
+    cfg = compose(*TINY, "logger=mlflow")
     run_config = {**OmegaConf.to_container(cfg, resolve=True), "note": "x" * (MAX_PARAM_VAL_LENGTH + 50),
                   "many": {f"k{i}": i for i in range(150)}}  # > 100 params: logged in batches
     (tmp_path / "summary.json").write_text('{"final_loss": 2.5}')
     (tmp_path / "schedule.png").write_bytes(b"\x89PNG")
-    _run(tmp_path, "logging.mlflow=true", run_config=run_config,
+    _run(tmp_path, "logger=mlflow", run_config=run_config,
          artifacts=[tmp_path / "summary.json", tmp_path / "schedule.png"])
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -110,7 +110,7 @@ def test_a_failed_run_is_marked_failed_in_mlflow(tmp_path, no_network):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    writer = MetricsWriter(tmp_path, compose(*TINY, "logging.mlflow=true").logging)
+    writer = MetricsWriter(tmp_path, run_config=compose(*TINY, "logger=mlflow"))
     writer.write(RECORDS[0])
     writer.close(failed=True)  # what train() does when a step raises
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -167,7 +167,7 @@ def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quie
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("- schedule=zbv\n- parallel.microbatches=8\n")
     monkeypatch.setenv("RUNNER_SWEEP_DIR", str(run_dir.parent))  # what the sweep callback exports
-    _run(run_dir, "logging.wandb=true")
+    _run(run_dir, "logger=wandb")
     # wandb's telemetry follows the process-wide mode: offline, it never starts (nor phones home at exit).
     from wandb.analytics.opentelemetry.opentelemetry_proxy import get_open_telemetry_proxy
 
@@ -196,37 +196,57 @@ def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quie
 
 
 @pytest.mark.parametrize("overrides, package", [
-    (["logging.wandb=true"], "wandb"),
-    (["logging.mlflow=true"], "mlflow"),
-    (["logging.mlflow=true"], "sqlalchemy"),  # the local sqlite store's driver
-    (["logging.tensorboard=true"], "tensorboard"),
+    (["logger=wandb"], "wandb"),
+    (["logger=mlflow"], "mlflow"),
+    (["logger=mlflow"], "sqlalchemy"),  # the local sqlite store's driver
+    (["logger=tensorboard"], "tensorboard"),
+    (["logger=[tensorboard,mlflow]"], "mlflow"),
 ])
 def test_missing_logger_package_fails_before_spawn_naming_key_and_fix(monkeypatch, overrides, package):
     cfg = compose(*TINY, *overrides)
-    key = overrides[0].split("=")[0]
+    name = package if package in ("wandb", "mlflow", "tensorboard") else "mlflow"
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     message = str(e.value)
-    assert f"{key}=true needs" in message and package in message
-    assert "pip install" in message and f"{key}=false" in message
+    assert f"logger={name} needs {package} (not installed)" in message
+    assert "pip install" in message and f"leave {name} out of logger" in message
 
 
 def test_mlflow_server_uri_needs_no_sqlite_driver(monkeypatch):
     pytest.importorskip("mlflow")
-    cfg = compose(*TINY, "logging.mlflow=true", "logging.mlflow_tracking_uri=http://mlflow.example:5000")
+    cfg = compose(*TINY, "logger=mlflow", "logger.mlflow.tracking_uri=http://mlflow.example:5000")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
     validate(cfg)
 
 
 def test_bad_wandb_mode_fails_before_spawn():
-    with pytest.raises(ConfigError, match=r"logging.wandb_mode='onlin' is not one of offline, online, disabled"):
-        validate(compose(*TINY, "logging.wandb=true", "logging.wandb_mode=onlin"))
+    with pytest.raises(ConfigError, match=r"logger.wandb.mode='onlin' is not one of offline, online, disabled"):
+        validate(compose(*TINY, "logger=wandb", "logger.wandb.mode=onlin"))
 
 
-def test_loggers_compose_as_a_group_of_targets_and_the_older_keys_pick_the_same_classes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("override, fix", [
+    ("logging.wandb=true", "Fix: logger=wandb"),
+    ("logging.tensorboard=true", "Fix: logger=tensorboard"),
+    ("logging.mlflow=true", "Fix: logger=mlflow"),
+    ("logging.wandb=false", "Fix: leave logging.wandb out"),
+    ("logging.wandb_mode=online", "Fix: logger=wandb logger.wandb.mode=online"),
+    ("logging.wandb_project=p", "Fix: logger=wandb logger.wandb.project=p"),
+    ("logging.mlflow_tracking_uri=http://h:5000", "Fix: logger=mlflow logger.mlflow.tracking_uri=http://h:5000"),
+    ("logging.mlflow_experiment=e", "Fix: logger=mlflow logger.mlflow.experiment=e"),
+])
+def test_the_older_logging_spelling_is_refused_with_the_group_as_the_fix(override, fix):
+    """One way to turn on each logger: ``logging.<name>=true`` and its options name the key, the
+    value and the ``logger`` group's spelling."""
+    with pytest.raises(ConfigError) as e:
+        validate(compose(*TINY, override))
+    assert str(e.value).startswith(f"{override} is no longer read") and fix in str(e.value)
+    assert compose(*TINY).logging.wandb is None  # unset by default: nothing to refuse
+
+
+def test_loggers_compose_as_a_group_of_targets(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
@@ -234,7 +254,7 @@ def test_loggers_compose_as_a_group_of_targets_and_the_older_keys_pick_the_same_
 
     cfg = compose(*TINY, "logger=[tensorboard,mlflow]", "logger.mlflow.experiment=grouped")
     assert cfg.logger.mlflow._target_ == "runner.outputs.loggers.mlflow.MLflowLogger"
-    writer = MetricsWriter(tmp_path, cfg.logging, run_config=cfg)
+    writer = MetricsWriter(tmp_path, run_config=cfg)
     assert [type(logger).__name__ for logger in writer.loggers] == ["TensorBoardLogger", "MLflowLogger"]
     for record in RECORDS:
         writer.write(record)
@@ -245,10 +265,6 @@ def test_loggers_compose_as_a_group_of_targets_and_the_older_keys_pick_the_same_
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("grouped").experiment_id])
     assert run.data.metrics["val/loss"] == 2.75
-    legacy = compose(*TINY, "logging.tensorboard=true")
-    (tmp_path / "old").mkdir()
-    assert [type(logger).__name__ for logger in MetricsWriter(tmp_path / "old", legacy.logging).loggers] == \
-        ["TensorBoardLogger"]
     # The group spelling's checks name its own keys.
     with pytest.raises(ConfigError, match=r"logger.wandb.mode='onlin' is not one of offline, online, disabled"):
         validate(compose(*TINY, "logger=wandb", "logger.wandb.mode=onlin"))

@@ -118,7 +118,7 @@ def test_a_failing_rank_ends_the_job_in_bounded_time(tmp_path, fault, layout, fa
 def test_a_non_finite_gradient_never_reaches_the_optimizer_or_a_checkpoint(tmp_path):
     # Step 3's loss is finite but a gradient on rank 1 is NaN: every rank stops before the update.
     run_dir = tmp_path / "run"
-    proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", "logging.mlflow=true",
+    proc = _start("train.steps=50", "checkpoint.every=1", "checkpoint.keep=5", "logger=mlflow",
                   "launch.timeout_s=60", run_dir=run_dir, fault="nangrad:1:3")  # MLflow's setup is slow
     _, err = proc.communicate(timeout=100)
     step2 = run_dir / "checkpoints" / "step-2"

@@ -1,14 +1,14 @@
 """What a run writes, as keys: ``profile.*`` (``ProfileConfig``) and ``logging.*`` (``LoggingConfig``:
-the loggers' options; the loggers themselves are the ``logger`` group). Imports nothing heavy."""
+the loggers' older spelling, refused with its fix; the loggers are the ``logger`` group). Imports nothing heavy."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from runner.options import WandbMode, choices
+from runner.options import WandbMode
 
-__all__ = ["ProfileConfig", "LoggingConfig", "WANDB_MODES"]
+__all__ = ["ProfileConfig", "LoggingConfig", "LOGGING_MOVED", "WANDB_MODES"]
 
 WANDB_MODES = WandbMode.values()
 
@@ -25,15 +25,21 @@ class ProfileConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = False  # rank 0 writes scalars under <run dir>/tensorboard (needs tensorboard)
-    # Weights & Biases (needs runner[wandb]). Offline by default so a run needs no network or
-    # account; `wandb sync <run dir>/wandb/offline-run-*` uploads it later.
-    wandb: bool = False
-    wandb_project: str = "runner"  # groups runs in the W&B UI
-    # offline | online (needs `wandb login`) | disabled (keep config, log nothing)
-    wandb_mode: str = field(default="offline", metadata=choices(WandbMode))
-    # MLflow (needs runner[mlflow]): a per-run database, or a shared store to compare runs in one UI.
-    mlflow: bool = False
-    # null = sqlite:///<run dir>/mlflow.db (no server); or a shared store, e.g. http://host:5000.
-    mlflow_tracking_uri: Optional[str] = None
-    mlflow_experiment: str = "runner"  # groups runs in the MLflow UI
+    """The older spelling of the loggers, refused before launch (``runner.validate``): the loggers are
+    the ``logger`` group (``logger=wandb``, ``'logger=[tensorboard,mlflow]'``) and their options are
+    ``logger.<name>.*``. Null = not set; any value is refused with its fix (``LOGGING_MOVED``)."""
+
+    tensorboard: Optional[bool] = None  # logger=tensorboard
+    wandb: Optional[bool] = None  # logger=wandb
+    wandb_project: Optional[str] = None  # logger.wandb.project
+    wandb_mode: Optional[str] = None  # logger.wandb.mode
+    mlflow: Optional[bool] = None  # logger=mlflow
+    mlflow_tracking_uri: Optional[str] = None  # logger.mlflow.tracking_uri
+    mlflow_experiment: Optional[str] = None  # logger.mlflow.experiment
+
+
+# logging.<key> -> where it went: the logger group's option, or the key of its yaml (logger.<name>.<option>).
+LOGGING_MOVED = {"tensorboard": ("tensorboard", None), "wandb": ("wandb", None),
+                 "wandb_project": ("wandb", "project"), "wandb_mode": ("wandb", "mode"),
+                 "mlflow": ("mlflow", None), "mlflow_tracking_uri": ("mlflow", "tracking_uri"),
+                 "mlflow_experiment": ("mlflow", "experiment")}

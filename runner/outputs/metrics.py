@@ -50,15 +50,14 @@ def run_identity(run_dir: Path) -> tuple[str, str | None]:
 
 
 class MetricsWriter:
-    """``metrics.jsonl``, plus the loggers the ``logger`` group (or the older ``logging.*`` keys)
-    enables (``runner.outputs.loggers``: TensorBoard, Weights & Biases, MLflow). Every numeric key of a
-    record is logged, as ``train/<key>`` (``val_<key>`` as ``val/<key>``); the pipeline bubble at
-    close as ``pipeline/bubble``. ``run_config`` (the composed config) is logged as the run's
-    hyperparameters, and its ``logger`` entries name the loggers; ``options`` is ``cfg.logging``.
-    Both were checked by ``check_loggers`` before launch. Runs are named and grouped by
-    ``run_identity``."""
+    """``metrics.jsonl``, plus the loggers the ``logger`` group enables (``runner.outputs.loggers``:
+    TensorBoard, Weights & Biases, MLflow). Every numeric key of a record is logged, as
+    ``train/<key>`` (``val_<key>`` as ``val/<key>``); the pipeline bubble at close as
+    ``pipeline/bubble``. ``run_config`` (the composed config) is logged as the run's
+    hyperparameters, and its ``logger`` entries name the loggers (checked by ``check_loggers``
+    before launch). Runs are named and grouped by ``run_identity``."""
 
-    def __init__(self, run_dir: Path, options, *, run_config: Mapping | None = None, resumed_after: int = 0):
+    def __init__(self, run_dir: Path, *, run_config: Mapping | None = None, resumed_after: int = 0):
         hparams = _plain(run_config) if isinstance(run_config, DictConfig) else dict(run_config or {})
         path = run_dir / "metrics.jsonl"
         # Resumed from a checkpoint of step N into a run directory: its records of steps 1..N stay
@@ -71,7 +70,7 @@ class MetricsWriter:
         self.file = open(path, "a" if resumed_after else "w")
         self.last_step = 0
         name, group = run_identity(run_dir)
-        self.loggers = build_loggers(options, hparams.get("logger"), run_dir=run_dir, hparams=hparams, name=name,
+        self.loggers = build_loggers(hparams.get("logger"), run_dir=run_dir, hparams=hparams, name=name,
                                      group_name=group)
 
     def write(self, record: dict) -> None:

@@ -6,7 +6,7 @@ Every list of schedule names reads this registry: the config's choices, the erro
 planner's candidates, ``scripts/schedule_csv.py``.
 
 Adding a schedule that torch provides: one entry here and ``conf/schedule/<name>.yaml``
-(``defaults: [base_schedule]`` and ``name: <name>``); one we generate: the same, with its
+(``defaults: [/schema_schedule@_here_]`` and ``name: <name>``); one we generate: the same, with its
 function's name in ``runner.pipeline.zb_orders`` as ``order`` and the fewest microbatches it takes.
 ``schedule=csv`` is no entry: a run whose ``schedule.csv`` names a file runs that file's action
 order (``runner.pipeline.csv_file``); internally that is the layout's ``csv`` being set, not a schedule

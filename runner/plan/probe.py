@@ -127,8 +127,6 @@ def probe_config(cfg: DictConfig, schedule: str, microbatches: int, stages_per_r
                                                                                          stages_per_rank)
     trial.profile.enabled = False
     trial.checkpoint.every, trial.checkpoint.resume, trial.eval.every = 0, None, 0
-    for key in ("tensorboard", "wandb", "mlflow"):
-        trial.logging[key] = False
     trial.logger = {}
     return trial
 

@@ -1,7 +1,7 @@
 """Experiment loggers, one module each, composed as Hydra's ``logger`` group:
 ``logger=wandb``, ``'logger=[tensorboard,mlflow]'``; each option is ``conf/logger/<name>.yaml``
 holding the ``_target_`` of its class and its options. The older spelling ``logging.<name>=true``
-selects the same class, with its options from ``logging.*``.
+is refused before launch with this one as its fix (``runner.validate``).
 
 A logger is a class built with ``(run_dir=, hparams=, name=, group=, **options)`` that offers
 ``log(numbers, step)`` and ``finish(final, step, failed, artifacts)``, and says before launch what
@@ -12,6 +12,7 @@ it needs: ``requires(options)`` (packages), ``EXTRA`` (the pip extra that instal
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, cast
 
@@ -45,23 +46,9 @@ class Logger:
         raise NotImplementedError
 
 
-# logging.<name>=true (the older spelling): the class of conf/logger/<name>.yaml, options from logging.*.
-_LEGACY: dict[str, Callable[[Any], dict[str, Any]]] = {
-    "tensorboard": lambda o: {"_target_": "runner.outputs.loggers.tensorboard.TensorBoardLogger"},
-    "wandb": lambda o: {"_target_": "runner.outputs.loggers.wandb.WandbLogger", "project": o.wandb_project,
-                        "mode": o.wandb_mode},
-    "mlflow": lambda o: {"_target_": "runner.outputs.loggers.mlflow.MLflowLogger",
-                         "tracking_uri": o.mlflow_tracking_uri, "experiment": o.mlflow_experiment},
-}
-
-
-def enabled_loggers(logging_options: Any, group: Mapping[str, Any] | None) -> dict[str, tuple[dict, bool]]:
-    """name -> (its config with ``_target_``, whether the older ``logging.<name>`` enabled it)."""
-    out = {name: (dict(conf), False) for name, conf in (group or {}).items() if conf}
-    for name, make in _LEGACY.items():
-        if logging_options is not None and getattr(logging_options, name, False) and name not in out:
-            out[name] = (make(logging_options), True)
-    return out
+def enabled_loggers(group: Mapping[str, Any] | None) -> dict[str, dict]:
+    """name -> its config (with ``_target_``), for each option of the ``logger`` group."""
+    return {name: dict(conf) for name, conf in (group or {}).items() if conf}
 
 
 def _split(conf: Mapping[str, Any]) -> tuple[type[Logger], dict[str, Any]]:
@@ -71,28 +58,22 @@ def _split(conf: Mapping[str, Any]) -> tuple[type[Logger], dict[str, Any]]:
     return cast("type[Logger]", get_class(conf["_target_"])), {k: v for k, v in conf.items() if not k.startswith("_")}
 
 
-def _key_of(name: str, legacy: bool) -> Callable[[str], str]:
-    return (lambda option: f"logging.{name}_{option}") if legacy else (lambda option: f"logger.{name}.{option}")
-
-
-def check_loggers(logging_options: Any, group: Mapping[str, Any] | None = None) -> None:
+def check_loggers(group: Mapping[str, Any] | None) -> None:
     """Before launch, cheaply (no logger package is imported): every enabled logger's packages are
     installed and its options are ones it takes."""
-    for name, (conf, legacy) in enabled_loggers(logging_options, group).items():
+    for name, conf in enabled_loggers(group).items():
         cls, options = _split(conf)
-        cls.check(options, _key_of(name, legacy))
+        cls.check(options, partial("logger.{}.{}".format, name))  # how the user spells each option's key
         missing = [m for m in cls.requires(options) if importlib.util.find_spec(m) is None]
         if missing:
-            key, off = (f"logging.{name}=true", f"logging.{name}=false") if legacy else (
-                f"logger={name}", f"leave {name} out of logger")
-            raise ConfigError(f"{key} needs {', '.join(missing)} (not installed). Fix: pip install -e "
-                              f"'.[{cls.EXTRA}]' (or 'runner[{cls.EXTRA}]'), or {off}.")
+            raise ConfigError(f"logger={name} needs {', '.join(missing)} (not installed). Fix: pip install -e "
+                              f"'.[{cls.EXTRA}]' (or 'runner[{cls.EXTRA}]'), or leave {name} out of logger.")
 
 
-def build_loggers(logging_options: Any, group: Mapping[str, Any] | None, *, run_dir: Path, hparams: dict,
-                  name: str, group_name: str | None) -> list[Logger]:
+def build_loggers(group: Mapping[str, Any] | None, *, run_dir: Path, hparams: dict, name: str,
+                  group_name: str | None) -> list[Logger]:
     loggers = []
-    for conf, _ in enabled_loggers(logging_options, group).values():
+    for conf in enabled_loggers(group).values():
         cls, options = _split(conf)
         loggers.append(cls(run_dir=run_dir, hparams=hparams, name=name, group=group_name, **options))
     return loggers
