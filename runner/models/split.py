@@ -26,7 +26,7 @@ from runner.models.shards import place_shards
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
-           "check_init", "materialize", "tied_groups"]
+           "check_init", "check_keyword_inputs", "materialize", "tied_groups"]
 
 log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
 
@@ -255,6 +255,15 @@ def check_shapes(
         raise ConfigError(f"The model returns shape {tuple(x.shape)}, not logits (batch, seq, vocab) with "
                           f"(batch, seq) = {(microbatch, seq_len)}. Fix: end the model with a head to the vocabulary.")
     return x.shape[-1]
+
+
+def check_keyword_inputs(meta: MetaModel, kwargs: Mapping[str, torch.Tensor]) -> None:
+    """The dataset's keyword inputs against those the model consumes: one it ignores is refused."""
+    consumed = meta.spec.keyword_inputs()
+    unused = sorted(set(kwargs) - consumed) if consumed is not None else []
+    if unused:
+        raise ConfigError(f"The dataset returns keyword inputs {unused}, which the {meta.spec.family} model does not "
+                          f"take (it takes {sorted(consumed or ())}). Fix: a dataset that returns only those.")
 
 
 def stage_io(meta: MetaModel, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int,

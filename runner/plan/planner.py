@@ -49,7 +49,8 @@ from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run,
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction
 from runner.ranks.dist import pick_device, resolve_device
-from runner.validate import usable_cpus, validate
+from runner.ranks.host import usable_cpus
+from runner.validate import validate
 
 __all__ = ["Candidate", "PlanResult", "check_plan_keys", "plan"]
 
