@@ -4,23 +4,29 @@
 
 Every YAML file under ``conf/`` extends one of these dataclasses through its defaults list, so a
 misspelt key or a value of the wrong type fails at compose time with Hydra's own message, before
-anything is launched. Importing this module registers the schemas; it imports nothing heavy.
+anything is launched. What Hydra lets through (keys added with ``+``, values outside a field's
+choices, missing values) ``check_schema`` refuses, as the first of ``runner.validate.check_config``'s
+checks. Importing this module registers the schemas; it imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from runner.checkpoint.config import CheckpointConfig
 from runner.config import EvalConfig, PlanConfig, TrainConfig
+from runner.config_nodes import check_model_vocab, missing_keys
 from runner.data.config import HFDataConfig, SyntheticDataConfig, TextDataConfig, TokensDataConfig
+from runner.errors import ConfigError
 from runner.models.config import HFModelConfig, MLPConfig, TransformerConfig
-from runner.options import Device, choices
+from runner.options import Device, allowed, choices
 from runner.outputs.config import LoggingConfig, ProfileConfig
 from runner.parallel.config import ParallelConfig
 from runner.parallel.dims import ParallelDims
@@ -28,7 +34,8 @@ from runner.pipeline.config import CsvScheduleConfig, ScheduleConfig
 from runner.ranks.config import LaunchConfig
 from runner.rehearse.config import RehearseConfig
 
-__all__ = ["RunConfig", "SCHEMAS", "register_configs", "config_dir", "RANK_OPTIONS", "rank_options"]
+__all__ = ["RunConfig", "SCHEMAS", "register_configs", "config_dir", "RANK_OPTIONS", "rank_options",
+           "check_schema"]
 
 
 def config_dir() -> Path:
@@ -99,6 +106,72 @@ SCHEMAS: dict[str, tuple[str, type]] = {
     "schema_data_hf": ("data", HFDataConfig),
     "schema_data_tokens": ("data", TokensDataConfig),
 }
+
+
+def _check_missing(cfg: DictConfig) -> None:
+    missing = sorted(missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            f"Required value(s) missing: {', '.join(missing)}. Fix: set them on the command line, "
+            f"e.g. {missing[0]}=<value>."
+        )
+
+
+# Groups whose keys are the arguments of a user's factory (model._target_=pkg.mod.fn and so on):
+# extra keys there are legitimate, and the factory itself rejects what it does not take.
+_OPEN_GROUPS = ("model", "data", "loss")
+
+
+def _schema_nodes(node: DictConfig, path: str) -> Iterator[tuple[str, DictConfig, tuple[dataclasses.Field, ...]]]:
+    """Each node with a dataclass schema: its path, the node and the schema's fields."""
+    schema = OmegaConf.get_type(node)
+    if schema is not None and dataclasses.is_dataclass(schema):
+        yield path, node, dataclasses.fields(schema)
+    for key, child in node.items_ex(resolve=False):
+        if isinstance(child, DictConfig) and not (path == "" and key in _OPEN_GROUPS):
+            yield from _schema_nodes(child, f"{path}{str(key)}.")
+
+
+def _check_unknown_keys(cfg: DictConfig) -> None:
+    """A key added with ``+key=value`` that no schema declares would be ignored without a word:
+    ``+parallel.microbtches=8`` (Hydra's own suggestion for the typo) is refused like a plain typo."""
+    for path, node, fields in _schema_nodes(cfg, ""):
+        known = sorted(f.name for f in fields)
+        for name in node.keys():
+            key = str(name)
+            if key in known:
+                continue
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"Did you mean {path}{close[0]}? " if close else ""
+            raise ConfigError(f"{path}{key} is not a key of {path.rstrip('.') or 'the config'}: nothing would read "
+                              f"it. {hint}Fix: drop +{path}{key}; the keys are {', '.join(known)}.")
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    """Every string option against its schema field's choices (``runner.options``, or a registry:
+    ``runner.pipeline.registry``, ``runner.parallel.dp``)."""
+    for path, node, fields in _schema_nodes(cfg, ""):
+        for f in fields:
+            if "choices" not in f.metadata or f.name not in node:
+                continue
+            key, value, values = f"{path}{f.name}", node[f.name], allowed(f.metadata["choices"])
+            if isinstance(value, ListConfig):
+                unknown = [v for v in value if v not in values]
+                if unknown:
+                    raise ConfigError(f"{key}={list(value)} has unknown values {unknown}. "
+                                      f"Fix: a subset of {list(values)}.")
+            elif value not in values:
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(values)}. "
+                                  f"Fix: {f.metadata['set_as'] or key}=<one of them>.")
+
+
+def check_schema(cfg: DictConfig) -> None:
+    """A composed config against the tree's schemas, before anything is resolved: missing values,
+    the vocabulary's interpolation, keys no schema declares, option values outside their choices."""
+    _check_missing(cfg)
+    check_model_vocab(cfg)
+    _check_unknown_keys(cfg)
+    _check_choices(cfg)
 
 
 def register_configs() -> None:

@@ -12,12 +12,29 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
-__all__ = ["cross_entropy", "build_loss"]
+from runner.errors import ConfigError
+
+__all__ = ["cross_entropy", "build_loss", "check_loss"]
 
 
 def build_loss(loss_cfg: DictConfig) -> Callable:
     """``loss._target_`` as a function (logits, targets) -> scalar (checked before launch)."""
     return instantiate(loss_cfg)
+
+
+def check_loss(loss_cfg: DictConfig, vocab: int) -> None:
+    """Call the loss on a tiny real microbatch of ``vocab`` logits: a wrong target or signature
+    fails before launch."""
+    target = loss_cfg.get("_target_")
+    try:
+        loss = build_loss(loss_cfg)(torch.randn(1, 2, vocab), torch.zeros(1, 2, dtype=torch.long))
+    except Exception as e:  # the user's loss can fail in any way
+        raise ConfigError(f"loss._target_={target!r} could not be built or called as loss(logits, targets): {e}\n"
+                          "Fix: a function (logits (batch, seq, vocab), targets (batch, seq)) -> scalar tensor; "
+                          "keep loss._partial_=true.") from e
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ConfigError(f"loss._target_={target!r} returned {type(loss).__name__} "
+                          f"{tuple(getattr(loss, 'shape', ()))}, not a scalar tensor. Fix: return the mean loss.")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, label_smoothing: float = 0.0) -> torch.Tensor:

@@ -181,7 +181,6 @@ MAX_FUNCTION_LINES = 60  # a screen: a longer function is named steps waiting to
 # Functions over the limit today, each to become named steps (the list only shrinks: an entry that
 # fits fails the test, so it is struck off).
 LONG_FUNCTIONS = {
-    "runner/plan/planner.py:plan",  # candidates, tp variants, calibration, splits, synthesis (issue #34)
     "runner/plan/list_schedule.py:list_schedule",  # one list-scheduling loop and its policies
     "runner/pipeline/simulate.py:simulate",  # one event loop over the ranks' orders
 }

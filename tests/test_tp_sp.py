@@ -227,8 +227,7 @@ def test_a_sequence_shards_context_has_the_whole_sequences_positions_and_masks(t
     padding = torch.ones(2, 16, dtype=torch.long)
     padding[0, :3] = 0
     ref = spec._context(stage, whole, {"attention_mask": padding})
-    stage.seq_shards = 2
-    shard = spec._context(stage, whole[:, 8:], {"attention_mask": padding})
+    shard = spec._context(stage, whole[:, 8:], {"attention_mask": padding}, seq_shards=2)
     assert shard.position_ids.tolist() == ref.position_ids.tolist() == [list(range(16))]
     for got, want in zip(shard.position_embeddings, ref.position_embeddings):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

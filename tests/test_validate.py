@@ -155,9 +155,9 @@ def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(t
 
 
 def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkeypatch):
-    import runner.validate as v
+    import runner.ranks.host as host
 
-    monkeypatch.setattr(v, "usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
+    monkeypatch.setattr(host, "usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
     for key in ("LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):  # not under torchrun
         monkeypatch.delenv(key, raising=False)
     assert validate(compose(*PP2)).rank_cpus == ((2, 3), (5, 7))  # 2 threads each, by default
@@ -205,10 +205,10 @@ def test_compile_is_accepted_for_whole_backward_schedules_and_refused_for_fiw_cs
 
 
 def test_compile_on_cpu_without_a_cxx_compiler_is_refused_before_launch(monkeypatch):
-    import runner.validate as validate_module
+    import runner.ranks.host as host
 
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(validate_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(host.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler.*Fix: install one, or train.compile=false"):
         validate(compose(*PP2, "train.compile=true"))
 

@@ -2,8 +2,8 @@
 before any rank starts: the tokenizer the run trained with (its files travel in the checkpoint's
 ``tokenizer/``, its digest in ``train_state.json``) and the model's tensors (a checkpoint holding
 tensors the configured model lacks would lose them silently: DCP loads only what the model asks
-for). Torch and the meta model are imported inside the checks: ``runner.validate`` imports this
-module before torch."""
+for). ``resume_point`` is what ``runner.validate`` asks. Torch and the meta model are imported
+inside the checks: ``runner.validate`` imports this module before torch."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.checkpoint.files import TOKENIZER_DIR, TOKENIZER_FILES, find_checkpoint, read_train_state
 from runner.errors import CheckpointError, ConfigError
 
-__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_checkpoint"]
+__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_point"]
 
 log = logging.getLogger("runner.checkpoint")
 
@@ -119,13 +120,33 @@ def _check_tensors(cfg: DictConfig, path: Path, metadata: Any, build_meta_model:
                           "model.n_layers, model.dim, model.path, ...), or another checkpoint.")
 
 
-def resume_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path,
-                      build_meta_model: Callable[..., Any]) -> tuple[Path, int]:
+def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path) -> tuple[Path, int]:
     """The checkpoint ``checkpoint.resume`` names and its step, checked against this run's config
-    and its model (``runner.models.split.build_meta_model``, passed in: imported here, it would make the
-    planner's import chain too long)."""
+    and its model."""
+    from runner.models.split import build_meta_model  # the model the checkpoint's tensors must fit
+
     path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
     state = read_train_state(path)
     _check_tokenizer(cfg, path, state)
     _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model)
     return path, state["step"]
+
+
+def _launch_dir() -> Path:
+    """Where the user started the runner (Hydra may have changed into the run directory)."""
+    return Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
+
+
+def resume_point(cfg: DictConfig, run_dir: Path) -> Path:
+    """The checkpoint directory ``checkpoint.resume`` names: a checkpoint, a run directory's newest
+    complete one, or (``latest``) the newest of the runs under ``checkpoint.latest_root``; refused
+    before any rank starts (``ConfigError``) if it is bad or already at ``train.steps``."""
+    try:
+        latest_root = _launch_dir() / Path(cfg.checkpoint.latest_root).expanduser()
+        path, step = _checked_checkpoint(cfg, run_dir, latest_root)  # its tokenizer checked too
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
+    if step >= cfg.train.steps:
+        raise ConfigError(f"checkpoint.resume: {path} is at step {step}, already "
+                          f"train.steps={cfg.train.steps}. Fix: a larger train.steps.")
+    return path

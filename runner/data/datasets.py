@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ from runner.data.token_files import as_stream, check_ids, open_tokens
 from runner.data.tokens import TokenStream, dataset_documents, load_tokenizer, text_documents
 from runner.errors import ConfigError
 
-__all__ = ["SPLITS", "build_dataset", "get_batch", "check_vocab", "SyntheticData", "TextData", "HFData", "TokensData"]
+__all__ = ["SPLITS", "build_dataset", "get_batch", "check_batches", "check_vocab", "SyntheticData", "TextData",
+           "HFData", "TokensData"]
 
 SPLITS = ("train", "val")
 
@@ -154,6 +156,30 @@ class TokensData(TokenStream):
     def check_ids(self, limit: int, bound: str) -> None:
         """Every id in ``0 .. limit - 1``, read once per file (before launch; see ``check_vocab``)."""
         check_ids(self.source, self.files, self.arrays, limit, bound, default_cache_dir())
+
+
+def check_batches(data_cfg: DictConfig, *, seed: int, batch_size: int, seq_len: int, splits: tuple[str, ...],
+                  microbatch: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Build the dataset and draw the first batch of each of ``splits``, checking their shapes
+    before launch: the dataset, and one microbatch's keyword inputs (of the last split drawn)."""
+    data = build_dataset(data_cfg, seed=seed)  # e.g. a missing text file fails here
+    kwargs: dict[str, torch.Tensor] = {}
+    for split in splits:
+        try:
+            inputs, targets, kwargs = get_batch(data, 1, batch_size, seq_len, split)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"data._target_={data_cfg.get('_target_')!r}: batch(step, batch_size, seq_len, split={split!r}) "
+                f"failed: {e}\nFix: return (inputs, targets) or (inputs, targets, keyword_inputs); see docs/models.md."
+            ) from e
+        bad = [k for k, v in kwargs.items() if not isinstance(v, torch.Tensor) or v.shape[:1] != (batch_size,)]
+        if bad or inputs.shape != (batch_size, seq_len) or targets.shape != inputs.shape:
+            raise ConfigError(
+                f"data._target_={data_cfg.get('_target_')!r} returned inputs {tuple(inputs.shape)}, targets "
+                f"{tuple(targets.shape)}, keyword inputs {bad or 'ok'}: expected (batch_size, seq_len) = "
+                f"{(batch_size, seq_len)} and batch-first tensors. Fix: the dataset's batch()."
+            )
+    return data, {k: v[:microbatch] for k, v in kwargs.items()}
 
 
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:

@@ -238,14 +238,15 @@ class HFSpec(ModelSpec):
     def keyword_inputs(self) -> set[str]:
         return {"attention_mask", "position_ids"}
 
-    def run(self, stage: nn.Module, units: Sequence[str], x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    def run(self, stage: nn.Module, units: Sequence[str], x: torch.Tensor, kwargs: dict[str, Any], *,
+            seq_shards: int = 1) -> torch.Tensor:
         ctx = None
         for name in units:
             kind = self._kind[name]
             if kind == "embed":
                 x = self._embed(stage, x, kwargs)
             elif kind == "layer":
-                ctx = ctx or self._context(stage, x, kwargs)
+                ctx = ctx or self._context(stage, x, kwargs, seq_shards)
                 x = self._layer(stage.get_submodule(name), self._layer_index[name], x, ctx)
             else:  # the final norm, the head
                 x = stage.get_submodule(name)(x)
@@ -265,10 +266,9 @@ class HFSpec(ModelSpec):
             h = stage.get_submodule(f"{base}.{f.dropout}")(h)
         return h
 
-    def _context(self, stage: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]) -> _Context:
-        shards = getattr(stage, "seq_shards", 1)
-        if shards > 1:  # sequence parallelism: h is this rank's slice; positions and masks are the whole sequence's
-            h = h[:, :1].expand(h.shape[0], h.shape[1] * shards, *h.shape[2:])  # its shape, no copy
+    def _context(self, stage: nn.Module, h: torch.Tensor, kwargs: dict[str, Any], seq_shards: int = 1) -> _Context:
+        if seq_shards > 1:  # sequence parallelism: h is this rank's slice; positions and masks are the whole sequence's
+            h = h[:, :1].expand(h.shape[0], h.shape[1] * seq_shards, *h.shape[2:])  # its shape, no copy
         ctx = _Context(h, kwargs.get("attention_mask"), self._positions(h, kwargs))
         if self._family.rotary:
             ctx.position_embeddings = stage.get_submodule(f"{self._base}.{self._family.rotary}")(h, ctx.position_ids)

@@ -26,7 +26,7 @@ from runner.models.shards import place_shards
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
-           "check_init", "materialize", "tied_groups"]
+           "check_init", "check_keyword_inputs", "materialize", "tied_groups"]
 
 log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
 
@@ -42,17 +42,20 @@ class StageModule(nn.Module):
       the step's keyword inputs, and the spec routes them (or derives masks and positions from them);
     * ``autocast_dtype`` (set for ``train.precision=bf16``) autocasts the forward only: backward
       runs in the dtypes the forward chose, and recomputation under activation checkpointing
-      restores the same autocast state.
+      restores the same autocast state;
+    * ``seq_shards``, given when it is built: how many slices of the sequence its hidden states are
+      (tp under sequence parallelism, ``runner.parallel.tp``), which the spec's ``run`` is told so
+      that positions and masks cover the whole sequence.
     """
 
     autocast_dtype: torch.dtype | None = None
-    tp_grad_sum: tuple[str, ...] = ()  # parameters whose gradients the tp group sums (runner.parallel.tp)
-    seq_shards: int = 1  # the sequence's slices between the units (sequence parallelism: runner.parallel.tp)
 
-    def __init__(self, spec: ModelSpec, units: Sequence[str], modules: Mapping[str, nn.Module]):
+    def __init__(self, spec: ModelSpec, units: Sequence[str], modules: Mapping[str, nn.Module], *,
+                 seq_shards: int = 1):
         super().__init__()
         self.spec = spec
         self.units = tuple(units)
+        self.seq_shards = seq_shards
         for name, module in modules.items():
             *path, leaf = name.split(".")
             parent: nn.Module = self
@@ -71,7 +74,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         cast = torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
         with cast:
-            return self.spec.run(self, self.units, x, kwargs)
+            return self.spec.run(self, self.units, x, kwargs, seq_shards=self.seq_shards)
 
 
 @dataclass
@@ -254,6 +257,15 @@ def check_shapes(
     return x.shape[-1]
 
 
+def check_keyword_inputs(meta: MetaModel, kwargs: Mapping[str, torch.Tensor]) -> None:
+    """The dataset's keyword inputs against those the model consumes: one it ignores is refused."""
+    consumed = meta.spec.keyword_inputs()
+    unused = sorted(set(kwargs) - consumed) if consumed is not None else []
+    if unused:
+        raise ConfigError(f"The dataset returns keyword inputs {unused}, which the {meta.spec.family} model does not "
+                          f"take (it takes {sorted(consumed or ())}). Fix: a dataset that returns only those.")
+
+
 def stage_io(meta: MetaModel, stages: Sequence[Sequence[str]], *, microbatch: int, seq_len: int,
              kwargs: dict[str, torch.Tensor] | None = None, seq_shards: int = 1,
              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -303,19 +315,20 @@ def _init(spec: ModelSpec, root: nn.Module, names: Sequence[str], seed: int) -> 
 
 
 def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: torch.device,
-                tp_mesh: Any = None, tp_plan: Mapping[str, str] | None = None) -> StageModule:
+                tp_mesh: Any = None, tp_plan: Mapping[str, str] | None = None, seq_shards: int = 1) -> StageModule:
     """A stage module holding ``units`` of the meta model, allocated and initialised on CPU (so
     every device gets the same numbers) or read from the model's pretrained weights, then moved
     to ``device``. With a ``tp_mesh`` (a DeviceMesh) and pretrained weights, the planned
     parameters are DTensors holding this rank's shard, read alone (``runner.parallel.tp.place_shards``);
-    random initialisation stays whole (``parallelize`` distributes it).
+    random initialisation stays whole (``parallelize`` distributes it). ``seq_shards``: the
+    ``StageModule``'s (sequence parallelism).
 
     A parameter tied to one outside the stage (a head tied to the embedding of the first stage)
     gets the value the unsplit model gives it: that of its first owner in model order."""
     spec = meta.spec
     modules = {n: meta.module.get_submodule(n) for u in units for n in spec.unit(u).modules}
     modules.update({n: copy.deepcopy(meta.module.get_submodule(n)) for n in spec.shared})
-    stage = StageModule(spec, units, modules)
+    stage = StageModule(spec, units, modules, seq_shards=seq_shards)
     local = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
     local_groups = [[n for n in names if n in local] for names in meta.tied]
     stage.to_empty(device="cpu")

@@ -85,8 +85,9 @@ class ModelSpec:
       ``shared``: parameter-free modules every stage holds;
     * ``blocks()``: the units activation checkpointing may recompute;
     * ``unit_costs(model)``: a relative cost per unit, which the default split balances;
-    * ``run``: how a stage runs its units; ``reference_forward``: the unsplit model's own forward
-      (``verify``'s reference); ``keyword_inputs``: what the model consumes besides the tokens;
+    * ``run``: how a stage runs its units (told how many slices of the sequence it holds);
+      ``reference_forward``: the unsplit model's own forward (``verify``'s reference);
+      ``keyword_inputs``: what the model consumes besides the tokens;
     * ``init_module``, ``init_order``, ``needs_init``, ``cannot_init``, ``load_pretrained``: how
       each module is initialised on its own (or read from pretrained weights).
     """
@@ -120,8 +121,11 @@ class ModelSpec:
         return [1 + sum(p.numel() for n in u.modules for p in model.get_submodule(n).parameters())
                 for u in self.units]
 
-    def run(self, stage: nn.Module, units: Sequence[str], x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-        """Run ``units`` of ``stage`` (a module holding them under their full names) in order."""
+    def run(self, stage: nn.Module, units: Sequence[str], x: torch.Tensor, kwargs: dict[str, Any], *,
+            seq_shards: int = 1) -> torch.Tensor:
+        """Run ``units`` of ``stage`` (a module holding them under their full names) in order.
+        ``x`` is one of ``seq_shards`` slices of the sequence (sequence parallelism): a spec that
+        builds positions or masks builds them for the whole sequence; this one builds none."""
         for name in units:
             module = stage.get_submodule(name)
             x = module(x, **self._filter(name, module)(kwargs)) if kwargs else module(x)

@@ -21,7 +21,8 @@ projections (attention, MLP) gathers its input whole first (``_GatherSequence``)
 unit's output is scattered and the head gathers its input. The messages between stages are then
 each tp rank's slice of the sequence, a plain ``(batch, seq / tp, dim)`` tensor sent to the same
 tp rank of the next stage; a stage's spec builds positions, rotary embeddings and masks for the
-whole sequence (``StageModule.seq_shards``).
+whole sequence: it is told how many slices the sequence is in (``TPPlan.seq_shards``, given to
+``materialize`` and so to the spec's ``run``).
 
 Loss parallelism (``parallel.loss_parallel``) leaves the head's logits sharded on the vocabulary
 (a DTensor) into ``runner.losses.cross_entropy``, computed by torch's ``loss_parallel()``, which
@@ -33,14 +34,15 @@ keeps each rank's slice of the whole tensor): every tp gives the unsplit model's
 which a seeded ``normal_`` on a sharded tensor would not. Pretrained ones never hold a sharded
 weight whole (``runner.models.shards``). Weights replicated
 as DTensors (the norms under sequence parallelism) get partial gradients, summed over the group
-after the backward (``sum_partial_grads``)."""
+after the backward (``sum_partial_grads``), with the weights ``apply_tp`` names: it returns them
+to its caller, which hands them to the step (nothing is left on the module to be read back)."""
 
 from __future__ import annotations
 
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -81,13 +83,15 @@ class TPPlan:
     styles: Mapping[str, str]  # the model's tp_plan: module name pattern -> transformers' style name
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    seq_shards: int = 1  # the slices of the sequence between a stage's units: tp under sequence_parallel
 
 
 def tp_plan(model: nn.Module, dims: ParallelDims) -> TPPlan | None:
     """The run's plan from the model and the run's degrees and options (None at tp=1)."""
     if dims.tp <= 1:
         return None
-    return TPPlan(model_plan(model), dims.sequence_parallel, dims.loss_parallel)
+    return TPPlan(model_plan(model), dims.sequence_parallel, dims.loss_parallel,
+                  seq_shards=dims.tp if dims.sequence_parallel else 1)
 
 
 def _style(name: str, *, sequence: bool = False, head: bool = False, loss_parallel: bool = False) -> Any:
@@ -273,10 +277,10 @@ def check_tp(meta: MetaModel, parallel: Any, seq_len: int, loss: Any) -> None:
                               "parallel.loss_parallel=false, or the built-in cross-entropy without label smoothing.")
 
 
-def apply_tp(module: StageModule, mesh: Mesh, plan: TPPlan) -> None:
+def apply_tp(module: StageModule, mesh: Mesh, plan: TPPlan) -> tuple[str, ...]:
     """Shard ``module``'s planned layers over this rank's tp group, in place. Weights tied within
-    the module (embedding and head of one stage) are tied again after distribution; the names
-    of weights whose gradients are summed over the group are kept on the module."""
+    the module (embedding and head of one stage) are tied again after distribution. Returns the
+    names of the weights whose gradients the tp group sums (``sum_partial_grads``)."""
     assert mesh.tp_mesh is not None
     before = dict(module.named_parameters(remove_duplicate=False))
     planned = stage_plan(module, plan.styles)
@@ -287,11 +291,8 @@ def apply_tp(module: StageModule, mesh: Mesh, plan: TPPlan) -> None:
         if first != name:
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner), leaf, module.get_parameter(first))
-    summed = tuple(f"{name}.{p}" for name, style in planned.items() if style == REPLICATED_WITH_GRAD_SUM
-                   for p, _ in module.get_submodule(name).named_parameters())
-    module.tp_grad_sum = summed
-    if plan.sequence_parallel:  # the stage's hidden states are each rank's slice of the sequence
-        module.seq_shards = mesh.dims.tp
+    return tuple(f"{name}.{p}" for name, style in planned.items() if style == REPLICATED_WITH_GRAD_SUM
+                 for p, _ in module.get_submodule(name).named_parameters())
 
 
 def loss_context(enabled: bool) -> Callable[[], AbstractContextManager]:
@@ -300,22 +301,23 @@ def loss_context(enabled: bool) -> Callable[[], AbstractContextManager]:
     return loss_parallel if enabled else nullcontext
 
 
-def sum_partial_grads(modules: list[nn.Module], mesh: Mesh) -> None:
+def sum_partial_grads(modules: Sequence[nn.Module], grad_sums: Sequence[tuple[str, ...]], mesh: Mesh) -> None:
     """Sum over the tp group the gradients each shard holds only its part of: those ``apply_tp``
-    named, and a replicated DTensor weight's gradient left partial by DTensor (a norm's under
-    sequence parallelism: each rank's slice of the tokens adds its part), as its weight is placed."""
+    named for each module (``grad_sums``, in the order of ``modules``), and a replicated DTensor
+    weight's gradient left partial by DTensor (a norm's under sequence parallelism: each rank's
+    slice of the tokens adds its part), as its weight is placed."""
     group = mesh.group("tp") if mesh.tp_mesh is not None else None
     if group is None:
         return
     with waiting("the tp group's sum of partial gradients"):  # after the schedule: outside any action
-        for module in modules:
-            _sum_partial(module, group)
+        for module, names in zip(modules, grad_sums, strict=True):
+            _sum_partial(module, names, group)
 
 
-def _sum_partial(module: nn.Module, group) -> None:
+def _sum_partial(module: nn.Module, names: tuple[str, ...], group) -> None:
     import torch.distributed as dist
 
-    for name in getattr(module, "tp_grad_sum", ()):  # StageModule's
+    for name in names:
         grad = module.get_parameter(name).grad
         if grad is not None:
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)

@@ -38,12 +38,14 @@ Batch = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # inputs, ta
 class UnsplitStep:
     """The reference: the whole model in one process, gradients accumulated over the same
     microbatches as the pipeline, each scaled by 1/microbatches. ``forward`` (default: the model)
-    maps a microbatch's inputs and keyword inputs to logits."""
+    maps a microbatch's inputs and keyword inputs to logits. ``grad_sum``: the weights whose
+    gradients ``mesh``'s tp group sums (what ``apply_tp`` returned)."""
 
     def __init__(self, model: nn.Module, microbatches: int, loss_fn: Callable, forward: Callable | None = None,
-                 mesh: Mesh | None = None, loss_parallel: bool = False):
+                 mesh: Mesh | None = None, loss_parallel: bool = False, grad_sum: tuple[str, ...] = ()):
         self.modules = [model]
         self.mesh = mesh  # its tp group sums the gradients each shard holds a part of
+        self.grad_sums = [grad_sum]
         self.loss_context = loss_context(loss_parallel)  # around forward and backward (runner.parallel.tp)
         self.microbatches = microbatches
         self.loss_fn = loss_fn
@@ -66,7 +68,7 @@ class UnsplitStep:
         with self.loss_context():
             self._accumulate(model, self._microbatches(inputs, targets, kwargs), losses, timed)
         if self.mesh is not None:
-            sum_partial_grads(self.modules, self.mesh)
+            sum_partial_grads(self.modules, self.grad_sums, self.mesh)
         return torch.stack(losses).mean()
 
     def _accumulate(self, model: nn.Module, microbatches, losses: list[torch.Tensor], timed) -> None:
@@ -90,13 +92,15 @@ class UnsplitStep:
 class PipelinedStep:
     """This rank's share of a pipelined step: inputs enter on the rank with the first stage,
     targets on the rank with the last, keyword inputs on every rank (each stage's children take
-    the ones they name); only the last stage's rank returns the step's loss."""
+    the ones they name); only the last stage's rank returns the step's loss. ``grad_sums``: for
+    each stage, the weights whose gradients the tp group sums (what ``apply_tp`` returned)."""
 
     def __init__(self, stages: list[PipelineStage], schedule, layout: Layout, mesh: Mesh,
-                 loss_parallel: bool = False):
+                 loss_parallel: bool = False, grad_sums: Sequence[tuple[str, ...]] | None = None):
         self.stages = stages
         self.mesh = mesh
         self.modules = [s.submod for s in stages]
+        self.grad_sums = list(grad_sums) if grad_sums is not None else [() for _ in stages]
         self.schedule = schedule
         self.microbatches = layout.microbatches
         # Each parameter once: a tied weight shared by two stages of this rank (V placements)
@@ -132,7 +136,7 @@ class PipelinedStep:
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
         loss = self._run(self.schedule.step, inputs, targets, kwargs)
-        sum_partial_grads(self.modules, self.mesh)
+        sum_partial_grads(self.modules, self.grad_sums, self.mesh)
         # The schedules sum microbatch gradients (scale_grads=False: torch would scale per stage,
         # after that stage's last backward, which scales a shared weight twice and too early).
         with torch.no_grad():
@@ -160,22 +164,26 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
     tp = tp_plan(meta.module, plan.dims)
     loss_parallel = tp is not None and tp.loss_parallel
     styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
+    seq_shards = tp.seq_shards if tp is not None else 1
 
-    def sharded(units: Sequence[str]) -> StageModule:
-        """This rank's part of ``units``: materialised, then sharded over its tp group."""
-        module = materialize(meta, units, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles)
+    def sharded(units: Sequence[str]) -> tuple[StageModule, tuple[str, ...]]:
+        """This rank's part of ``units``: materialised, then sharded over its tp group; and the
+        weights whose gradients that group sums."""
+        module = materialize(meta, units, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles,
+                             seq_shards=seq_shards)
         if tp is not None and mesh.tp_mesh is not None:
-            apply_tp(module, mesh, tp)
-        return module
+            return module, apply_tp(module, mesh, tp)
+        return module, ()
 
     if layout.pp == 1:
-        unsplit = UnsplitStep(parallelize(sharded(meta.unit_names), plan.train, dp_mode, mesh), layout.microbatches,
-                              loss_fn, mesh=mesh, loss_parallel=loss_parallel)
+        whole, grad_sum = sharded(meta.unit_names)
+        unsplit = UnsplitStep(parallelize(whole, plan.train, dp_mode, mesh), layout.microbatches,
+                              loss_fn, mesh=mesh, loss_parallel=loss_parallel, grad_sum=grad_sum)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     # Before materialising: a stage takes the meta model's modules (and allocates them).
-    io = _static_io(meta, plan, mesh, example) if example is not None else None
+    io = _static_io(meta, plan, example, seq_shards) if example is not None else None
     indices = layout.stages_on(mesh.pp_rank)
-    modules = [sharded(layout.stages[i]) for i in indices]
+    modules, grad_sums = zip(*(sharded(layout.stages[i]) for i in indices))
     # After tp, which wraps each module's weights in parameters of its own (a pretrained tied weight,
     # already a DTensor, would become two parameters over one storage, each stepped by the optimizer).
     # A mode wrapping each stage on its own cannot share a parameter: its copies are summed instead.
@@ -191,7 +199,7 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
         _torch_pp.allow_eval(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
-    step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel)
+    step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel, grad_sums)
     rank_of = {p: layout.stage_to_rank[s] for s, units in enumerate(layout.stages) for u in units
                for p in _params_of(meta, u)}
     embeddings = {n for names in meta.tied for n in names
@@ -199,14 +207,14 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
     return step, TiedWeights(meta.tied, rank_of, step.modules, mesh, embedding_names=embeddings)
 
 
-def _static_io(meta, plan: RunPlan, mesh: Mesh, example: Batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each stage's input and output for one microbatch of ``example``, as meta tensors."""
+def _static_io(meta, plan: RunPlan, example: Batch, seq_shards: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each stage's input and output for one microbatch of ``example``, as meta tensors, the
+    messages between stages sliced as each tp rank holds them (``seq_shards``)."""
     inputs, _, kwargs = example
     m = plan.layout.microbatches
     first = {k: v.tensor_split(m)[0] for k, v in kwargs.items()}
-    shards = mesh.dims.tp if mesh.dims.sequence_parallel and mesh.dims.tp > 1 else 1
     return stage_io(meta, plan.layout.stages, microbatch=len(inputs.tensor_split(m)[0]), seq_len=inputs.shape[1],
-                    kwargs=first, seq_shards=shards)
+                    kwargs=first, seq_shards=seq_shards)
 
 
 def _params_of(meta, unit: str) -> list[str]:

@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from omegaconf import DictConfig
 
@@ -49,7 +49,8 @@ from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run,
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction
 from runner.ranks.dist import pick_device, resolve_device
-from runner.validate import usable_cpus, validate
+from runner.ranks.host import usable_cpus
+from runner.validate import validate
 
 __all__ = ["Candidate", "PlanResult", "check_plan_keys", "plan"]
 
@@ -197,6 +198,26 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     return timeline
 
 
+@dataclass
+class _Planning:
+    """What planning the candidates one after another builds up: the children's timings by
+    microbatch size, the calibration and the cost model (from the first candidate with a layout),
+    the candidates and their predicted timelines, and the built-in orders a search starts from."""
+
+    cfg: DictConfig  # plan.weight_grad_fraction resolved
+    kind: str  # where the run would compute: cuda or cpu
+    device: Any  # the device the children are timed on
+    out: Path | None
+    launch: Launch | None
+    child_costs: dict[int, dict[str, ChildCost]] = field(default_factory=dict)
+    calibration: Calibration | None = None
+    model: Fit | None = None
+    results: list[Candidate] = field(default_factory=list)
+    timelines: dict[int, list] = field(default_factory=dict)  # by id(candidate)
+    # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
+    families: dict[tuple[int, bool, int], dict] = field(default_factory=dict)
+
+
 def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None) -> PlanResult:
     """Every candidate, fastest within the memory limit first (ties and the recommended one
     marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), the message
@@ -213,96 +234,158 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None)
     check_plan_keys(cfg)
     if out is None and (launch is not None or cfg.plan.synthesize):
         raise ValueError("plan(): probe runs and synthesized schedules are written into a directory: pass out=")
-    # Where the run would compute (a GPU per rank, or the CPU): the children are timed there.
+    kind, device = _timing_device(cfg)
+    state = _Planning(_with_weight_grad_fraction(cfg, device), kind, device, out, launch)
+    for base, (name, m, spr) in tp_cost.by_degrees(state.cfg, _candidates):  # the run's degrees first
+        _plan_candidate(state, base, name, m, spr)
+    if state.cfg.plan.synthesize and state.calibration is not None and state.model is not None and out is not None:
+        _plan_synthesized(state)
+    ranked = sorted(state.results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
+    _mark_ties(ranked, state.cfg.plan.tie_tolerance)
+    annotate_memory(ranked, state.cfg)
+    return PlanResult(ranked, state.timelines, state.calibration, state.model)
+
+
+def _timing_device(cfg: DictConfig) -> tuple[str, Any]:
+    """Where the run would compute (a GPU per rank, or the CPU), and the device the children are
+    timed on there; warns where this host's cores would make the timings read low."""
     ranks = ParallelDims.from_config(cfg.parallel).world_size
     kind = resolve_device(cfg.device, ranks)
     device = pick_device(kind, 0)
+    if kind == "cpu":
+        _warn_shared_cores(ranks)
+    return kind, device
+
+
+def _warn_shared_cores(ranks: int) -> None:
     cores = len(usable_cpus())  # this process's share of the host (taskset, a container's cpuset)
-    if kind == "cpu" and ranks > cores:
+    if ranks > cores:
         log.warning("%d ranks on %d CPU cores take turns on the cores, which the planner does not simulate: its "
                     "step times assume a core per rank and will read low. Plan on a host with a core per rank.",
                     ranks, cores)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if kind == "cpu" and load > cores / 2:
+    if load > cores / 2:
         # Measured under a load average of 4 on 2 cores: a 4-byte message took 4 ms (a scheduler
         # time slice, not the transport's 60 us) and a 4 MiB one no longer, the runtime overhead
         # came out anywhere in 0-1.8 ms and the co-running slowdown 1.8-2.6.
         log.warning("the 1-minute load average is %.1f on %d CPU cores: other processes share this host, and the "
                     "calibration and the child timings measure them too. Plan on a quiet host, or set plan.comm_*, "
                     "plan.action_overhead_s and plan.corunning_slowdown from a quiet calibration.json.", load, cores)
-    if cfg.plan.weight_grad_fraction is None:  # measured on the model, as the children are timed
-        cfg = copy.deepcopy(cfg)
-        size = cfg.train.batch_size // (cfg.parallel.dp * min(cfg.plan.microbatches))
-        cfg.plan.weight_grad_fraction = measure_weight_grad_fraction(cfg, max(1, size), device)
-        log.info("M_W / M_B (plan.weight_grad_fraction), measured: %.3f", cfg.plan.weight_grad_fraction)
-    child_costs: dict[int, dict[str, ChildCost]] = {}
-    calibration: Calibration | None = None
-    model: Fit | None = None
-    results, timelines = [], {}
-    # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
-    families: dict[tuple[int, bool, int], dict] = {}
-    for base, (name, m, spr) in tp_cost.by_degrees(cfg, _candidates):  # the run's degrees first
-        moved = tp_cost.degree_overrides(base, cfg)  # the pp x dp x tp of the same ranks, where not the run's
-        own = Candidate(name, m, spr, moved + _overrides(name, m, spr, cfg.schedule.get("csv"),
-                                                         base.parallel.split_points),
-                        valid=False, split_points=base.parallel.split_points,
-                        degrees=tp_cost.degrees_of(base) if moved else None)
-        results.append(own)
-        trial = copy.deepcopy(base)
-        trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
-        try:
-            resolved = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
-        except ConfigError as e:
-            own.reason = str(e).splitlines()[0]
-            continue
-        layout = resolved.layout
-        if spr is None:  # the run's CSV schedule (its file decides the stages per rank)
-            assert layout.csv is not None  # validate() read the file
-            order = csv_order(layout.csv)
-            own.stages_per_rank = layout.num_stages // layout.pp
-        else:
-            order = schedule_order(name, layout.pp, m, spr)
-        child = _child_costs(base, child_costs, m, device)
-        if calibration is None or model is None:  # both at the first layout (set together)
-            calibration = _calibration(cfg.plan, sent_bytes(layout.stages, child), kind, _neighbour_cpus(resolved))
-            child_at = tp_cost.tp_child_at(lambda n: _child_costs(cfg, child_costs, n, device), cfg, calibration)
-            model = fitted_model(cfg, calibration, child_at, out, launch)
-        child = tp_cost.tp_child_costs(child, base, calibration, base.train.batch_size // (base.parallel.dp * m))
-        splits = [(own, layout)]
-        # The run's split balances parameter counts; the one balancing measured time may differ
-        # (an embedding is heavy in parameters and light in time).
-        points = split_by_cost(list(child), [c.forward_s + c.backward_s for c in child.values()], layout.num_stages)
-        if points != [names[0] for names in layout.stages[1:]]:
-            by_time = Candidate(name, m, own.stages_per_rank,
-                                moved + _overrides(name, m, spr, cfg.schedule.get("csv"), points),
-                                valid=False, split_points=points, degrees=own.degrees)
-            results.append(by_time)
-            trial.parallel.split_points = points
-            try:
-                splits.append((by_time, validate(trial).layout))
-            except ConfigError as e:  # e.g. tied weights that this split would put on two stages
-                by_time.reason = str(e).splitlines()[0]
-        for candidate, split_layout in splits:
-            timeline = _predict(candidate, split_layout, order, child, calibration, model, cfg.plan)
+
+
+def _with_weight_grad_fraction(cfg: DictConfig, device) -> DictConfig:
+    """``cfg`` with ``plan.weight_grad_fraction`` measured on the model where it is null (a copy)."""
+    if cfg.plan.weight_grad_fraction is not None:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    size = cfg.train.batch_size // (cfg.parallel.dp * min(cfg.plan.microbatches))
+    cfg.plan.weight_grad_fraction = measure_weight_grad_fraction(cfg, max(1, size), device)
+    log.info("M_W / M_B (plan.weight_grad_fraction), measured: %.3f", cfg.plan.weight_grad_fraction)
+    return cfg
+
+
+def _plan_candidate(state: _Planning, base: DictConfig, name: str, m: int, spr: int | None) -> None:
+    """One candidate of ``base``'s degrees (and the split balancing measured time, where it
+    differs): checked as a run checks it, then predicted."""
+    moved = tp_cost.degree_overrides(base, state.cfg)  # the pp x dp x tp of the same ranks, where not the run's
+    own = Candidate(name, m, spr, moved + _overrides(name, m, spr, state.cfg.schedule.get("csv"),
+                                                     base.parallel.split_points),
+                    valid=False, split_points=base.parallel.split_points,
+                    degrees=tp_cost.degrees_of(base) if moved else None)
+    state.results.append(own)
+    trial = copy.deepcopy(base)
+    trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = name, m, spr
+    try:
+        resolved = validate(trial)  # a CSV that would deadlock fails here, in torch's dry run
+    except ConfigError as e:
+        own.reason = str(e).splitlines()[0]
+        return
+    layout = resolved.layout
+    order = _order(own, layout, spr)
+    child = _costs(state, base, resolved, m)
+    # Built-in schedules at the run's degrees seed the search (plan.synthesize), by family.
+    family = (m, name in V_SHAPED, spr) if spr is not None and spr <= 2 and not moved else None
+    for candidate, split_layout in [(own, layout), *_split_by_time(state, own, layout, child, trial, moved)]:
+        _predict_and_keep(state, candidate, split_layout, order, child, family)
+
+
+def _order(own: Candidate, layout: Layout, spr: int | None) -> dict[int, list[Op]]:
+    """The candidate's actions in order: its schedule's, or (``spr`` None) the run's CSV schedule's,
+    whose file also decides the candidate's stages per rank."""
+    if spr is not None:
+        return schedule_order(own.schedule, layout.pp, own.microbatches, spr)
+    assert layout.csv is not None  # validate() read the file
+    order = csv_order(layout.csv)
+    own.stages_per_rank = layout.num_stages // layout.pp
+    return order
+
+
+def _costs(state: _Planning, base: DictConfig, resolved: RunPlan, m: int) -> dict[str, ChildCost]:
+    """The children's costs at ``m`` microbatches under ``base``'s tp degree. The first candidate
+    to get this far also sets the calibration and the cost model: both need a layout's messages."""
+    child = _child_costs(base, state.child_costs, m, state.device)
+    if state.calibration is None or state.model is None:
+        state.calibration, state.model = _calibrate(state, resolved, child)
+    return tp_cost.tp_child_costs(child, base, state.calibration, base.train.batch_size // (base.parallel.dp * m))
+
+
+def _calibrate(state: _Planning, resolved: RunPlan, child: Mapping[str, ChildCost]) -> tuple[Calibration, Fit]:
+    """The message and action costs (measured on the cores ``resolved`` pins its first ranks to)
+    and the cost model fitted to the probes (``state.launch`` runs them)."""
+    cfg = state.cfg
+    calibration = _calibration(cfg.plan, sent_bytes(resolved.layout.stages, child), state.kind,
+                               _neighbour_cpus(resolved))
+    child_at = tp_cost.tp_child_at(lambda n: _child_costs(cfg, state.child_costs, n, state.device), cfg, calibration)
+    return calibration, fitted_model(cfg, calibration, child_at, state.out, state.launch)
+
+
+def _split_by_time(state: _Planning, own: Candidate, layout: Layout, child: Mapping[str, ChildCost],
+                   trial: DictConfig, moved: list[str]) -> list[tuple[Candidate, Layout]]:
+    """The split balancing measured time as a candidate of its own, where it differs from the
+    run's, which balances parameter counts (an embedding is heavy in parameters and light in time)."""
+    points = split_by_cost(list(child), [c.forward_s + c.backward_s for c in child.values()], layout.num_stages)
+    if points == [names[0] for names in layout.stages[1:]]:
+        return []
+    by_time = Candidate(own.schedule, own.microbatches, own.stages_per_rank,
+                        moved + _overrides(own.schedule, own.microbatches, own.stages_per_rank,
+                                           state.cfg.schedule.get("csv"), points),
+                        valid=False, split_points=points, degrees=own.degrees)
+    state.results.append(by_time)
+    trial.parallel.split_points = points
+    try:
+        return [(by_time, validate(trial).layout)]
+    except ConfigError as e:  # e.g. tied weights that this split would put on two stages
+        by_time.reason = str(e).splitlines()[0]
+        return []
+
+
+def _predict_and_keep(state: _Planning, candidate: Candidate, layout: Layout, order: dict[int, list[Op]],
+                      child: Mapping[str, ChildCost], family: tuple[int, bool, int] | None) -> None:
+    """Predict ``candidate``, keep its timeline and, in a ``family`` (microbatches, V-shaped,
+    stages per rank), its order and layout for the search."""
+    assert state.calibration is not None and state.model is not None  # set by _costs
+    timeline = _predict(candidate, layout, order, child, state.calibration, state.model, state.cfg.plan)
+    if timeline is None:
+        return
+    state.timelines[id(candidate)] = timeline
+    if family is not None:
+        found = state.families.setdefault(family, {"seeds": {}, "layouts": {}})
+        found["seeds"][candidate.schedule] = order
+        found["layouts"].setdefault(tuple(candidate.split_points or ()), layout)
+
+
+def _plan_synthesized(state: _Planning) -> None:
+    """``plan.synthesize``: a searched order per family of built-in orders and split, as a candidate."""
+    cfg, out = state.cfg, state.out
+    assert state.calibration is not None and state.model is not None and out is not None
+    for (m, v_shape, _), family in state.families.items():
+        for split, layout in family["layouts"].items():
+            child = state.child_costs[cfg.train.batch_size // (cfg.parallel.dp * m)]
+            candidate, timeline = _synthesized(cfg, layout, v_shape, list(split) or None, family["seeds"], child,
+                                               state.calibration, state.model, out)
+            state.results.append(candidate)
             if timeline is not None:
-                timelines[id(candidate)] = timeline
-                if spr is not None and spr <= 2 and not moved:  # built-in schedules at the run's degrees
-                    family = families.setdefault((m, name in V_SHAPED, spr), {"seeds": {}, "layouts": {}})
-                    family["seeds"][name] = order
-                    family["layouts"].setdefault(tuple(candidate.split_points or ()), split_layout)
-    if cfg.plan.synthesize and calibration is not None and model is not None and out is not None:
-        for (m, v_shape, _), family in families.items():
-            for split, layout in family["layouts"].items():
-                child = child_costs[cfg.train.batch_size // (cfg.parallel.dp * m)]
-                candidate, timeline = _synthesized(cfg, layout, v_shape, list(split) or None, family["seeds"], child,
-                                                   calibration, model, out)
-                results.append(candidate)
-                if timeline is not None:
-                    timelines[id(candidate)] = timeline
-    ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
-    _mark_ties(ranked, cfg.plan.tie_tolerance)
-    annotate_memory(ranked, cfg)
-    return PlanResult(ranked, timelines, calibration, model)
+                state.timelines[id(candidate)] = timeline
 
 
 def check_plan_keys(cfg: DictConfig) -> None:
