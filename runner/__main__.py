@@ -25,7 +25,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import RunDirInUseError
 from runner.compose import config_dir  # also registers the config schemas
 from runner.errors import EXIT_CONFIG, EXIT_FAILED
 from runner.exits import expand_home, run_entry
@@ -34,6 +33,7 @@ from runner.outputs.provenance import versions
 from runner.outputs.sweep_report import ERROR_FILE, write_report
 from runner.ranks.clock import StartupClock
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
+from runner.rundir import RunDirInUseError
 from runner.validate import check_config
 
 

@@ -27,12 +27,13 @@ import torch
 
 from runner._torch.dcp import read_model_tensors
 from runner.checkpoint.checkpointer import verify_checkpoint
-from runner.checkpoint.files import LOCK_FILE, TOKENIZER_DIR, find_checkpoint, read_train_state
+from runner.checkpoint.files import TOKENIZER_DIR, find_checkpoint, read_train_state
 from runner.config import parse_bytes
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
 from runner.models.hf_dirs import remote_code_problem
 from runner.models.units import tied_groups
 from runner.ranks.dist import DistEnv
+from runner.rundir import LOCK_FILE
 
 __all__ = ["DTYPES", "export", "checkpoint_of", "source_dtype", "main"]
 

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
-from runner.checkpoint.files import hold_run_lock
 from runner.errors import ConfigError
 from runner.layout import RunPlan
 from runner.ranks import watchdog
@@ -28,6 +27,7 @@ from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_fro
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
 from runner.ranks.supervise import forward_signals, wait_for_ranks
+from runner.rundir import hold_run_lock
 from runner.train import train
 from runner.validate import validate
 

@@ -27,13 +27,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("options", "config_nodes", "losses", "_torch"),  # enums of values; torch's private internals
     ("config",),  # the run-wide schemas (train, eval, plan)
     ("ranks", "optim"),  # processes, the process group, the console; AdamW
-    ("models",),  # model families, pipeline units, the split
+    ("models", "rundir"),  # model families, pipeline units, the split; a run directory's lock and guard
     # datasets (never parallel: a batch is a function of seed, split and step); degrees, mesh, tp, dp
     ("data", "parallel"),
     ("layout", "compose"),  # the RunPlan; the config tree assembled
     ("hooks", "checkpoint", "pipeline"),  # what a step offers hooks; saving, loading; schedules and the step
     ("outputs", "verify", "faults"),  # what a run writes (never imported by pipeline); the hooks
-    ("validate", "rundir"),  # the checks before launch -> RunPlan
+    ("validate",),  # the checks before launch -> RunPlan
     ("train",),  # the Trainer
     ("launch", "exits"),  # the ranks started; how a command line ends (a typo's nearest keys: compose's)
     ("plan", "rehearse", "export", "study"),  # applications of the run: nothing below imports them

@@ -22,11 +22,12 @@ import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from runner.checkpoint.checkpointer import Checkpointer
-from runner.checkpoint.files import find_checkpoint, hold_run_lock, run_in_progress, write_manifest
+from runner.checkpoint.files import find_checkpoint, write_manifest
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
 from runner.optim import build_optimizer
 from runner.ranks.dist import DistEnv
+from runner.rundir import hold_run_lock, run_in_progress
 from runner.train import train
 from runner.validate import validate
 

@@ -189,7 +189,7 @@ def test_ranks_die_with_a_killed_launcher_even_with_sigint_ignored(tmp_path):
             proc.kill()
         for rank in _rank_processes(run_dir, proc):
             rank.kill()
-    from runner.checkpoint.files import run_in_progress
+    from runner.rundir import run_in_progress
 
     assert not run_in_progress(run_dir)  # the run's lock went with its processes
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from runner._torch.dcp import SafeReader, read_model_tensors
-from runner.checkpoint.files import find_checkpoint, hold_run_lock
+from runner.checkpoint.files import find_checkpoint
 from runner.errors import CheckpointError, ConfigError, Rejected
 from runner.ranks.dist import DistEnv
-from runner.rundir import RunDirGuard
+from runner.rundir import RunDirGuard, hold_run_lock
 from runner.train import train
 from runner.validate import validate
 

@@ -212,7 +212,7 @@ class Checkpointer:
 
     def _remove_partials(self) -> None:
         """Partial directories of saves that crashed hold space and are never loaded. Only this
-        run writes here (``hold_run_lock``)."""
+        run writes here (``runner.rundir.hold_run_lock``)."""
         for partial in self.dir.glob(".partial-step-*"):
             shutil.rmtree(partial, ignore_errors=True)
             log.warning("removed %s, left by a checkpoint save that did not finish", partial)

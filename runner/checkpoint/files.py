@@ -5,71 +5,28 @@ lock that marks a run directory as in progress. Saving and loading: ``runner.che
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import re
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from runner.errors import CheckpointError, ConfigError
 from runner.models.hf_dirs import TOKENIZER_FILES  # a checkpoint's tokenizer/ holds them
+from runner.rundir import LOCK_FILE, run_in_progress
 
-__all__ = ["LOCK_FILE", "RunDirInUseError", "in_use_error", "hold_run_lock", "run_in_progress", "read_train_state",
+__all__ = ["read_train_state",
            "checkpoint_step", "complete_steps", "find_checkpoint", "write_manifest", "files_of", "manifest_problems",
            "TOKENIZER_DIR", "TOKENIZER_FILES"]
 
 log = logging.getLogger("runner.checkpoint")  # its lines are the checkpoints' (as before the split)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-LOCK_FILE = ".runner.lock"  # held (flock) by a run's launcher while the run is in progress
 _MANIFEST = "manifest-rank{}.json"
 TOKENIZER_DIR = "tokenizer"  # in a checkpoint: the files of the tokenizer the run trained with
 # Where checkpoint.resume=latest looks under its root: the root itself, and run directories one,
 # two (Hydra's outputs/<date>/<time>) and three (multirun/<date>/<time>/<job>) levels down.
 _LATEST_PATTERNS = ("checkpoints", "*/checkpoints", "*/*/checkpoints", "*/*/*/checkpoints")
-
-
-# -- runs in progress -------------------------------------------------------------------------
-
-class RunDirInUseError(ConfigError):
-    """The run directory belongs to a run in progress: nothing may be written into it."""
-
-
-def in_use_error(run_dir: Path) -> RunDirInUseError:
-    return RunDirInUseError(f"hydra.run.dir={str(run_dir)!r} is in use by another run that is still in progress; "
-                            "nothing was written into it. Fix: another hydra.run.dir, or wait for that run to end.")
-
-
-@contextmanager
-def hold_run_lock(run_dir: Path) -> Iterator[None]:
-    """Mark ``run_dir`` as in progress for as long as this block runs (and any forked rank
-    lives: they inherit the lock). A second run in the same directory is refused."""
-    with open(run_dir / LOCK_FILE, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise in_use_error(run_dir) from None
-        except OSError as e:  # a filesystem without locks (some network mounts)
-            log.warning("cannot lock %s (%s): checkpoint.resume=latest will not see this run as in progress",
-                        f.name, e)
-        yield
-
-
-def run_in_progress(run_dir: Path) -> bool:
-    lock = run_dir / LOCK_FILE
-    if not lock.is_file():
-        return False
-    try:
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:  # unreadable, or a filesystem without locks: nothing says it is running
-        return False
-    return False
 
 
 # -- what a checkpoint directory holds ---------------------------------------------------------
