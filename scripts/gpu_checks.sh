@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The prepared GPU checks (issue #35): what a lent GPU host runs first, in one call of at most
+# 8 minutes (run it with the device tool's timeout_s=540), most important first, each with its own timeout, each writing its results as it ends
+# (a run cut short still leaves the earlier ones). Results: $OUT (the device tool's folder) or
+# ./gpu-results: summary.txt (one line per check: status and seconds), <check>.log, and
+# results.json (tokens/s, MFU, memory per check) for BENCHMARKS-cuda.md.
+#
+#   bash scripts/gpu_checks.sh            # on the GPU host, from the repository root
+#   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh   # the same flow on CPU at toy sizes (a dry run)
+#
+# The GPU image may carry another torch (2.11 on the first host) and lack Hydra: put the packages
+# it lacks on PYTHONPATH (the device tool's `carry`), as docs/testing.md says.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-results}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SMALL="${GPU_CHECKS_SMALL:-}"
+DEVICE=cuda; [ -n "$SMALL" ] && DEVICE=cpu
+
+# The checks share one deadline (GPU_CHECKS_SECONDS, 430 s by default), leaving the last 30 s of the
+# 8 minutes to the results: a check gets its own limit or what is left, and none starts with < 15 s.
+DEADLINE=$(( $(date +%s) + ${GPU_CHECKS_SECONDS:-430} ))
+check() {  # check NAME SECONDS COMMAND...: run it, log it, note its status and time
+    local name=$1 limit=$2 start rc left
+    shift 2
+    start=$(date +%s)
+    left=$(( DEADLINE - start ))
+    [ "$name" = results ] && left=$limit
+    if [ "$left" -lt 15 ]; then
+        echo "$name: not run (out of time)" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+}
+
+# A Llama-1B-shaped built-in transformer (16 layers of 2048, 32k vocabulary, sequence 2048), random
+# init, pp=1; toy sizes for the dry run.
+if [ -n "$SMALL" ]; then
+    SHAPE=(model.dim=64 model.n_layers=2 model.n_heads=4 data.vocab_size=256 train.seq_len=64 train.batch_size=4)
+else
+    SHAPE=(model.dim=2048 model.n_layers=16 model.n_heads=16 data.vocab_size=32000 train.seq_len=2048
+           train.batch_size=8)
+fi
+RUN=(python -m runner "device=$DEVICE" parallel.pp=1 parallel.microbatches=1 "${SHAPE[@]}" train.steps=8
+     profile.enabled=false checkpoint.every=0)
+
+: > "$OUT/summary.txt"
+check env 30 python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
+check pytest-gpu 120 python -m pytest -m gpu -q -p no:cacheprovider
+check 1b-bf16 150 "${RUN[@]}" train.precision=bf16 "hydra.run.dir=$OUT/runs/1b-bf16"
+check 1b-fp32 150 "${RUN[@]}" train.precision=fp32 "hydra.run.dir=$OUT/runs/1b-fp32"
+check 1b-bf16-compile 180 "${RUN[@]}" train.precision=bf16 train.compile=true "hydra.run.dir=$OUT/runs/1b-bf16-compile"
+
+# Llama-3-8B-shaped ranks rehearsed (a config-only directory: nothing is downloaded), at pp=4 and at
+# FSDP dp=8, and plan.target's memory estimate for the same layouts.
+python - "$OUT/llama-8b" "$SMALL" <<'EOF'
+import sys
+from transformers import LlamaConfig
+small = bool(sys.argv[2])
+LlamaConfig(hidden_size=64 if small else 4096, intermediate_size=128 if small else 14336,
+            num_hidden_layers=4 if small else 32, num_attention_heads=4 if small else 32,
+            num_key_value_heads=2 if small else 8, vocab_size=256 if small else 128256,
+            max_position_embeddings=8192, tie_word_embeddings=False).save_pretrained(sys.argv[1])
+EOF
+HF=(model=hf "model.path=$OUT/llama-8b" model.pretrained=false "train.seq_len=$([ -n "$SMALL" ] && echo 32 || echo 512)"
+    train.batch_size=8)
+check rehearse-8b-pp4 120 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=4 parallel.microbatches=4 \
+    "hydra.run.dir=$OUT/runs/rehearse-8b-pp4"
+check rehearse-8b-fsdp8 120 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=1 parallel.dp=8 \
+    parallel.dp_mode=fsdp parallel.microbatches=1 "hydra.run.dir=$OUT/runs/rehearse-8b-fsdp8"
+check target-8b 120 python -m runner.plan "${HF[@]}" "plan.target='NVIDIA H100'" plan.world_size=8 \
+    "hydra.run.dir=$OUT/runs/target-8b"
+
+# What the runs measured, in one file: tokens/s, MFU against the device's dense peak (6 N FLOPs a
+# token), peak memory; each rehearsed rank's peak.
+check results 30 python - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+import torch
+
+out = Path(sys.argv[1])
+results = {}
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+for run in sorted((out / "runs").glob("1b-*")):
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else None
+    if summary is None:
+        continue
+    import yaml
+    cfg = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    from runner.models.builtin import transformer
+    with torch.device("meta"):
+        model = transformer(vocab_size=cfg["data"]["vocab_size"], max_seq_len=cfg["train"]["seq_len"],
+                            dim=cfg["model"]["dim"], n_layers=cfg["model"]["n_layers"], n_heads=cfg["model"]["n_heads"],
+                            ffn_mult=cfg["model"]["ffn_mult"])
+    n = sum(p.numel() for p in model.parameters())
+    entry = {"params": n, "tokens_per_s": summary["tokens_per_s"], "step_time_s": summary["step_time_s"],
+             "peak_mem_bytes": summary["peak_mem_bytes"]}
+    if name:
+        from runner.plan.roofline import device_peaks
+        try:
+            dtype = torch.bfloat16 if cfg["train"]["precision"] == "bf16" else torch.float32
+            entry["mfu"] = 6 * n * summary["tokens_per_s"] / device_peaks(name).peak(dtype)
+        except Exception as e:  # a device torch's table does not know by this name
+            entry["mfu"] = f"unknown: {e}"
+    results[run.name] = entry
+for run in sorted((out / "runs").glob("rehearse-*")):
+    report = run / "rehearsal.json"
+    if report.is_file():
+        data = json.loads(report.read_text())
+        results[run.name] = {"ranks": [{"rank": r["rank"], "peak_bytes": r["peak_bytes"]} for r in data["ranks"]],
+                             "step": data.get("step")}
+(out / "results.json").write_text(json.dumps(results, indent=1))
+print(json.dumps(results, indent=1))
+EOF
