@@ -91,6 +91,12 @@ def test_the_installed_example_schedules_resolve_by_name_from_any_directory(inst
     [shipped] = (bin_dir.parent / "lib").glob("python*/site-packages/runner/examples/zero_bubble_pp2_m4.csv")
     assert f"schedule.csv={str(shipped)!r} schedules 4 microbatches" in done.stderr
     assert "Fix: parallel.microbatches=4" in done.stderr
+    # The installed runner-schedule-csv writes the order the example holds.
+    done = run_cli("gpipe", "--pp", "2", "--microbatches", "4", program=[str(bin_dir / "runner-schedule-csv")],
+                   cwd=tmp_path, env=env, checkout=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (shipped.parent / "gpipe_pp2_m4.csv").read_text()
+    assert (bin_dir / "runner-timeline").is_file()
 
 
 @pytest.mark.timeout(60)
