@@ -28,6 +28,7 @@ from runner.outputs.config import LOGGING_MOVED
 from runner.outputs.loggers import check_loggers
 from runner.parallel.dims import ParallelDims
 from runner.parallel.dp import DP_MODES
+from runner.pipeline.csv_file import resolve_schedule_file
 from runner.pipeline.registry import CSV, SCHEDULES
 from runner.ranks.host import check_host, rank_cpus, threads_per_rank
 
@@ -80,13 +81,14 @@ def _check_numbers(cfg: DictConfig) -> None:
 
 def _schedule_file(cfg: DictConfig) -> str | None:
     """The schedule file the run follows (``schedule=csv``), if any: from here on its own key
-    (``Layout.csv``), not the name ``csv``."""
+    (``Layout.csv``), not the name ``csv``. A bare name of a shipped example that is no file in the
+    working directory is that example's path (``resolve_schedule_file``)."""
     if cfg.schedule.name != CSV:
         return None
     if cfg.schedule.get("csv") is None:
         raise ConfigError("schedule.name=csv needs a file: nothing sets schedule.csv. "
-                          "Fix: schedule=csv schedule.csv=<the file>.")
-    return cfg.schedule.csv
+                          "Fix: schedule=csv schedule.csv=<the file, or a shipped example's name>.")
+    return resolve_schedule_file(cfg.schedule.csv)
 
 
 def _log_tied(meta, stages, stage_to_rank: dict[int, int], per_stage: bool) -> None:

@@ -78,7 +78,7 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     assert [m.value for m in history] == pytest.approx(summaries[0]["losses"]) and run.info.status == "FINISHED"
     check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[2, 3, 4])
     plot = tmp_path / "timeline.png"
-    run_cli(str(run_dirs[0]), "-o", str(plot), program=[sys.executable, str(ROOT / "scripts" / "plot_timeline.py")],
+    run_cli(str(run_dirs[0]), "-o", str(plot), program=[sys.executable, "-m", "runner.outputs.plot_timeline"],
             cwd=tmp_path, timeout=60, check=True)
     assert plot.read_bytes()[:4] == b"\x89PNG"
 

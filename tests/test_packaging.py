@@ -40,7 +40,7 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for name in ("runner", "conf"):
+    for name in ("runner", "conf", "examples"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     # checkout=False: nothing of this checkout on PYTHONPATH; the installed package is what runs.
     run_cli("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(source), module="pip",
@@ -77,6 +77,26 @@ def test_the_installed_console_script_runs_from_any_directory_with_the_shipped_c
     assert summary["git_commit"] is None  # an installed package is no checkout
     assert Path(summary["config"]) == run_dir.resolve() / "resolved_config.yaml"
     assert "name: 1f1b" in Path(summary["config"]).read_text()
+
+
+@pytest.mark.timeout(60)
+def test_the_installed_example_schedules_resolve_by_name_from_any_directory(installed, tmp_path):
+    """``schedule.csv=<name>`` reads the example the wheel ships (runner/examples), with no examples/
+    in the working directory: the pre-launch check that reads it (the file's microbatch count
+    against the config's) is enough, nothing is spawned."""
+    bin_dir, env = installed
+    done = run_cli("experiment=smoke", "schedule=csv", "schedule.csv=zero_bubble_pp2_m4", "parallel.pp=2",
+                   "parallel.microbatches=2", program=["runner"], cwd=tmp_path, env=env, checkout=False)
+    assert done.returncode == 2, done.stderr
+    [shipped] = (bin_dir.parent / "lib").glob("python*/site-packages/runner/examples/zero_bubble_pp2_m4.csv")
+    assert f"schedule.csv={str(shipped)!r} schedules 4 microbatches" in done.stderr
+    assert "Fix: parallel.microbatches=4" in done.stderr
+    # The installed runner-schedule-csv writes the order the example holds.
+    done = run_cli("gpipe", "--pp", "2", "--microbatches", "4", program=[str(bin_dir / "runner-schedule-csv")],
+                   cwd=tmp_path, env=env, checkout=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (shipped.parent / "gpipe_pp2_m4.csv").read_text()
+    assert (bin_dir / "runner-timeline").is_file()
 
 
 @pytest.mark.timeout(60)

@@ -4,7 +4,6 @@ files of a real profiled run in test_cli (which already runs one)."""
 from __future__ import annotations
 
 import json
-import runpy
 
 import pytest
 from torch.distributed.pipelining.schedules import get_schedule_class
@@ -25,8 +24,6 @@ from runner.pipeline.recorder import Action, StepSpan
 from runner.pipeline.registry import theoretical_bubble
 from runner.pipeline.schedule import SCHEDULES, schedule_order
 from runner.pipeline.simulate import UNIT_COSTS, bubble_fractions, expected_makespan, simulate
-
-from helpers.config import ROOT
 
 
 def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():
@@ -112,8 +109,9 @@ def test_a_long_step_is_drawn_as_a_window_with_every_action_labelled(tmp_path):
         e["args"]["step"] = 3
     write_chrome_trace(tmp_path / "timeline.json", slices, ranks=range(4))
     (tmp_path / "summary.json").write_text(json.dumps({"schedule": "interleaved_1f1b", "pp": 4, "microbatches": 16}))
-    plot = runpy.run_path(str(ROOT / "scripts" / "plot_timeline.py"), run_name="plot_timeline")
-    shown, labelled = plot["draw"](tmp_path, tmp_path / "timeline.png", count=32)
+    from runner.outputs.plot_timeline import draw
+
+    shown, labelled = draw(tmp_path, tmp_path / "timeline.png", count=32)
     assert 4 * 32 <= shown <= 4 * 40 and labelled == shown  # "3F12": stage, kind and microbatch on every box
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     # The whole step as schedule.png draws it (unit costs): wide enough for every label too.

@@ -3,8 +3,9 @@ drift from the code. Commands are taken from the pages themselves (code blocks a
 `python -m runner`, `runner`, `python -m runner.plan` and `python -m runner.export`. A `...` the
 page leaves for the reader is filled with a small config (``FILL``); `<...>` placeholders with a
 stand-in. The commands' relative paths and `~` resolve as a user's would: from a working directory
-holding what the pages assume (the checkout's README.md and examples/, a corpus.jsonl, a finished
-run under outputs/), with a home directory holding the Hugging Face model ~/models/llama-1b.
+holding what the pages assume (the checkout's README.md, a corpus.jsonl, a finished run under
+outputs/; no examples/: the pages name the shipped example schedules, which resolve from any
+directory), with a home directory holding the Hugging Face model ~/models/llama-1b.
 
 Each command composes, and passes the pre-launch checks (sweeps expanded as Hydra's basic sweeper
 expands them; the planner's own keys as the planner checks them); nothing is spawned there. The
@@ -38,7 +39,7 @@ from helpers.config import ROOT, TINY, compose
 
 # What a user supplies, and what stands in for it here.
 PLACEHOLDERS = {
-    "<run>/schedule.csv": "examples/gpipe_pp2_m4.csv",  # a run's recorded order (pp=2, m=4)
+    "<run>/schedule.csv": "gpipe_pp2_m4",  # a run's recorded order (pp=2, m=4): a shipped example, by name
     "outputs/<date>/<time>": "outputs/day/time",  # a finished run (the `workdir` fixture's)
     "mypkg.models.build": "runner.models.builtin.transformer",  # the user's factory
 }
@@ -120,8 +121,7 @@ def workdir(tmp_path_factory) -> tuple[Path, Path]:
     home, work = root / "home", root / "work"
     write_tokenizer(write_model(home / "models" / "llama-1b", "llama", weights=True))
     work.mkdir()
-    for name in ("README.md", "examples"):
-        (work / name).symlink_to(ROOT / name)
+    (work / "README.md").symlink_to(ROOT / "README.md")  # no examples/: shipped examples resolve by name
     (work / "corpus.jsonl").write_text("\n".join(
         json.dumps({"text": "the pipeline stage runs forward and backward " * 40}) for _ in range(20)))
     # A finished run (one rank, in this process) for `plan.costs=outputs/<date>/<time>`.

@@ -1,6 +1,5 @@
 import dataclasses
 import json
-import runpy
 import shutil
 import sys
 
@@ -24,14 +23,12 @@ from runner.pipeline.schedule import (
 from helpers.cli import run_cli
 from helpers.config import ROOT
 
-SCRIPT = str(ROOT / "scripts" / "schedule_csv.py")
-
 
 def _run(monkeypatch, *args: str) -> int:
-    monkeypatch.setattr(sys, "argv", [SCRIPT, *args])
-    with pytest.raises(SystemExit) as done:
-        runpy.run_path(SCRIPT, run_name="__main__")
-    return done.value.code
+    """``runner-schedule-csv <args>`` (the console script calls this ``main``)."""
+    from runner.pipeline.schedule_csv import main
+
+    return main(list(args))
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8)])

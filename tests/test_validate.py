@@ -261,6 +261,22 @@ def test_csv_schedule_gives_stage_count_and_placement():
         validate(compose(*PP2, "schedule=csv", "schedule.csv=/nope.csv"))
 
 
+def test_a_shipped_example_schedule_is_named_from_any_directory_and_a_users_file_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no examples/ here
+    for name in ("interleaved_1f1b_pp2_m4", "interleaved_1f1b_pp2_m4.csv"):
+        layout = validate(compose(*PP2, "schedule=csv", f"schedule.csv={name}")).layout
+        assert layout.csv == str(EXAMPLES.resolve() / "interleaved_1f1b_pp2_m4.csv")
+        assert layout.num_stages == 4 and layout.stage_to_rank == {0: 0, 1: 1, 2: 0, 3: 1}
+    # A file of that name in the working directory is the one read, not the example.
+    (tmp_path / "interleaved_1f1b_pp2_m4.csv").write_text((EXAMPLES / "gpipe_pp2_m4.csv").read_text())
+    layout = validate(compose(*PP2, "schedule=csv", "schedule.csv=interleaved_1f1b_pp2_m4.csv")).layout
+    assert layout.csv == "interleaved_1f1b_pp2_m4.csv" and layout.num_stages == 2
+    with pytest.raises(ConfigError) as info:  # neither a file nor an example: the examples listed
+        validate(compose(*PP2, "schedule=csv", "schedule.csv=zero_bubble_pp2_m8"))
+    assert "no such file" in str(info.value)
+    assert "gpipe_pp2_m4, interleaved_1f1b_pp2_m4, zbv_pp2_m4, zero_bubble_pp2_m4" in str(info.value)
+
+
 def test_torch_schedule_file_shapes_are_read_whole_and_converted_with_a_log_line(tmp_path, caplog):
     """Pre-2.6 names (B = input backward, BW = full), compute+comms cells and OVERLAP_F_B cells."""
     from runner.pipeline.csv_file import read_schedule_file

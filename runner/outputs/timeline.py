@@ -217,7 +217,7 @@ def plot_schedule(
     microbatch (``3F12``; the microbatch alone, or nothing, where the box is too narrow for the
     text); ``arrows`` (x0, rank0, x1, rank1) draw messages between ranks. The width grows with
     the actions per rank, up to 40 inches: past that, draw a window of them (see
-    scripts/plot_timeline.py). Returns how many boxes carry the full label."""
+    ``runner-timeline``). Returns how many boxes carry the full label."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -30,7 +30,35 @@ from pathlib import Path
 
 from runner.pipeline.ops import Op
 
-__all__ = ["ScheduleFile", "ScheduleFileError", "read_schedule_file"]
+__all__ = ["ScheduleFile", "ScheduleFileError", "read_schedule_file", "examples_dir", "example_names",
+           "resolve_schedule_file"]
+
+
+
+def examples_dir() -> Path:
+    """The example schedules: ``runner/examples`` in an installed wheel (the build ships the
+    repository's top-level ``examples/`` there), ``examples/`` next to the package in a checkout."""
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "examples"
+    return shipped if shipped.is_dir() else package.parent / "examples"
+
+
+def example_names() -> list[str]:
+    """The names ``schedule.csv`` accepts for the shipped examples (their file names less ``.csv``)."""
+    folder = examples_dir()
+    return sorted(p.stem for p in folder.glob("*.csv")) if folder.is_dir() else []
+
+
+def resolve_schedule_file(value: str) -> str:
+    """The file ``schedule.csv=<value>`` names: a path that exists is that path (a user's file wins);
+    otherwise a bare name of a shipped example, with or without ``.csv``
+    (``zero_bubble_pp2_m4``), is that example's file; otherwise ``value`` as given (reading it
+    then says what is missing)."""
+    if Path(value).exists() or Path(value).name != value:  # a file, or a path (not a bare name)
+        return value
+    example = examples_dir() / f"{value.removesuffix('.csv')}.csv"
+    return str(example) if example.is_file() else value
+
 
 _COMPUTE = re.compile(r"(\d+)(F|B|I|W|BW)(\d+)")
 _COMMS = re.compile(r"(\d+)(?:(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)|(UNSHARD|RESHARD)|(REDUCE_GRAD)\d*)")

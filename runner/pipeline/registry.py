@@ -3,7 +3,7 @@ that runs it (or the action order we generate for torch's schedule runtime to ru
 paper's ZB-H1 and ZB-H2, ``runner.pipeline.zb_orders``), how its stages are placed on the ranks, its
 closed-form bubble, and what it rejects.
 Every list of schedule names reads this registry: the config's choices, the error messages, the
-planner's candidates, ``scripts/schedule_csv.py``.
+planner's candidates, ``runner-schedule-csv``.
 
 Adding a schedule that torch provides: one entry here and ``conf/schedule/<name>.yaml``
 (``defaults: [/schema_schedule@_here_]`` and ``name: <name>``); one we generate: the same, with its

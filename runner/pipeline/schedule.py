@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from runner._torch import pp as _torch_pp
 from runner.errors import ConfigError
 from runner.pipeline import zb_orders
-from runner.pipeline.csv_file import CELL_FORMS, ScheduleFileError, read_schedule_file
+from runner.pipeline.csv_file import CELL_FORMS, ScheduleFileError, example_names, read_schedule_file
 from runner.pipeline.ops import Op
 from runner.pipeline.registry import SCHEDULES, ScheduleKind, schedule_names
 
@@ -145,7 +145,9 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
     rank placement). What was converted to read it is logged."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"schedule.csv={path!r}: no such file. Fix: give the path of a CSV file.")
+        raise ConfigError(f"schedule.csv={path!r}: no such file, and no shipped example of that name. Fix: give "
+                          "the path of a CSV file, or the name of a shipped example: "
+                          f"{', '.join(example_names()) or '(none installed)'}.")
     try:
         schedule_file = read_schedule_file(file)
     except (ScheduleFileError, UnicodeDecodeError) as e:

@@ -30,6 +30,7 @@ from runner.models.split import split_by_cost
 from runner.outputs.timeline import write_schedule_csv
 from runner.parallel.dims import ParallelDims
 from runner.pipeline.config import CsvScheduleConfig
+from runner.pipeline.csv_file import resolve_schedule_file
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import (
     SCHEDULES,
@@ -118,7 +119,8 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
                     out.append((name, m, spr))
     if cfg.schedule.name == "csv":
         try:
-            m = 1 + max(op.microbatch for ops in csv_order(cfg.schedule.csv).values() for op in ops)
+            order = csv_order(resolve_schedule_file(cfg.schedule.csv))
+            m = 1 + max(op.microbatch for ops in order.values() for op in ops)
         except (OSError, RuntimeError, ValueError):
             m = cfg.parallel.microbatches  # an unreadable file: validate() says what is wrong with it
         out.append(("csv", m, None))

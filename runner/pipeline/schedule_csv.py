@@ -1,7 +1,9 @@
 """Write a built-in schedule's action order as a compute-only CSV, a starting point for a custom
 schedule (``python -m runner schedule=csv schedule.csv=<file>``).
 
-    python scripts/schedule_csv.py interleaved_1f1b --pp 2 --microbatches 4 > my_schedule.csv
+    runner-schedule-csv interleaved_1f1b --pp 2 --microbatches 4 > my_schedule.csv
+
+(installed with the package; ``python -m runner.pipeline.schedule_csv`` is the same).
 
 The order is the one that runs (``runner.pipeline.schedule.schedule_order``: torch's declared order with
 overlapped F;B cells expanded and 1F1B's last rank renumbered as torch runs it; the test suite
@@ -18,13 +20,13 @@ from runner.errors import ConfigError
 from runner.pipeline.schedule import SCHEDULES, default_stages_per_rank, read_csv_schedule, schedule_order
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="runner-schedule-csv", description=__doc__.splitlines()[0])
     parser.add_argument("schedule", choices=sorted(SCHEDULES))
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--stages-per-rank", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     spr = args.stages_per_rank or default_stages_per_rank(args.schedule)
     try:  # torch's own checks of the layout, as before a run

@@ -1,7 +1,9 @@
 """Draw one pipeline step of a run's measured ``timeline.json`` as a PNG (what Perfetto shows,
 as a picture: compute per rank, arrows for the activations and gradients sent between ranks).
 
-    python scripts/plot_timeline.py outputs/<date>/<time> [--step N] [--first K] [--actions N] [-o timeline.png]
+    runner-timeline outputs/<date>/<time> [--step N] [--first K] [--actions N] [-o timeline.png]
+
+(installed with the package; ``python -m runner.outputs.plot_timeline`` is the same).
 
 A long step (many stages and microbatches) is drawn as a window: from the busiest rank's K-th
 action (0 = the step's start) over its next N actions (default 32), every rank's actions in that
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from runner.outputs.timeline import plot_schedule
@@ -52,18 +55,19 @@ def draw(run_dir: Path, output: Path, *, step: int | None = None, first: int = 0
     return len(shown), labelled
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="runner-timeline", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--step", type=int, default=None, help="recorded step to draw (default: the last)")
     parser.add_argument("--first", type=int, default=0, help="window start: the busiest rank's K-th action")
     parser.add_argument("--actions", type=int, default=32, help="window length: actions of the busiest rank")
     parser.add_argument("-o", "--output", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     output = args.output or args.run_dir / "timeline.png"
     draw(args.run_dir, output, step=args.step, first=args.first, count=args.actions)
     print(output)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
