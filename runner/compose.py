@@ -65,6 +65,9 @@ class RunConfig:
     # Experiment loggers as Hydra's logger group: logger=wandb, 'logger=[tensorboard,mlflow]'
     # (conf/logger/<name>.yaml: the logger's _target_ and options). logging.<name>=true also works.
     logger: Dict[str, Any] = field(default_factory=dict)
+    # Your own hooks (runner.hooks.Hook), by name: callbacks.<name>._target_=pkg.mod.Class plus its keyword
+    # arguments; each instantiated on every rank and run after the trainer's own (runner.callbacks).
+    callbacks: Dict[str, Any] = field(default_factory=dict)
     device: str = field(default="auto", metadata=choices(Device))  # auto | cpu | cuda
     # Also train the unsplit model on rank 0 beside the run for verify_steps optimizer steps and compare
     # gradients, weights, losses and norms (docs/verify.md). null (auto): on for a model=hf family outside

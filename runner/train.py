@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
+from runner.callbacks import build_callbacks
 from runner.checkpoint.checkpointer import Checkpointer
 from runner.data.datasets import build_dataset, get_batch
 from runner.errors import NonFiniteLossError
@@ -142,7 +143,8 @@ class Trainer:
     """One rank's training, following ``plan`` (``runner.validate``); ``cfg`` is the composed config
     (the factories' keys and the training options). ``clock``: the startup phases so far (a fresh
     one when this rank is the first thing timed). ``hooks`` run after the trainer's own (fault
-    injection when ``RUNNER_FAULT`` asks for it, ``verify`` when the plan does)."""
+    injection when ``RUNNER_FAULT`` asks for it, ``verify`` when the plan does, then the config's
+    ``callbacks``: ``runner.callbacks``)."""
 
     def __init__(self, plan: RunPlan, cfg: DictConfig, env: DistEnv, *, clock: StartupClock | None = None,
                  hooks: Sequence[Hook] = (), static_stages: bool = False):
@@ -151,7 +153,8 @@ class Trainer:
         self.plan, self.cfg, self.env = plan, cfg, env
         self.run_dir = plan.run_dir
         self.clock = clock or StartupClock()
-        self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if plan.verify else []), *hooks]
+        self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if plan.verify else []),
+                                  *build_callbacks(cfg.get("callbacks")), *hooks]
         self.static_stages = static_stages  # stages built with static metadata (runner.pipeline.step.build_step)
         self.losses: list[float] = []
         self.step_times: list[float] = []

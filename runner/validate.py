@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from runner.callbacks import check_callbacks
 from runner.checkpoint.resume_check import resume_point
 from runner.compose import check_schema, rank_options
 from runner.config import parse_bytes
@@ -209,6 +210,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     from runner.ranks.dist import resolve_device
 
     check_config(cfg)
+    check_callbacks(cfg.get("callbacks"))  # the user's hooks: importable, and Hooks
     csv = _schedule_file(cfg)
     dims = ParallelDims.from_config(cfg.parallel)
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))

@@ -32,12 +32,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("data", "parallel"),
     ("layout", "compose"),  # the RunPlan; the config tree assembled
     ("hooks", "checkpoint", "pipeline"),  # what a step offers hooks; saving, loading; schedules and the step
-    ("outputs", "verify", "faults"),  # what a run writes (never imported by pipeline); the hooks
+    ("outputs", "verify", "faults", "callbacks"),  # what a run writes (never imported by pipeline); the hooks
     ("validate",),  # the checks before launch -> RunPlan
     ("train",),  # the Trainer
     ("launch", "exits"),  # the ranks started; how a command line ends (a typo's nearest keys: compose's)
     ("plan", "rehearse", "export", "study"),  # applications of the run: nothing below imports them
-    ("__main__", "loggers", "report", "hf"),  # the command line; shims at old paths (issue #34)
+    # the command line and the Python API (runner.run); shims at old paths (issue #34)
+    ("__main__", "api", "loggers", "report", "hf"),
 ]
 # A package's schema (runner/<package>/config.py) may be imported from any layer: the config tree
 # (compose) and the RunPlan (layout) need every group's. It imports only the lowest layers and its

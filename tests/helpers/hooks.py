@@ -1,0 +1,28 @@
+"""A user's hook, as a config's ``callbacks`` names it (``runner.callbacks``): a factory that
+returns a ``runner.hooks.Hook``, importable as ``helpers.hooks.step_recorder`` on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner.hooks import Hook, StepContext, StepState
+
+
+class StepRecorder(Hook):
+    """The steps it saw end, reported in rank 0's summary under ``key`` (with this rank's number)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.steps: list[int] = []
+        self.rank = -1
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        self.rank = ctx.env.rank
+        self.steps.append(state.step)
+
+    def summary(self) -> dict[str, Any]:
+        return {self.key: {"rank": self.rank, "steps": self.steps}}
+
+
+def step_recorder(key: str = "seen_steps") -> StepRecorder:
+    return StepRecorder(key)

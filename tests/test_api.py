@@ -1,0 +1,70 @@
+"""The Python API (``runner.run``, ``runner.api``): the command line's config, checks, run directory
+and launcher, from this process; errors raised, never exit codes. And the config's ``callbacks``
+(``runner.callbacks``): the user's hooks on every rank, refused before launch when they cannot run."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import runner
+import runner.api
+from runner.errors import ConfigError
+
+from helpers.cli import run_cli
+from helpers.config import ROOT, TINY
+
+ONE = [*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4", "train.steps=3"]
+RECORDER = "+callbacks.seen._target_=helpers.hooks.step_recorder"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_import_runner_stays_light_until_run_is_called():
+    code = ("import sys, runner; assert 'torch' not in sys.modules and 'hydra' not in sys.modules; "
+            "run = runner.run; assert 'torch' not in sys.modules; print(run.__module__)")
+    done = run_cli(program=[sys.executable, "-c", code], cwd=ROOT, timeout=60, check=True)
+    assert done.stdout.strip() == "runner.api" and runner.run is runner.api.run
+
+
+def test_a_one_rank_run_in_process_returns_its_summary_run_dir_and_the_callbacks_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the run directory is named as the command line's: outputs/<date>/<time>
+    summary = runner.run([*ONE, RECORDER, "+callbacks.seen.key=recorded"])
+    run_dir = Path(summary["run_dir"])
+    assert run_dir.is_absolute() and run_dir.parent.parent == tmp_path / "outputs"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}", f"{run_dir.parent.name}/{run_dir.name}")
+    assert summary["steps"] == 3 and summary["recorded"] == {"rank": 0, "steps": [1, 2, 3]}
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["recorded"] == summary["recorded"] and "run_dir" not in on_disk
+    assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())[-1] == "+callbacks.seen.key=recorded"
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and "run directory" in (run_dir / "runner.log").read_text()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.ppp=2"], r"Did you mean parallel\.pp\?"),
+    (["train.steps=0"], r"train\.steps=0 must be at least 1"),
+    (["+callbacks.seen._target_=helpers.nowhere.Recorder"],
+     r"callbacks\.seen\._target_='helpers\.nowhere\.Recorder' cannot be instantiated: .*Fix: a Hook subclass"),
+    (["+callbacks.seen._target_=collections.OrderedDict"],
+     r"callbacks\.seen\._target_='collections\.OrderedDict' made a OrderedDict, not a runner\.hooks\.Hook"),
+    ([RECORDER, "+callbacks.seen.keys=x"], r"callbacks\.seen\._target_=.* cannot be instantiated: .*keys"),
+    (["+callbacks.seen.key=x"], r"callbacks\.seen=.* names no _target_\. Fix: \+callbacks\.seen\._target_="),
+])
+def test_a_config_that_cannot_run_raises_config_error_before_launch(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        runner.run([*ONE, *overrides], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_two_rank_run_spawned_from_python_runs_the_callbacks_on_every_rank(tmp_path):
+    summary = runner.run(["experiment=smoke", "profile.enabled=false", "train.steps=2", RECORDER],
+                         run_dir=tmp_path / "pp2")
+    assert summary["run_dir"] == str(tmp_path / "pp2") and summary["seen_steps"] == {"rank": 0, "steps": [1, 2]}
+    assert json.loads((tmp_path / "pp2" / "summary.json").read_text())["steps"] == 2
