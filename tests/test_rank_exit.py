@@ -39,13 +39,22 @@ def test_a_collective_finishing_as_a_rank_ends_does_not_abort_it(tmp_path, capfd
     assert "terminate called" not in capfd.readouterr().err
 
 
+def _group_threads_started(within_s: float = 10.0) -> list[str]:
+    """The groups' threads, once they have named themselves: a new thread sets its name when it
+    first runs, which on a loaded host can come a while after the group exists."""
+    deadline = time.monotonic() + within_s
+    while not (names := live_group_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return names
+
+
 def test_cleanup_ends_the_threads_of_the_groups_a_cached_mesh_holds(tmp_path, caplog):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         # build_mesh caches the mesh of a multi-rank layout (its groups are collective to create); a
         # (1, 1) mesh on this one-rank group stands for it (build_mesh makes none for one rank).
         mesh = _cached_device_mesh(DistEnv(0, 2, torch.device("cpu")), (("pp", 1), ("dp", 1)))
-        assert mesh is not None and mesh["pp"].get_group() is not None and live_group_threads()
+        assert mesh is not None and mesh["pp"].get_group() is not None and _group_threads_started()
         del mesh
     finally:
         cleanup()
@@ -62,7 +71,7 @@ def test_cleanup_ends_the_groups_of_a_mesh_compiled_code_still_holds(tmp_path, c
         # Dynamo's guards keep DTensor specs alive past the run, so their meshes: the run's tp
         # submesh (and its root), and copies, which rebuild their own registry of groups.
         kept = [mesh["tp"], copy.deepcopy(mesh)]
-        assert kept[0].get_group() is not None and kept[1]._pg_registry and live_group_threads()
+        assert kept[0].get_group() is not None and kept[1]._pg_registry and _group_threads_started()
     finally:
         cleanup()
     assert live_group_threads() == []  # before: the root mesh's registry kept the groups
