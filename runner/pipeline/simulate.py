@@ -32,6 +32,46 @@ class SimAction:
     end: float
 
 
+def _cost_of(costs: Mapping[tuple[int, str], float] | Mapping[str, float], jitter: float, seed: int):
+    """An action's seconds: its (stage, kind) cost or its kind's, drawn around it under ``jitter``
+    (log-normal, mean the cost, that coefficient of variation; ``seed`` picks the draw)."""
+    rng = random.Random(seed)
+    sigma = math.sqrt(math.log1p(jitter**2))
+    lookup: Mapping[Any, float] = costs  # either form: both keys are tried
+    means: dict[tuple[int, str], float] = {}
+
+    def cost(op: Op) -> float:
+        key = (op.stage, op.kind)
+        mean = means.get(key)
+        if mean is None:
+            mean = means[key] = lookup.get(key, lookup.get(op.kind, 0.0))
+        return mean * rng.lognormvariate(-sigma**2 / 2, sigma) if jitter else mean
+
+    return cost
+
+
+def _ready(op: Op, rank: int, end: Mapping[tuple, float], rank_of: Mapping[int, int], comm_s: float,
+           last: int) -> float | None:
+    """When ``op``'s inputs exist on ``rank`` (None: not yet), the dependencies of the module
+    docstring written out inline, looked up with plain tuples (an Op is one): the search replays
+    tens of thousands of actions per order at p = 32."""
+    s, kind, mb = op
+    if kind == "F":
+        if s == 0:
+            return 0.0
+        arrived = end.get((s - 1, "F", mb))
+        return None if arrived is None else arrived + (comm_s if rank_of[s - 1] != rank else 0.0)
+    if kind == "W":
+        return end.get((s, "I", mb))
+    ready = end.get((s, "F", mb))  # B or I: its forward, and the gradient from the next stage
+    if ready is None or s == last:
+        return ready
+    grad = end.get((s + 1, "B", mb))
+    if grad is None:
+        grad = end.get((s + 1, "I", mb))
+    return None if grad is None else max(ready, grad + (comm_s if rank_of[s + 1] != rank else 0.0))
+
+
 def simulate(
     order: Mapping[int, Sequence[Op]],
     costs: Mapping[tuple[int, str], float] | Mapping[str, float],
@@ -43,61 +83,23 @@ def simulate(
     ends_only: bool = False,
 ) -> list[SimAction]:
     """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
-    ``jitter`` > 0 each action's time is drawn around its cost (log-normal, mean the cost,
-    that coefficient of variation; ``seed`` picks the draw). ``ends_only``: just the action
-    that ends last (what the search scores; building every action costs it half its time)."""
-    rng = random.Random(seed)
-    sigma = math.sqrt(math.log1p(jitter**2))
-    lookup: Mapping[Any, float] = costs  # either form: both keys are tried
-
-    means: dict[tuple[int, str], float] = {}
-
-    def cost(op: Op) -> float:
-        key = (op.stage, op.kind)
-        mean = means.get(key)
-        if mean is None:
-            mean = means[key] = lookup.get(key, lookup.get(op.kind, 0.0))
-        return mean * rng.lognormvariate(-sigma**2 / 2, sigma) if jitter else mean
-
+    ``jitter`` > 0 each action's time is drawn around its cost (``_cost_of``). ``ends_only``: just
+    the action that ends last (what the search scores; building every action costs it half its time)."""
+    cost = _cost_of(costs, jitter, seed)
     rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
     position = {rank: 0 for rank in order}
     free_at = {rank: 0.0 for rank in order}
-    # Ends by action, looked up with plain tuples (an Op is one), the dependencies of the module
-    # docstring written out inline: the search replays tens of thousands of actions per order at p = 32.
     end: dict[tuple, float] = {}
     placed: dict[Op, tuple[int, float]] = {}
-    last = num_stages - 1
     remaining = sum(len(ops) for ops in order.values())
     while remaining:
         progressed = False
-        for rank, ops in order.items():
+        for rank, ops in order.items():  # each rank as far as its next action's inputs exist
             while position[rank] < len(ops):
                 op = ops[position[rank]]
-                s, kind, mb = op
-                if kind == "F":
-                    ready = 0.0
-                    if s > 0:
-                        arrived = end.get((s - 1, "F", mb))
-                        if arrived is None:
-                            break
-                        ready = arrived + (comm_s if rank_of[s - 1] != rank else 0.0)
-                elif kind == "W":
-                    arrived = end.get((s, "I", mb))
-                    if arrived is None:
-                        break
-                    ready = arrived
-                else:  # B or I: its forward, and the gradient from the next stage
-                    arrived = end.get((s, "F", mb))
-                    if arrived is None:
-                        break
-                    ready = arrived
-                    if s < last:
-                        grad = end.get((s + 1, "B", mb))
-                        if grad is None:
-                            grad = end.get((s + 1, "I", mb))
-                            if grad is None:
-                                break
-                        ready = max(ready, grad + (comm_s if rank_of[s + 1] != rank else 0.0))
+                ready = _ready(op, rank, end, rank_of, comm_s, num_stages - 1)
+                if ready is None:
+                    break
                 begin = max(free_at[rank], ready)
                 end[op] = free_at[rank] = begin + cost(op)
                 placed[op] = (rank, begin)

@@ -48,106 +48,127 @@ def list_schedule(p: Problem, policy: Policy, rng: random.Random) -> Order | Non
     the budget holds it through all of the rank's stages on top of what the microbatches already
     inside may still take, so that those can always go on: no order it builds deadlocks on
     memory. None when the budget cannot hold one microbatch."""
-    n, m = p.num_stages, p.microbatches
-    local = {r: p.stages_on(r) for r in range(p.pp)}
-    end: dict[Op, float] = {}
-    order: Order = {r: [] for r in range(p.pp)}
-    free = {r: 0.0 for r in range(p.pp)}
-    held = {r: 0.0 for r in range(p.pp)}  # bytes (or stage-microbatches) of forwards not yet freed
-    count = {r: 0 for r in range(p.pp)}  # stage-microbatches, for policy.in_flight
-    # What the microbatches inside a rank will still take (their forwards on its later stages).
-    reserved = {r: 0.0 for r in range(p.pp)}
-    reserved_count = {r: 0 for r in range(p.pp)}
-    footprint = {r: sum(p.weight(s) for s in local[r]) for r in range(p.pp)}
-    next_f, next_b = [0] * n, [0] * n
-    waiting_w: list[deque[int]] = [deque() for _ in range(n)]
-    jitter = {(s, i): rng.random() * policy.noise for s in range(n) for i in range(m)} if policy.noise else {}
-    classes = {"back": 0, "F": 1, "fill": 2} if policy.backward_first else {"F": 0, "back": 1, "fill": 2}
-    limit = p.memory_limit if p.memory_limit is not None else math.inf
-    # Stage 0 keeps B where it has a cost: its I would compute nothing, its W everything.
-    split = {s for s in range(n) if policy.split and (s > 0 or (0, "B") not in p.costs)}
+    return _ListScheduler(p, policy, rng).run()
 
-    def candidates(r: int) -> list[tuple[float, tuple, Op]]:
+
+class _ListScheduler:
+    """One list schedule's state: what each rank holds and has done, and what each stage does next."""
+
+    def __init__(self, p: Problem, policy: Policy, rng: random.Random):
+        self.p, self.policy = p, policy
+        n, m = p.num_stages, p.microbatches
+        self.local = {r: p.stages_on(r) for r in range(p.pp)}
+        self.end: dict[Op, float] = {}
+        self.order: Order = {r: [] for r in range(p.pp)}
+        self.free = {r: 0.0 for r in range(p.pp)}
+        self.held = {r: 0.0 for r in range(p.pp)}  # bytes (or stage-microbatches) of forwards not yet freed
+        self.count = {r: 0 for r in range(p.pp)}  # stage-microbatches, for policy.in_flight
+        # What the microbatches inside a rank will still take (their forwards on its later stages).
+        self.reserved = {r: 0.0 for r in range(p.pp)}
+        self.reserved_count = {r: 0 for r in range(p.pp)}
+        self.footprint = {r: sum(p.weight(s) for s in self.local[r]) for r in range(p.pp)}
+        self.next_f, self.next_b = [0] * n, [0] * n
+        self.waiting_w: list[deque[int]] = [deque() for _ in range(n)]
+        self.jitter = ({(s, i): rng.random() * policy.noise for s in range(n) for i in range(m)}
+                       if policy.noise else {})
+        self.classes = {"back": 0, "F": 1, "fill": 2} if policy.backward_first else {"F": 0, "back": 1, "fill": 2}
+        self.limit = p.memory_limit if p.memory_limit is not None else math.inf
+        # Stage 0 keeps B where it has a cost: its I would compute nothing, its W everything.
+        self.split = {s for s in range(n) if policy.split and (s > 0 or (0, "B") not in p.costs)}
+
+    def _may_enter(self, r: int) -> bool:
+        """Whether the budget (and ``in_flight``) lets one more microbatch into rank ``r``."""
+        fits = self.held[r] + self.reserved[r] + self.footprint[r] <= self.limit * (1 + 1e-9)
+        cap = self.policy.in_flight
+        return fits and (cap is None or self.count[r] + self.reserved_count[r] + len(self.local[r]) <= cap[r])
+
+    def _ready_actions(self, r: int) -> list[tuple[float, str, Op]]:
+        """(when its inputs exist, its class, the action) of each action rank ``r`` could do next."""
+        p, end, m, last = self.p, self.end, self.p.microbatches, self.p.num_stages - 1
         out = []
-        for s in local[r]:
-            i = next_f[s]
-            enters = s == local[r][0]
-            room = (held[r] + reserved[r] + footprint[r] <= limit * (1 + 1e-9) and (
-                policy.in_flight is None or count[r] + reserved_count[r] + len(local[r]) <= policy.in_flight[r]))
-            if i < m and (s == 0 or Op(s - 1, "F", i) in end) and (room or not enters):
+        for s in self.local[r]:
+            i = self.next_f[s]
+            enters = s == self.local[r][0]
+            if i < m and (s == 0 or Op(s - 1, "F", i) in end) and (not enters or self._may_enter(r)):
                 ready = end[Op(s - 1, "F", i)] + p.hop(s - 1, s) if s > 0 else 0.0
                 out.append((ready, "F", Op(s, "F", i)))
-            i = next_b[s]
+            i = self.next_b[s]
             if i < m and Op(s, "F", i) in end:
-                ready = end[Op(s, "F", i)]
-                grad = None
-                if s < n - 1:
-                    grad = next((g for g in (Op(s + 1, "B", i), Op(s + 1, "I", i)) if g in end), None)
-                if s == n - 1 or grad is not None:
+                grad = next((g for g in (Op(s + 1, "B", i), Op(s + 1, "I", i)) if g in end), None)
+                if s == last or grad is not None:
+                    ready = end[Op(s, "F", i)]
                     if grad is not None:
                         ready = max(ready, end[grad] + p.hop(s + 1, s))
-                    kind = "I" if s in split else "B"
-                    out.append((ready, "fill" if policy.split and s == 0 and kind == "B" else "back", Op(s, kind, i)))
-            if waiting_w[s]:
-                i = waiting_w[s][0]
-                urgent = policy.defer is not None and len(waiting_w[s]) > policy.defer[r]
-                if urgent or policy.defer is None or all(next_b[t] == m for t in local[r]):
+                    kind = "I" if s in self.split else "B"
+                    fill = self.policy.split and s == 0 and kind == "B"
+                    out.append((ready, "fill" if fill else "back", Op(s, kind, i)))
+            if self.waiting_w[s]:
+                i = self.waiting_w[s][0]
+                defer = self.policy.defer
+                urgent = defer is not None and len(self.waiting_w[s]) > defer[r]
+                if urgent or defer is None or all(self.next_b[t] == m for t in self.local[r]):
                     out.append((end[Op(s, "I", i)], "back" if urgent else "fill", Op(s, "W", i)))
-        picked = []
-        for ready, cls, op in out:
-            urgency = (classes[cls], op.microbatch + jitter.get((op.stage, op.microbatch), 0.0),
-                       -op.stage if policy.deep_first else op.stage)
-            picked.append((max(free[r], ready), urgency, op))
-        return picked
+        return out
 
-    remaining = (2 * n + len(split)) * m
-    def pick(r: int) -> tuple[float, Op] | None:
-        cands = candidates(r)
+    def _pick(self, r: int) -> tuple[float, Op] | None:
+        """Rank ``r``'s next action and its start: the most urgent of those it could start soonest."""
+        cands = []
+        for ready, cls, op in self._ready_actions(r):
+            urgency = (self.classes[cls], op.microbatch + self.jitter.get((op.stage, op.microbatch), 0.0),
+                       -op.stage if self.policy.deep_first else op.stage)
+            cands.append((max(self.free[r], ready), urgency, op))
         if not cands:
             return None
         soonest = min(start for start, _, _ in cands)
-        start, _, op = min((c for c in cands if c[0] <= soonest + policy.slack), key=lambda c: c[1])
+        start, _, op = min((c for c in cands if c[0] <= soonest + self.policy.slack), key=lambda c: c[1])
         return start, op
 
-    # Each rank's pick, recomputed only where the last action changed what that rank can do: its
-    # own rank, and the ranks its output feeds (the next stage's forward, the previous stage's
-    # backward). At p = 32 this is most of the search's time.
-    picks = {r: pick(r) for r in range(p.pp)}
-    while remaining:
-        choice = None
-        for r, picked in picks.items():
-            if picked is not None and (choice is None or picked[0] < choice[0]):
-                choice = (picked[0], r, picked[1])
-        if choice is None:
-            return None
-        start, r, op = choice
-        fed = op.stage + 1 if op.kind == "F" else op.stage - 1 if op.kind in "BI" else op.stage
-        changed = {r, p.stage_to_rank.get(fed, r)}  # recomputed below, once the action is recorded
-        end[op] = start + p.costs[(op.stage, op.kind)]
-        free[r] = end[op]
-        order[r].append(op)
-        remaining -= 1
+    def _record(self, r: int, op: Op, start: float) -> None:
+        """Rank ``r`` runs ``op`` from ``start``: its order, time and memory move on."""
+        p = self.p
+        self.end[op] = start + p.costs[(op.stage, op.kind)]
+        self.free[r] = self.end[op]
+        self.order[r].append(op)
         if op.kind == "F":
-            next_f[op.stage] += 1
-            held[r] += p.weight(op.stage)
-            count[r] += 1
-            if op.stage == local[r][0]:
-                reserved[r] += footprint[r]
-                reserved_count[r] += len(local[r])
-            reserved[r] -= p.weight(op.stage)
-            reserved_count[r] -= 1
+            self.next_f[op.stage] += 1
+            self.held[r] += p.weight(op.stage)
+            self.count[r] += 1
+            if op.stage == self.local[r][0]:
+                self.reserved[r] += self.footprint[r]
+                self.reserved_count[r] += len(self.local[r])
+            self.reserved[r] -= p.weight(op.stage)
+            self.reserved_count[r] -= 1
         elif op.kind in "BI":
-            next_b[op.stage] += 1
+            self.next_b[op.stage] += 1
             if op.kind == "I":
-                waiting_w[op.stage].append(op.microbatch)
-        held[r] -= p.freed(op)
+                self.waiting_w[op.stage].append(op.microbatch)
+        self.held[r] -= p.freed(op)
         if op.kind == "W":
-            waiting_w[op.stage].popleft()
-        if op.kind == "B" or op.kind == ("I" if policy.defer is not None else "W"):
-            count[r] -= 1
-        for q in changed:
-            picks[q] = pick(q)
-    return order
+            self.waiting_w[op.stage].popleft()
+        if op.kind == "B" or op.kind == ("I" if self.policy.defer is not None else "W"):
+            self.count[r] -= 1
+
+    def run(self) -> Order | None:
+        # Each rank's pick, recomputed only where the last action changed what that rank can do: its
+        # own rank, and the ranks its output feeds (the next stage's forward, the previous stage's
+        # backward). At p = 32 this is most of the search's time.
+        p = self.p
+        picks = {r: self._pick(r) for r in range(p.pp)}
+        remaining = (2 * p.num_stages + len(self.split)) * p.microbatches
+        while remaining:
+            choice = None
+            for r, picked in picks.items():
+                if picked is not None and (choice is None or picked[0] < choice[0]):
+                    choice = (picked[0], r, picked[1])
+            if choice is None:
+                return None
+            start, r, op = choice
+            fed = op.stage + 1 if op.kind == "F" else op.stage - 1 if op.kind in "BI" else op.stage
+            self._record(r, op, start)
+            remaining -= 1
+            for q in {r, p.stage_to_rank.get(fed, r)}:
+                picks[q] = self._pick(q)
+        return self.order
 
 
 def policies(p: Problem, rng: random.Random, count: int) -> list[Policy]:
