@@ -82,7 +82,7 @@ def _tokenizer_vocab(tokenizer: str | None, default: int | None) -> int | None:
     return tokenizer_vocab(tokenizer, default)
 
 
-# The sections the ranks read, as their schemas' objects: RunPlan's fields of the same names.
+# The sections the ranks read, as their schemas' objects: ResolvedRun's fields of the same names.
 RANK_OPTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "profile": ProfileConfig}
 
 

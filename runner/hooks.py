@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
 
-    from runner.layout import RunPlan
+    from runner.layout import ResolvedRun
     from runner.models.split import StageModule
     from runner.parallel.mesh import Mesh
     from runner.ranks.dist import DistEnv
@@ -38,7 +38,7 @@ class StepContext:
     not_counted: frozenset[str]  # tied copies the global gradient norm skips (``TiedWeights.not_counted``)
     optimizer: torch.optim.Optimizer  # this rank's AdamW (verify copies a resumed run's state; rehearsals measure it)
     scheduler: torch.optim.lr_scheduler.LRScheduler  # its LR schedule
-    plan: RunPlan  # the resolved run: layout, resume, verify
+    resolved: ResolvedRun  # the resolved run: layout, resume, verify
     cfg: DictConfig  # the composed config: what verify builds its unsplit reference from
 
 

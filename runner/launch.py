@@ -1,5 +1,5 @@
-"""Launching a run: the config is validated into its ``RunPlan`` (``runner.validate``), then the
-ranks start one of three ways: ``plan.world_size`` processes spawned on this host (``runner.ranks.processes``,
+"""Launching a run: the config is validated into its ``ResolvedRun`` (``runner.validate``), then the
+ranks start one of three ways: ``resolved.world_size`` processes spawned on this host (``runner.ranks.processes``,
 watched by ``runner.ranks.supervise``), the ranks ``torchrun`` (or SLURM) started, or, for one rank,
 right here. The run directory is locked while the run is in progress."""
 
@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
-from runner.layout import RunPlan
+from runner.layout import ResolvedRun
 from runner.ranks import watchdog
 from runner.ranks.clock import StartupClock
 from runner.ranks.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
@@ -43,69 +43,70 @@ def _rank_prelude(heartbeats: watchdog.Heartbeats, run_dir: Path, console_queue,
     rank_logging(rank, run_dir, console_queue)
 
 
-def _train_rank(env: DistEnv, plan: RunPlan, cfg_dict: dict, results, *, clock: StartupClock) -> None:
+def _train_rank(env: DistEnv, resolved: ResolvedRun, cfg_dict: dict, results, *, clock: StartupClock) -> None:
     """Each spawned rank, inside the process group: train; rank 0 sends the summary back."""
-    result = train(plan, OmegaConf.create(cfg_dict), env, clock=clock)
+    result = train(resolved, OmegaConf.create(cfg_dict), env, clock=clock)
     if env.is_main:
         results.send(result.summary)
     results.close()
 
 
-def _spawn(plan: RunPlan, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
+def _spawn(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
     timeout_s, grace_s = cfg.launch.timeout_s, cfg.launch.grace_s
-    method = start_method(cfg.launch.start_method, plan.device, plan.threads_per_rank)
-    if method == "fork" and forked_ranks_would_hang(plan.threads_per_rank):  # asked for: auto would spawn
+    method = start_method(cfg.launch.start_method, resolved.device, resolved.threads_per_rank)
+    if method == "fork" and forked_ranks_would_hang(resolved.threads_per_rank):  # asked for: auto would spawn
         raise ConfigError(
             f"launch.start_method=fork: this process ran torch on several threads, and OpenMP's thread team does "
-            f"not survive a fork: ranks of {plan.threads_per_rank} threads would hang in their first op. Fix: "
+            f"not survive a fork: ranks of {resolved.threads_per_rank} threads would hang in their first op. Fix: "
             "launch.start_method=auto (spawns them), or launch.threads_per_rank=1.")
     auto = method == "spawn" and cfg.launch.start_method == "auto"
-    why = spawn_reason(plan.device, plan.threads_per_rank) if auto else ""
-    log.info("starting %d rank processes (%s%s)", plan.world_size, method, f": {why}" if why else "")
+    why = spawn_reason(resolved.device, resolved.threads_per_rank) if auto else ""
+    log.info("starting %d rank processes (%s%s)", resolved.world_size, method, f": {why}" if why else "")
     ctx = mp.get_context(method)
-    heartbeats = watchdog.Heartbeats(ctx, [plan.dims.coords(r) for r in range(plan.world_size)])
+    heartbeats = watchdog.Heartbeats(ctx, [resolved.dims.coords(r) for r in range(resolved.world_size)])
     console_queue = ctx.Queue()  # the ranks' console lines, printed here
     results, sender = ctx.Pipe(duplex=False)
-    assert plan.run_dir is not None  # launch() validated with its run directory
-    with spawn(plan.world_size, _train_rank, plan, OmegaConf.to_container(cfg, resolve=True), sender,
-               device=plan.device, timeout_s=timeout_s, directory=plan.run_dir, port=cfg.launch.port, method=method,
-               threads=plan.threads_per_rank, cpus=plan.rank_cpus, clock=clock,
-               prelude=functools.partial(_rank_prelude, heartbeats, plan.run_dir, console_queue)) as ranks:
+    assert resolved.run_dir is not None  # launch() validated with its run directory
+    with spawn(resolved.world_size, _train_rank, resolved, OmegaConf.to_container(cfg, resolve=True), sender,
+               device=resolved.device, timeout_s=timeout_s, directory=resolved.run_dir, port=cfg.launch.port,
+               method=method,
+               threads=resolved.threads_per_rank, cpus=resolved.rank_cpus, clock=clock,
+               prelude=functools.partial(_rank_prelude, heartbeats, resolved.run_dir, console_queue)) as ranks:
         sender.close()  # the ranks hold theirs
         # The listener's thread starts after the ranks are forked: a fork copies no threads.
         with console_listener(console_queue, console), forward_signals(ranks.processes, grace_s):
             return wait_for_ranks(ranks.processes, ranks.error_files, heartbeats, timeout_s, grace_s, results)
 
 
-def _join_torchrun(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | None:
+def _join_torchrun(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> dict | None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    plan.dims.check(world, started_by="torchrun", restart=f"--nproc-per-node {plan.world_size}")
-    device = pick_device(plan.device, local_rank=local_rank_from_env())
-    torch.set_num_threads(plan.threads_per_rank)
+    resolved.dims.check(world, started_by="torchrun", restart=f"--nproc-per-node {resolved.world_size}")
+    device = pick_device(resolved.device, local_rank=local_rank_from_env())
+    torch.set_num_threads(resolved.threads_per_rank)
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
     clock.mark("process_group")
     done = False
     try:
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
-        box = [str(plan.run_dir)]
+        box = [str(resolved.run_dir)]
         dist.broadcast_object_list(box, src=0)
         run_dir = Path(box[0])
-        plan = dataclasses.replace(plan, run_dir=run_dir)
+        resolved = dataclasses.replace(resolved, run_dir=run_dir)
         with torchrun_rank_log(rank, run_dir), console_for_run():
-            summary = train(plan, cfg, env, clock=clock).summary
+            summary = train(resolved, cfg, env, clock=clock).summary
         done = True
         return summary
     finally:
         cleanup(end_threads=done)  # done: the groups' threads end before the interpreter exits
 
 
-def _train_here(plan: RunPlan, cfg: DictConfig, clock: StartupClock) -> dict | None:
+def _train_here(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> dict | None:
     """One rank: in this process."""
-    torch.set_num_threads(plan.threads_per_rank)
+    torch.set_num_threads(resolved.threads_per_rank)
     note_threads()  # a later launch from this process (a sweep's next job) must not fork then
-    env = init_distributed(rank=0, world_size=1, device=pick_device(plan.device, 0), timeout_s=cfg.launch.timeout_s)
+    env = init_distributed(rank=0, world_size=1, device=pick_device(resolved.device, 0), timeout_s=cfg.launch.timeout_s)
     with console_for_run(), forward_signals([], cfg.launch.grace_s):
-        return train(plan, cfg, env, clock=clock).summary
+        return train(resolved, cfg, env, clock=clock).summary
 
 
 def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
@@ -133,10 +134,10 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
 
 def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO | None) -> dict | None:
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
-    plan = validate(cfg, run_dir)
-    log.info("run directory: %s (device: %s%s)\n%s", run_dir, plan.device,
-             f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in plan.rank_cpus)}"
-             if plan.rank_cpus else "", plan.layout.describe())
+    resolved = validate(cfg, run_dir)
+    log.info("run directory: %s (device: %s%s)\n%s", run_dir, resolved.device,
+             f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in resolved.rank_cpus)}"
+             if resolved.rank_cpus else "", resolved.layout.describe())
     run_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(run_dir, os.W_OK):
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is not writable. Fix: hydra.run.dir=<writable dir>.")
@@ -146,7 +147,7 @@ def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO
     with hold_run_lock(run_dir) if owns_run_dir else nullcontext():
         clock.mark("validate")
         if under_torchrun():
-            return _join_torchrun(plan, cfg, clock)
-        if plan.world_size == 1:
-            return _train_here(plan, cfg, clock)
-        return _spawn(plan, cfg, clock, console)
+            return _join_torchrun(resolved, cfg, clock)
+        if resolved.world_size == 1:
+            return _train_here(resolved, cfg, clock)
+        return _spawn(resolved, cfg, clock, console)

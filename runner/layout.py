@@ -1,6 +1,6 @@
 """The run's core types, resolved once before any rank starts (``runner.validate``) and then only
-read: the ``Layout`` (where every part of the model runs) and the ``RunPlan`` (the layout and every
-other value the launcher resolved or derived). Ranks receive the plan, and the composed config
+read: the ``Layout`` (where every part of the model runs) and the ``ResolvedRun`` (the layout and every
+other value the launcher resolved or derived). Ranks receive the resolved run, and the composed config
 for what the factories take; nothing changes the config after composition.
 
 Imports nothing heavy: the planner, the profiles and the command line use these types."""
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the schemas' objects arrive built (validate): no import of 
     from runner.config import EvalConfig, TrainConfig
     from runner.outputs.config import ProfileConfig
 
-__all__ = ["Layout", "RunPlan", "microbatch_size"]
+__all__ = ["Layout", "ResolvedRun", "microbatch_size"]
 
 
 def microbatch_size(batch_size: int, *, dp: int, microbatches: int) -> int:
@@ -60,9 +60,9 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class ResolvedRun:
     """Everything a run resolved before its ranks start. The config keeps what the user composed
-    (``auto``, ``null``, ``latest``); the plan holds what those became here, and the options the
+    (``auto``, ``null``, ``latest``); the resolved run holds what those became here, and the options the
     ranks read, as their schemas' typed objects with every interpolation resolved once (the ranks
     take only the factories' keys, ``model``, ``data`` and ``loss``, from the composed config)."""
 

@@ -29,7 +29,7 @@ from runner.data.datasets import build_dataset, get_batch
 from runner.errors import NonFiniteLossError
 from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
-from runner.layout import RunPlan
+from runner.layout import ResolvedRun
 from runner.models.split import StageModule
 from runner.optim import build_optimizer, clip_grads
 from runner.outputs.metrics import (
@@ -143,17 +143,17 @@ class Trainer:
     """One rank's training, following ``plan`` (``runner.validate``); ``cfg`` is the composed config
     (the factories' keys and the training options). ``clock``: the startup phases so far (a fresh
     one when this rank is the first thing timed). ``hooks`` run after the trainer's own (fault
-    injection when ``RUNNER_FAULT`` asks for it, ``verify`` when the plan does, then the config's
+    injection when ``RUNNER_FAULT`` asks for it, ``verify`` when the resolved run asks for it, then the config's
     ``callbacks``: ``runner.callbacks``)."""
 
-    def __init__(self, plan: RunPlan, cfg: DictConfig, env: DistEnv, *, clock: StartupClock | None = None,
+    def __init__(self, resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, *, clock: StartupClock | None = None,
                  hooks: Sequence[Hook] = (), static_stages: bool = False):
-        if plan.run_dir is None:
+        if resolved.run_dir is None:
             raise ValueError("a run needs a run directory: validate(cfg, run_dir)")
-        self.plan, self.cfg, self.env = plan, cfg, env
-        self.run_dir = plan.run_dir
+        self.resolved, self.cfg, self.env = resolved, cfg, env
+        self.run_dir = resolved.run_dir
         self.clock = clock or StartupClock()
-        self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if plan.verify else []),
+        self.hooks: list[Hook] = [*fault_hooks(), *([Verify()] if resolved.verify else []),
                                   *build_callbacks(cfg.get("callbacks")), *hooks]
         self.static_stages = static_stages  # stages built with static metadata (runner.pipeline.step.build_step)
         self.losses: list[float] = []
@@ -162,12 +162,12 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
-        plan, cfg, env, t = self.plan, self.cfg, self.env, self.plan.train
+        resolved, cfg, env, t = self.resolved, self.cfg, self.env, self.resolved.train
         self.data = build_dataset(cfg.data, seed=t.seed)
-        self.mesh = build_mesh(env, plan.dims)
-        example = (_replica_share(get_batch(self.data, 1, plan.batch_size, plan.seq_len), self.mesh, env.device)
+        self.mesh = build_mesh(env, resolved.dims)
+        example = (_replica_share(get_batch(self.data, 1, resolved.batch_size, resolved.seq_len), self.mesh, env.device)
                    if self.static_stages else None)
-        self.step_fn, self.tied = build_step(plan, cfg, env, self.mesh, example=example)
+        self.step_fn, self.tied = build_step(resolved, cfg, env, self.mesh, example=example)
         self.clock.mark("build")
         self.modules = _stage_modules(self.step_fn.modules)
         named = {n: p for m in self.modules for n, p in m.named_parameters(remove_duplicate=False)}
@@ -178,20 +178,20 @@ class Trainer:
         # A head tied to the embedding is an embedding wherever it sits (no weight decay).
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
-        self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, env, self.modules, self.optimizer,
+        self.checkpointer = Checkpointer(resolved.checkpoint, self.run_dir, env, self.modules, self.optimizer,
                                          self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
-        self.first_step = self.checkpointer.load(plan.resume) if plan.resume else 0
-        self.profiler = RunProfiler(plan.profile, steps=plan.steps - self.first_step, env=env, run_dir=self.run_dir,
-                                    first_step=self.first_step + 1, tp=plan.dims.tp)
+        self.first_step = self.checkpointer.load(resolved.resume) if resolved.resume else 0
+        self.profiler = RunProfiler(resolved.profile, steps=resolved.steps - self.first_step, env=env,
+                                    run_dir=self.run_dir, first_step=self.first_step + 1, tp=resolved.dims.tp)
         self.step_fn.attach(self.profiler.recorder)
-        self.config = as_ran(cfg, plan)
+        self.config = as_ran(cfg, resolved)
         self.metrics = (MetricsWriter(self.run_dir, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
         self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
                                    not_counted=frozenset(self.tied.not_counted()), optimizer=self.optimizer,
-                                   scheduler=self.scheduler, plan=plan, cfg=cfg)
+                                   scheduler=self.scheduler, resolved=resolved, cfg=cfg)
         self.clock.mark("setup")  # optimizer, checkpoint, profiler, loggers
 
     # -- step ------------------------------------------------------------------------------------
@@ -202,10 +202,10 @@ class Trainer:
     def step(self, index: int) -> dict:
         """Optimizer step ``index + 1`` (``index``, from 0, is the position in the LR schedule; the
         dataset is asked for step ``index + 1``'s batch); returns its record for metrics.jsonl."""
-        plan, env = self.plan, self.env
+        resolved, env = self.resolved, self.env
         beat(f"began step {index + 1}")
         state = StepState(step=index + 1, first=index == self.first_step,
-                          batch=get_batch(self.data, index + 1, plan.batch_size, plan.seq_len))
+                          batch=get_batch(self.data, index + 1, resolved.batch_size, resolved.seq_len))
         inputs, targets, kwargs = _replica_share(state.batch, self.mesh, env.device)
         self.profiler.begin_step(index - self.first_step)
         start = time.perf_counter()
@@ -222,7 +222,7 @@ class Trainer:
             raise NonFiniteLossError(_non_finite_message(state.step, state.loss, state.grad_norm,
                                                          self.checkpointer.last_good))
         self._call("after_reduce", state)
-        clip_grads(self.params, self.plan.train.grad_clip, state.grad_norm)
+        clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
         self._call("after_clip", state)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -235,21 +235,21 @@ class Trainer:
             self.clock.mark("first_step")  # with shape inference (and compilation)
         self.losses.append(state.loss)
         return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm,
-                "step_time_s": step_time, "tokens_per_s": plan.tokens_per_step / step_time}
+                "step_time_s": step_time, "tokens_per_s": resolved.tokens_per_step / step_time}
 
     # -- evaluate --------------------------------------------------------------------------------
     def evaluation_due(self, step: int) -> bool:
-        every = self.plan.eval.every
-        return bool(every) and (step % every == 0 or step == self.plan.steps)
+        every = self.resolved.eval.every
+        return bool(every) and (step % every == 0 or step == self.resolved.steps)
 
     def evaluate(self) -> float:
         """Mean loss over the first ``eval.steps`` held-out batches (the same ones at every
         evaluation, so values are comparable along the run), forward only."""
-        plan, env = self.plan, self.env
+        resolved, env = self.resolved, self.env
         losses = []
         with self.profiler.recorder.paused():  # not part of the training schedule's timeline
-            for i in range(1, self.plan.eval.steps + 1):
-                batch = get_batch(self.data, i, plan.batch_size, plan.seq_len, "val")
+            for i in range(1, self.resolved.eval.steps + 1):
+                batch = get_batch(self.data, i, resolved.batch_size, resolved.seq_len, "val")
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)
                 losses.append(self.step_fn.evaluate(inputs, targets, **kwargs))
         # One all-reduce for all batches; only the last stage's rank holds losses.
@@ -270,14 +270,14 @@ class Trainer:
         self.metrics.write(record)
         step = record["step"]
         val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-        step_record(log, step, self.plan.steps, record["loss"],
+        step_record(log, step, self.resolved.steps, record["loss"],
                     f"loss {record['loss']:.4f} lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
                     f"{record['step_time_s'] * 1e3:.1f} ms{val}")
 
     def run(self) -> TrainResult:
         self.setup()
         try:
-            for index in range(self.first_step, self.plan.steps):
+            for index in range(self.first_step, self.resolved.steps):
                 raise_if_stopped()
                 record = self.step(index)
                 if self.evaluation_due(record["step"]):
@@ -296,7 +296,7 @@ class Trainer:
     def finish(self) -> dict | None:
         """The profile files and, on rank 0, the summary (written, and returned)."""
         busy("writing the profile and summary")
-        bubble = self.profiler.finish(self.plan.layout, self.mesh.dims.ranks_of("pp", 0))
+        bubble = self.profiler.finish(self.resolved.layout, self.mesh.dims.ranks_of("pp", 0))
         # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
         per_rank = gather_to_main((peak_memory_bytes(self.env.device), device_name(self.env.device),
                                    getattr(self.modules[0].spec, "bytes_read", 0)), self.env)
@@ -306,7 +306,7 @@ class Trainer:
         history = self.metrics.history  # resumed into its own run directory: the steps before the checkpoint
         val_losses = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r] + self.val_losses
         summary = make_summary(
-            plan=self.plan, clock=self.clock, first_step=self.first_step + 1,
+            resolved=self.resolved, clock=self.clock, first_step=self.first_step + 1,
             losses=[r["loss"] for r in history] + self.losses, step_times=self.step_times,
             peak_mem=[r[0] for r in per_rank], device_names=[r[1] for r in per_rank],
             config_path=write_resolved_config(self.run_dir, self.config),
@@ -325,7 +325,7 @@ class Trainer:
         return summary
 
 
-def train(plan: RunPlan, cfg: DictConfig, env: DistEnv, *, clock: StartupClock | None = None,
+def train(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, *, clock: StartupClock | None = None,
           hooks: Sequence[Hook] = ()) -> TrainResult:
     """Train on this rank (see ``Trainer``); rank 0's result holds the summary."""
-    return Trainer(plan, cfg, env, clock=clock, hooks=hooks).run()
+    return Trainer(resolved, cfg, env, clock=clock, hooks=hooks).run()

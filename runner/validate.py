@@ -1,5 +1,5 @@
 """Pre-spawn validation: everything that can be checked without ranks is checked here, in the
-launching process, and resolved into the ``RunPlan`` (``runner.layout``) every rank then follows.
+launching process, and resolved into the ``ResolvedRun`` (``runner.layout``) every rank then follows.
 
 ``check_config`` holds the checks that need no torch; the command line runs it before importing
 torch, the pipelining runtime and DCP (seconds), so a wrong value fails at once. The checks that
@@ -8,8 +8,9 @@ need them (schedule rules asked of torch, the meta model, the first batch) impor
 Each check lives with what it checks; this module orders them and resolves what they leave:
 the schemas' (``runner.compose.check_schema``), this host's (``runner.ranks.host``: GPUs,
 compilers, threads and pinned cores), the data's, the loss's and the model's (``runner.data``,
-``runner.losses``, ``runner.models.split``), a resume's (``runner.checkpoint.resume_check``). What
-stays here spans the groups: the run's numbers and the layout (stages and their placement)."""
+``runner.losses``, ``runner.models.split``), the schedule's stage count and placement
+(``runner.pipeline.schedule.stage_layout``), a resume's (``runner.checkpoint.resume_check``). What
+stays here spans the groups: the run's numbers and the order that assembles the ``Layout``."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from runner.checkpoint.resume_check import resume_point
 from runner.compose import check_schema, rank_options
 from runner.config import parse_bytes
 from runner.errors import ConfigError
-from runner.layout import Layout, RunPlan, microbatch_size
+from runner.layout import Layout, ResolvedRun, microbatch_size
 from runner.outputs.config import LOGGING_MOVED
 from runner.outputs.loggers import check_loggers
 from runner.parallel.dims import ParallelDims
 from runner.parallel.dp import DP_MODES
 from runner.pipeline.csv_file import resolve_schedule_file
-from runner.pipeline.registry import CSV, SCHEDULES
+from runner.pipeline.registry import CSV
 from runner.ranks.host import check_host, rank_cpus, threads_per_rank
 
 __all__ = ["check_config", "validate"]
@@ -92,46 +93,6 @@ def _schedule_file(cfg: DictConfig) -> str | None:
     return resolve_schedule_file(cfg.schedule.csv)
 
 
-def _log_tied(meta, stages, stage_to_rank: dict[int, int], per_stage: bool) -> None:
-    stage_of = {u: i for i, units in enumerate(stages) for u in units}
-    for names in meta.tied:
-        owners = sorted({stage_of[u] for n in names for u in meta.unit_names
-                         if any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
-        ranks = sorted({stage_to_rank[s] for s in owners})
-        if len(owners) > 1:  # one rank (V placements) shares one parameter, unless dp wraps each stage (tied.py)
-            log.info("Tied weight %s spans stages %s on ranks %s: %s", " = ".join(names), owners, ranks,
-                     "one parameter" if len(ranks) == 1 and not per_stage else "a copy each, gradients summed")
-
-
-def _schedule_layout(cfg: DictConfig, csv: str | None) -> tuple[int, dict[int, int]]:
-    """(number of stages, stage → rank) as the schedule, or the schedule file ``csv``, dictates."""
-    from runner.pipeline import schedule as sched
-
-    p, name = cfg.parallel, cfg.schedule.name
-    if p.pp == 1:  # the unsplit reference: one stage, no schedule
-        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points", "stage_modules")
-                   if p.get(k) is not None]
-        if ignored:
-            log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
-        return 1, {0: 0}
-    compiled = cfg.train.compile
-    if csv is not None:
-        return sched.read_csv_schedule(csv, pp=p.pp, stages_per_rank=p.stages_per_rank,
-                                       microbatches=p.microbatches, compiled=compiled)
-    spr = p.stages_per_rank or sched.default_stages_per_rank(name)
-    sched.check_schedule(name, pp=p.pp, stages_per_rank=spr, microbatches=p.microbatches, compiled=compiled)
-    return p.pp * spr, sched.placement(name, p.pp, p.pp * spr)
-
-
-def _splits_backward(layout: Layout) -> bool:
-    """Whether the schedule runs separate input (I) and weight (W) backward actions."""
-    if layout.csv is None:
-        return SCHEDULES[layout.schedule].splits_backward
-    from runner.pipeline.schedule import csv_order
-
-    return any(op.kind in ("I", "W") for ops in csv_order(layout.csv).values() for op in ops)
-
-
 def check_config(cfg: DictConfig) -> None:
     """The checks that need no torch: missing values, unknown keys, option values, numbers,
     loggers."""
@@ -164,11 +125,13 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     from runner.data.datasets import check_batches, check_vocab
     from runner.losses import check_loss
     from runner.models.split import build_meta_model, check_init, check_keyword_inputs, check_shapes, plan_split
+    from runner.parallel.tied import log_tied_placement
     from runner.parallel.tp import check_tp
+    from runner.pipeline.schedule import splits_backward, stage_layout
     from runner.verify.memory import check_reference_fits
 
     p, t = cfg.parallel, cfg.train
-    num_stages, stage_to_rank = _schedule_layout(cfg, csv)
+    num_stages, stage_to_rank = stage_layout(cfg.schedule.name, p, csv, compiled=t.compile)
     microbatch = microbatch_size(t.batch_size, dp=p.dp, microbatches=p.microbatches)
     data, kwargs = check_batches(cfg.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len,
                                  splits=("train", "val") if cfg.eval.every else ("train",), microbatch=microbatch)
@@ -188,10 +151,10 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (units per stage): %s", sizes)
-    _log_tied(meta, stages, stage_to_rank, DP_MODES[p.dp_mode].per_stage)
+    log_tied_placement(meta, stages, stage_to_rank, DP_MODES[p.dp_mode].per_stage)
     layout = Layout(schedule=cfg.schedule.name, csv=csv, pp=p.pp, microbatches=p.microbatches, stages=stages,
                     stage_to_rank=stage_to_rank)
-    if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and _splits_backward(layout):
+    if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and splits_backward(layout.schedule, csv):
         log.warning(
             "train.activation_checkpointing=%s with schedule=%s: its weight backward (W) runs one autograd pass "
             "per parameter group and recomputes every checkpointed block in each, so a step is several times "
@@ -201,9 +164,9 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     return layout
 
 
-def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
+def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
     """Check a composed config (raising ``ConfigError`` naming key, value and fix) and resolve it
-    into the run's plan: its layout, the device ``auto`` picks here, threads per rank and, for a
+    into the ``ResolvedRun``: its layout, the device ``auto`` picks here, threads per rank and, for a
     run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
     run (the planner's candidates); no checkpoint is looked for."""
     from runner.models.hf import resolve_verify
@@ -220,7 +183,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> RunPlan:
     layout = _layout(cfg, csv, verify=verify, device=device)
     resume = resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
     threads = threads_per_rank(cfg, ranks_on_host)
-    return RunPlan(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
+    return ResolvedRun(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
                    verify=verify, verify_steps=cfg.verify_steps, **rank_options(cfg))  # what the ranks read, typed

@@ -30,10 +30,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "rundir"),  # model families, pipeline units, the split; a run directory's lock and guard
     # datasets (never parallel: a batch is a function of seed, split and step); degrees, mesh, tp, dp
     ("data", "parallel"),
-    ("layout", "compose"),  # the RunPlan; the config tree assembled
+    ("layout", "compose"),  # the ResolvedRun; the config tree assembled
     ("hooks", "checkpoint", "pipeline"),  # what a step offers hooks; saving, loading; schedules and the step
     ("outputs", "verify", "faults", "callbacks"),  # what a run writes (never imported by pipeline); the hooks
-    ("validate",),  # the checks before launch -> RunPlan
+    ("validate",),  # the checks before launch -> ResolvedRun
     ("train",),  # the Trainer
     ("launch", "exits"),  # the ranks started; how a command line ends (a typo's nearest keys: compose's)
     ("plan", "rehearse", "export", "study"),  # applications of the run: nothing below imports them
@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("__main__", "api", "loggers", "report", "hf"),
 ]
 # A package's schema (runner/<package>/config.py) may be imported from any layer: the config tree
-# (compose) and the RunPlan (layout) need every group's. It imports only the lowest layers and its
+# (compose) and the ResolvedRun (layout) need every group's. It imports only the lowest layers and its
 # own package's registries (test_schemas_import_only_the_base_and_their_own_registries).
 SCHEMA = "config"
 # Imports that break the layering on purpose, each with its reason: (importer, imported) -> why.

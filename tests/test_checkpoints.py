@@ -132,11 +132,11 @@ def test_a_crafted_rng_state_runs_no_code_and_is_refused_as_metadata_is(run_copy
     write_manifest(step, 0, _all_files(step))
     cfg = compose(*ONE, "train.steps=3", f"checkpoint.resume={step}")
     (tmp_path / "again").mkdir()
-    plan = validate(cfg, tmp_path / "again")
+    resolved = validate(cfg, tmp_path / "again")
     (step / "rng-rank0.pt").write_bytes(pickle.dumps(_Payload(marker)))  # plain pickle, not torch.save's zip
     write_manifest(step, 0, _all_files(step))
     with pytest.raises(CheckpointError, match=r"was refused: rng-rank0\.pt is not plain data \(Unsupported operand"):
-        train(plan, cfg, ENV)
+        train(resolved, cfg, ENV)
     assert not marker.exists()
 
 
@@ -266,12 +266,12 @@ def test_divergence_stops_before_the_optimizer_and_names_the_last_good_checkpoin
 
 def test_the_checkpoint_a_resume_names_is_resolved_into_the_plan_and_the_resolved_config(saved, tmp_path):
     cfg = compose(*ONE, "train.steps=3", f"checkpoint.resume={saved}")  # a run directory: its newest checkpoint
-    plan = validate(cfg, tmp_path)
-    assert plan.resume == (saved / "checkpoints" / "step-2").resolve() and cfg.checkpoint.resume == str(saved)
-    assert len(train(plan, cfg, ENV).losses) == 1
+    resolved = validate(cfg, tmp_path)
+    assert resolved.resume == (saved / "checkpoints" / "step-2").resolve() and cfg.checkpoint.resume == str(saved)
+    assert len(train(resolved, cfg, ENV).losses) == 1
     written = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
-    assert written["checkpoint"]["resume"] == str(plan.resume) and written["device"] == "cpu"
-    assert written["launch"]["threads_per_rank"] == plan.threads_per_rank and cfg.launch.threads_per_rank is None
+    assert written["checkpoint"]["resume"] == str(resolved.resume) and written["device"] == "cpu"
+    assert written["launch"]["threads_per_rank"] == resolved.threads_per_rank and cfg.launch.threads_per_rank is None
 
 
 def test_resume_with_an_empty_parameter_group(tmp_path):

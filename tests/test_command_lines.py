@@ -106,7 +106,7 @@ def test_a_folder_named_runner_in_the_working_directory_fails_before_any_work(tm
 
 
 def test_tied_weight_line_says_what_each_placement_holds(caplog):
-    caplog.set_level(logging.INFO, logger="runner.validate")
+    caplog.set_level(logging.INFO, logger="runner.parallel.tied")
     tied = [*TINY, "model.tie_embeddings=true", "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
     validate(compose(*tied, "schedule=zbv"))  # V: the first and the last stage on rank 0
     validate(compose(*tied, "schedule=zbv", "parallel.dp_mode=ddp"))  # wrapped per stage: a copy each

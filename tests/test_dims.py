@@ -80,18 +80,19 @@ def test_the_mesh_reads_its_coordinates_from_the_owner_and_checks_the_ranks():
 def test_the_planner_calibrates_on_the_cores_of_two_ranks_of_one_pipeline():
     from runner.checkpoint.config import CheckpointConfig
     from runner.config import EvalConfig, TrainConfig
-    from runner.layout import Layout, RunPlan
+    from runner.layout import Layout, ResolvedRun
     from runner.outputs.config import ProfileConfig
     from runner.plan.planner import _neighbour_cpus
 
     layout = Layout(schedule="1f1b", csv=None, pp=2, microbatches=2, stages=(("a",), ("b",)),
                     stage_to_rank={0: 0, 1: 1})
     cpus = tuple((c,) for c in range(6))
-    plan = RunPlan(layout=layout, dims=DIMS, batch_size=12, seq_len=4, steps=1, device="cpu", threads_per_rank=1,
-                   rank_cpus=cpus, run_dir=None, resume=None, verify=False, verify_steps=2, train=TrainConfig(),
-                   eval=EvalConfig(), checkpoint=CheckpointConfig(), profile=ProfileConfig())
-    assert _neighbour_cpus(plan) == [(0,), (3,)]  # pipeline ranks 0 and 1 of replica 0: ranks 0 and 3
-    assert _neighbour_cpus(dataclasses.replace(plan, rank_cpus=None)) is None
+    resolved = ResolvedRun(layout=layout, dims=DIMS, batch_size=12, seq_len=4, steps=1, device="cpu",
+                           threads_per_rank=1, rank_cpus=cpus, run_dir=None, resume=None, verify=False,
+                           verify_steps=2, train=TrainConfig(), eval=EvalConfig(), checkpoint=CheckpointConfig(),
+                           profile=ProfileConfig())
+    assert _neighbour_cpus(resolved) == [(0,), (3,)]  # pipeline ranks 0 and 1 of replica 0: ranks 0 and 3
+    assert _neighbour_cpus(dataclasses.replace(resolved, rank_cpus=None)) is None
 
 
 def test_torchrun_with_other_ranks_than_the_degrees_is_a_config_error_before_the_process_group(monkeypatch):
@@ -103,10 +104,10 @@ def test_torchrun_with_other_ranks_than_the_degrees_is_a_config_error_before_the
 
     cfg = compose(*TINY, "parallel.pp=2", "parallel.dp=3", "parallel.dp_mode=ddp", "parallel.microbatches=2",
                   "train.batch_size=12")
-    plan = validate(cfg)
+    resolved = validate(cfg)
     monkeypatch.setenv("WORLD_SIZE", "9")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError) as info:
-        _join_torchrun(plan, cfg, StartupClock())  # raises before init_distributed: no process group
+        _join_torchrun(resolved, cfg, StartupClock())  # raises before init_distributed: no process group
     assert str(info.value) == ("torchrun started 9 ranks but parallel.pp=2 x parallel.dp=3 = 6. "
                                "Fix: --nproc-per-node 6, or parallel.pp=3.")

@@ -97,10 +97,11 @@ def test_resuming_with_another_tokenizer_is_refused_unless_allowed(trained, tmp_
     assert f"trained with tokenizer {trained / 'tokenizer-b'}" in text
     assert f"data.tokenizer is {trained / 'model'}" in text
     assert "Fix: data.tokenizer=" in text and "checkpoint.allow_tokenizer_change=true" in text
-    plan = validate(run_config(trained, trained / "model", *common, "checkpoint.allow_tokenizer_change=true"), tmp_path)
-    assert plan.resume == trained / "run" / "checkpoints" / "step-2"
+    allowed = run_config(trained, trained / "model", *common, "checkpoint.allow_tokenizer_change=true")
+    resolved = validate(allowed, tmp_path)
+    assert resolved.resume == trained / "run" / "checkpoints" / "step-2"
     assert "allow_tokenizer_change=true: continuing" in caplog.text
-    assert validate(run_config(trained, trained / "tokenizer-b", *common), tmp_path).resume == plan.resume
+    assert validate(run_config(trained, trained / "tokenizer-b", *common), tmp_path).resume == resolved.resume
 
 
 def test_export_writes_the_source_dtype_by_default_and_dtype_overrides_it(trained, tmp_path, capsys):

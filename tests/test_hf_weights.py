@@ -328,8 +328,8 @@ def gemma2(tmp_path):
 
 def test_an_unlisted_family_is_verified_unless_verify_false_is_given(tmp_path, gemma2, caplog):
     with caplog.at_level(logging.WARNING, logger="runner.hf"):
-        plan = validate(compose(*BASE, *gemma2))
-    assert plan.verify is True and plan.resolved_values()["verify"] is True  # resolved_config.yaml says so
+        resolved = validate(compose(*BASE, *gemma2))
+    assert resolved.verify is True and resolved.resolved_values()["verify"] is True  # resolved_config.yaml says so
     assert "a 'gemma2' model, outside the tested list" in caplog.text and "verify=false turns it off" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="runner.hf"):

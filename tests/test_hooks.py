@@ -59,7 +59,7 @@ def test_hooks_get_one_step_context_at_every_point_not_the_trainer(tmp_path):
     assert contexts == {id(trainer.context)}  # built once, in setup
     ctx = trainer.context
     assert isinstance(ctx, StepContext) and not isinstance(ctx, Trainer)
-    assert ctx.env is ENV and ctx.mesh is trainer.mesh and ctx.plan is trainer.plan and ctx.cfg is trainer.cfg
+    assert ctx.env is ENV and ctx.mesh is trainer.mesh and ctx.resolved is trainer.resolved and ctx.cfg is trainer.cfg
     assert list(ctx.modules) == trainer.modules and list(ctx.params) == trainer.params
     assert ctx.not_counted == frozenset(trainer.tied.not_counted())
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -1,5 +1,5 @@
 """Tensor parallelism inside each stage (``parallel.tp``): pp=2 x tp=2 computes what the unsplit
-model computes, for every schedule, for the built-in transformer (its own plan) and for Hugging
+model computes, for every schedule, for the built-in transformer (its own resolved) and for Hugging
 Face families (transformers' plans: Llama's, and Qwen3's, whose q_norm/k_norm gradients the tp
 group must sum); and every check before launch refuses what it should, naming key, value and fix.
 
@@ -207,8 +207,8 @@ def test_a_plan_with_a_style_the_runner_does_not_translate_is_refused(monkeypatc
 
 
 def test_the_degrees_multiply_into_the_world_size_with_tp_innermost():
-    plan = validate(compose(*TINY, *TP2, "parallel.dp=2", "parallel.dp_mode=fsdp", "train.batch_size=16"))
-    dims = plan.dims
+    resolved = validate(compose(*TINY, *TP2, "parallel.dp=2", "parallel.dp_mode=fsdp", "train.batch_size=16"))
+    dims = resolved.dims
     assert dims.world_size == 8 and dims.stage_ranks == 4
     assert dims.ranks_of("tp", 5) == [4, 5] and dims.ranks_of("dp", 5) == [5, 7] and dims.ranks_of("pp", 5) == [1, 5]
     assert torch.Size([dims.pp, dims.dp, dims.tp]) == torch.Size([2, 2, 2])

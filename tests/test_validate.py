@@ -144,14 +144,14 @@ def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(t
     cfg = compose(*TINY, "device=auto", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
                   "parallel.microbatches=4", "train.batch_size=16")
     composed = OmegaConf.to_yaml(cfg)
-    plan = validate(cfg, tmp_path)
-    assert plan.device == ("cuda" if torch.cuda.device_count() >= 4 else "cpu")  # auto, resolved for this host
-    assert plan.world_size == 4 and plan.layout.microbatches == 4 and plan.microbatch_size == 2
-    assert plan.dims == ParallelDims(pp=2, dp=2, dp_mode="ddp") and (plan.dp, plan.dp_mode) == (2, "ddp")
-    assert plan.threads_per_rank >= 1 and plan.run_dir == tmp_path and plan.resume is None
+    resolved = validate(cfg, tmp_path)
+    assert resolved.device == ("cuda" if torch.cuda.device_count() >= 4 else "cpu")  # auto, resolved for this host
+    assert resolved.world_size == 4 and resolved.layout.microbatches == 4 and resolved.microbatch_size == 2
+    assert resolved.dims == ParallelDims(pp=2, dp=2, dp_mode="ddp") and (resolved.dp, resolved.dp_mode) == (2, "ddp")
+    assert resolved.threads_per_rank >= 1 and resolved.run_dir == tmp_path and resolved.resume is None
     assert OmegaConf.to_yaml(cfg) == composed  # device: auto, launch.threads_per_rank: null
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.device = "cuda"
+        resolved.device = "cuda"
 
 
 def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkeypatch):

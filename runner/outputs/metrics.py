@@ -20,7 +20,7 @@ from runner.outputs.provenance import provenance
 from runner.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
-    from runner.layout import RunPlan
+    from runner.layout import ResolvedRun
     from runner.ranks.clock import StartupClock
 
 __all__ = ["MetricsWriter", "peak_memory_bytes", "as_ran", "write_resolved_config", "make_summary",
@@ -124,12 +124,12 @@ def _plain(cfg: DictConfig) -> dict:
     return config
 
 
-def as_ran(cfg: DictConfig, plan: RunPlan) -> dict:
+def as_ran(cfg: DictConfig, resolved: ResolvedRun) -> dict:
     """The config as the ranks ran it: interpolations resolved, and what the launcher decided
-    (``RunPlan.resolved_values``: the device, threads per rank, the checkpoint a resume found)
+    (``ResolvedRun.resolved_values``: the device, threads per rank, the checkpoint a resume found)
     filled in. A copy: the composed config itself stays as composed."""
     config = _plain(cfg)
-    for key, value in plan.resolved_values().items():
+    for key, value in resolved.resolved_values().items():
         *parents, leaf = key.split(".")
         node = config
         for parent in parents:
@@ -145,14 +145,14 @@ def write_resolved_config(run_dir: Path, config: Mapping) -> Path:
     return path
 
 
-def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses: list[float],
+def make_summary(*, resolved: ResolvedRun, clock: StartupClock, first_step: int, losses: list[float],
                  step_times: list[float], peak_mem: list[int], device_names: list[str], config_path: Path) -> dict:
     steady = step_times[1:] or step_times  # the first step includes shape inference and warm-up
     step_time = statistics.median(steady)
-    layout = plan.layout
+    layout = resolved.layout
     return {
         "schedule": layout.schedule,
-        **plan.dims.degrees,  # pp, dp, tp: each parallel dimension's degree
+        **resolved.dims.degrees,  # pp, dp, tp: each parallel dimension's degree
         "microbatches": layout.microbatches,
         "num_stages": layout.num_stages,
         "stages": {str(i): list(names) for i, names in enumerate(layout.stages)},
@@ -161,7 +161,7 @@ def make_summary(*, plan: RunPlan, clock: StartupClock, first_step: int, losses:
         "losses": losses,
         "final_loss": losses[-1],
         "step_time_s": step_time,
-        "tokens_per_s": plan.tokens_per_step / step_time,
+        "tokens_per_s": resolved.tokens_per_step / step_time,
         "startup_s": clock.since_launch("setup"),  # to the end of setup: the first step is measured apart
         "started_at": clock.launched_at,  # epoch seconds: when this job was launched, and when it ended
         "finished_at": time.time(),

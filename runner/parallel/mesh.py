@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from runner._torch.dist import drop_dtensor_caches, drop_mesh_groups
 from runner.ranks.dist import DistEnv, release_at_cleanup
 
-if TYPE_CHECKING:  # the owner's instances arrive built (RunPlan.dims): no import chain through here
+if TYPE_CHECKING:  # the owner's instances arrive built (ResolvedRun.dims): no import chain through here
     from runner.parallel.dims import Coords, ParallelDims
 
 __all__ = ["Mesh", "build_mesh"]

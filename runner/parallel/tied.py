@@ -14,6 +14,7 @@ vocabulary rows over the same tp group, so each tp shard sums with its peer of i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import AbstractSet, Sequence
 
@@ -25,7 +26,9 @@ from torch.distributed.tensor import DTensor
 from runner.parallel.mesh import Mesh
 from runner.ranks.watchdog import waiting
 
-__all__ = ["TiedGroup", "share_local_copies", "TiedWeights"]
+__all__ = ["TiedGroup", "log_tied_placement", "share_local_copies", "TiedWeights"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,20 @@ class TiedGroup:
     canonical: str  # the name the unsplit model gives the weight (its first owner's)
     local: tuple[str, ...]  # this rank's names of it (one per distinct copy)
     ranks: tuple[int, ...]  # the pipeline ranks holding a copy
+
+
+def log_tied_placement(meta, stages, stage_to_rank: dict[int, int], per_stage: bool) -> None:
+    """Say, before any rank starts, how each tied weight of the meta model will be trained under
+    this layout: one parameter, or a copy per stage with summed gradients (``per_stage``: dp wraps
+    each stage on its own)."""
+    stage_of = {u: i for i, units in enumerate(stages) for u in units}
+    for names in meta.tied:
+        owners = sorted({stage_of[u] for n in names for u in meta.unit_names
+                         if any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
+        ranks = sorted({stage_to_rank[s] for s in owners})
+        if len(owners) > 1:
+            log.info("Tied weight %s spans stages %s on ranks %s: %s", " = ".join(names), owners, ranks,
+                     "one parameter" if len(ranks) == 1 and not per_stage else "a copy each, gradients summed")
 
 
 def _params_by_name(modules: list[nn.Module]) -> dict[str, nn.Parameter]:

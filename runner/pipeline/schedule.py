@@ -19,7 +19,7 @@ from runner.pipeline.ops import Op
 from runner.pipeline.registry import SCHEDULES, ScheduleKind, schedule_names
 
 __all__ = ["SCHEDULES", "is_single_stage", "default_stages_per_rank", "placement", "check_schedule",
-           "read_csv_schedule", "build_schedule", "schedule_order", "csv_order"]
+           "read_csv_schedule", "stage_layout", "splits_backward", "build_schedule", "schedule_order", "csv_order"]
 
 log = logging.getLogger("runner.schedule")  # named as before runner/ became packages (runner.log)
 
@@ -186,6 +186,32 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
             f"{stages_per_rank}. Fix: parallel.stages_per_rank=null (the file decides)."
         )
     return num_stages, stage_to_rank
+
+
+def stage_layout(name: str, parallel, csv: str | None, *, compiled: bool) -> tuple[int, dict[int, int]]:
+    """(number of stages, stage → pipeline rank) as the schedule ``name``, or the schedule file
+    ``csv``, dictates for the ``parallel`` config group; checked with torch before any rank starts."""
+    p = parallel
+    if p.pp == 1:  # the unsplit reference: one stage, no schedule
+        ignored = [f"parallel.{k}={p[k]}" for k in ("stages_per_rank", "split_points", "stage_modules")
+                   if p.get(k) is not None]
+        if ignored:
+            log.warning("parallel.pp=1 trains the unsplit model; ignoring %s", ", ".join(ignored))
+        return 1, {0: 0}
+    if csv is not None:
+        return read_csv_schedule(csv, pp=p.pp, stages_per_rank=p.stages_per_rank, microbatches=p.microbatches,
+                                 compiled=compiled)
+    spr = p.stages_per_rank or default_stages_per_rank(name)
+    check_schedule(name, pp=p.pp, stages_per_rank=spr, microbatches=p.microbatches, compiled=compiled)
+    return p.pp * spr, placement(name, p.pp, p.pp * spr)
+
+
+def splits_backward(name: str, csv: str | None) -> bool:
+    """Whether the schedule (or the schedule file ``csv``) runs separate input (I) and weight (W)
+    backward actions."""
+    if csv is None:
+        return SCHEDULES[name].splits_backward
+    return any(op.kind in ("I", "W") for ops in csv_order(csv).values() for op in ops)
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable, csv: str | None):

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from runner._torch import pp as _torch_pp
-from runner.layout import Layout, RunPlan
+from runner.layout import Layout, ResolvedRun
 from runner.losses import build_loss
 from runner.models.split import StageModule, build_meta_model, materialize, stage_io
 from runner.models.units import describe_names
@@ -150,7 +150,7 @@ class PipelinedStep:
         return self._run(self.schedule.eval, inputs, targets, kwargs)
 
 
-def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
+def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
                example: Batch | None = None) -> tuple[UnsplitStep | PipelinedStep, TiedWeights]:
     """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
     them for the schedule. Also returns what keeps weights tied across stages equal.
@@ -159,9 +159,9 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
     input and output shapes, from the meta model): torch's schedules then vote static and never
     infer shapes by messages. Without it (real runs today) the stages infer them on each step."""
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
-    seed, loss_fn = plan.train.seed, build_loss(cfg.loss)
-    layout, dp_mode = plan.layout, plan.dp_mode
-    tp = tp_plan(meta.module, plan.dims)
+    seed, loss_fn = resolved.train.seed, build_loss(cfg.loss)
+    layout, dp_mode = resolved.layout, resolved.dp_mode
+    tp = tp_plan(meta.module, resolved.dims)
     loss_parallel = tp is not None and tp.loss_parallel
     styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
     seq_shards = tp.seq_shards if tp is not None else 1
@@ -177,11 +177,11 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
 
     if layout.pp == 1:
         whole, grad_sum = sharded(meta.unit_names)
-        unsplit = UnsplitStep(parallelize(whole, plan.train, dp_mode, mesh), layout.microbatches,
+        unsplit = UnsplitStep(parallelize(whole, resolved.train, dp_mode, mesh), layout.microbatches,
                               loss_fn, mesh=mesh, loss_parallel=loss_parallel, grad_sum=grad_sum)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
     # Before materialising: a stage takes the meta model's modules (and allocates them).
-    io = _static_io(meta, plan, example, seq_shards) if example is not None else None
+    io = _static_io(meta, resolved, example, seq_shards) if example is not None else None
     indices = layout.stages_on(mesh.pp_rank)
     modules, grad_sums = zip(*(sharded(layout.stages[i]) for i in indices))
     # After tp, which wraps each module's weights in parameters of its own (a pretrained tied weight,
@@ -191,7 +191,7 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, plan.train, dp_mode, mesh)
+        module = parallelize(module, resolved.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group,
@@ -207,13 +207,13 @@ def build_step(plan: RunPlan, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
     return step, TiedWeights(meta.tied, rank_of, step.modules, mesh, embedding_names=embeddings)
 
 
-def _static_io(meta, plan: RunPlan, example: Batch, seq_shards: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _static_io(meta, resolved: ResolvedRun, example: Batch, seq_shards: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each stage's input and output for one microbatch of ``example``, as meta tensors, the
     messages between stages sliced as each tp rank holds them (``seq_shards``)."""
     inputs, _, kwargs = example
-    m = plan.layout.microbatches
+    m = resolved.layout.microbatches
     first = {k: v.tensor_split(m)[0] for k, v in kwargs.items()}
-    return stage_io(meta, plan.layout.stages, microbatch=len(inputs.tensor_split(m)[0]), seq_len=inputs.shape[1],
+    return stage_io(meta, resolved.layout.stages, microbatch=len(inputs.tensor_split(m)[0]), seq_len=inputs.shape[1],
                     kwargs=first, seq_shards=seq_shards)
 
 

@@ -48,7 +48,8 @@ _STARTED: list[bool] = []
 def main(cfg: DictConfig) -> None:
     _STARTED.append(True)  # past Hydra's run directory: an OSError from here on is no config error
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
-    logging.getLogger("runner.validate").setLevel(logging.WARNING)  # one line per candidate otherwise
+    for name in ("runner.validate", "runner.parallel.tied"):  # one line per candidate otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
     out = Path(HydraConfig.get().runtime.output_dir)
     if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
         return run_target(cfg, out, HydraConfig.get().overrides.task)

@@ -25,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError
-from runner.layout import Layout, RunPlan
+from runner.layout import Layout, ResolvedRun
 from runner.models.split import split_by_cost
 from runner.outputs.timeline import write_schedule_csv
 from runner.parallel.dims import ParallelDims
@@ -133,13 +133,13 @@ def _overrides(name: str, m: int, spr: int | None, csv: str | None, split_points
     return out + ([f"parallel.split_points=[{','.join(split_points)}]"] if split_points else [])
 
 
-def _neighbour_cpus(plan: RunPlan) -> list[tuple[int, ...]] | None:
+def _neighbour_cpus(resolved: ResolvedRun) -> list[tuple[int, ...]] | None:
     """The cores two neighbouring ranks of the run's first pipeline are pinned to (its first two
     ranks where pp is 1), or None where the run pins no ranks."""
-    if plan.rank_cpus is None:
+    if resolved.rank_cpus is None:
         return None
-    pair = plan.dims.ranks_of("pp", 0)[:2] if plan.pp > 1 else [0, 1]
-    return [plan.rank_cpus[r] for r in pair]
+    pair = resolved.dims.ranks_of("pp", 0)[:2] if resolved.pp > 1 else [0, 1]
+    return [resolved.rank_cpus[r] for r in pair]
 
 
 def _calibration(plan_cfg: DictConfig, message_bytes: int, device: str,
@@ -322,7 +322,7 @@ def _order(own: Candidate, layout: Layout, spr: int | None) -> dict[int, list[Op
     return order
 
 
-def _costs(state: _Planning, base: DictConfig, resolved: RunPlan, m: int) -> dict[str, ChildCost]:
+def _costs(state: _Planning, base: DictConfig, resolved: ResolvedRun, m: int) -> dict[str, ChildCost]:
     """The children's costs at ``m`` microbatches under ``base``'s tp degree. The first candidate
     to get this far also sets the calibration and the cost model: both need a layout's messages."""
     child = _child_costs(base, state.child_costs, m, state.device)
@@ -331,7 +331,7 @@ def _costs(state: _Planning, base: DictConfig, resolved: RunPlan, m: int) -> dic
     return tp_cost.tp_child_costs(child, base, state.calibration, base.train.batch_size // (base.parallel.dp * m))
 
 
-def _calibrate(state: _Planning, resolved: RunPlan, child: Mapping[str, ChildCost]) -> tuple[Calibration, Fit]:
+def _calibrate(state: _Planning, resolved: ResolvedRun, child: Mapping[str, ChildCost]) -> tuple[Calibration, Fit]:
     """The message and action costs (measured on the cores ``resolved`` pins its first ranks to)
     and the cost model fitted to the probes (``state.launch`` runs them)."""
     cfg = state.cfg

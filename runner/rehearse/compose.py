@@ -9,7 +9,7 @@ import statistics
 from collections import defaultdict
 from typing import Any, Sequence
 
-from runner.layout import RunPlan
+from runner.layout import ResolvedRun
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
 from runner.pipeline.simulate import simulate
@@ -21,8 +21,8 @@ DEFAULT_BANDWIDTH = 50e9  # bytes/s: a 400 Gbit/s link per device
 GiB = 2**30
 
 
-def _order(plan: RunPlan) -> dict[int, list[Op]]:
-    layout = plan.layout
+def _order(resolved: ResolvedRun) -> dict[int, list[Op]]:
+    layout = resolved.layout
     if layout.pp == 1:  # the unsplit model: each microbatch's forward and backward in turn
         return {0: [Op(0, kind, mb) for mb in range(layout.microbatches) for kind in "FB"]}
     if layout.csv:
@@ -46,26 +46,26 @@ def _collective_s(r: dict, latency: float, bandwidth: float) -> float:
                for dim, kinds in r["collectives"].items() if dim != "pp" for k in kinds.values())
 
 
-def compose_step(plan: RunPlan, ranks: Sequence[dict], *, latency_s: float | None = None,
+def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: float | None = None,
                  bandwidth: float | None = None) -> dict[str, Any]:
     """The predicted step of the whole job from its rehearsed ranks (one per pipeline rank)."""
     latency = DEFAULT_LATENCY_S if latency_s is None else latency_s
     bw = DEFAULT_BANDWIDTH if bandwidth is None else bandwidth
     costs = _stage_costs(ranks)
-    missing = sorted({s for s in range(plan.layout.num_stages)} - {s for s, _ in costs})
+    missing = sorted({s for s in range(resolved.layout.num_stages)} - {s for s, _ in costs})
     if missing:
         raise ValueError(f"no rehearsed rank ran stage(s) {missing}: rehearse one rank of each pipeline rank")
     sends = [(k["bytes"] / k["count"]) for r in ranks for k in [r["collectives"].get("pp", {}).get("send")] if k]
     comm_s = latency + (max(sends) / bw if sends else 0.0)
-    timeline = simulate(_order(plan), costs, num_stages=plan.layout.num_stages, comm_s=comm_s)
+    timeline = simulate(_order(resolved), costs, num_stages=resolved.layout.num_stages, comm_s=comm_s)
     pipeline_s = max(a.end for a in timeline)
     busy = sum(a.end - a.start for a in timeline)
-    bubble = 1 - busy / (plan.pp * pipeline_s)
+    bubble = 1 - busy / (resolved.pp * pipeline_s)
     collectives_s = max(_collective_s(r, latency, bw) for r in ranks)
     optimizer_s = max(r["optimizer_s"] for r in ranks)
     step_s = pipeline_s + collectives_s + optimizer_s
     return {"step_s": step_s, "pipeline_s": pipeline_s, "collectives_s": collectives_s, "optimizer_s": optimizer_s,
-            "bubble": bubble, "tokens_per_s": plan.tokens_per_step / step_s, "message_s": comm_s,
+            "bubble": bubble, "tokens_per_s": resolved.tokens_per_step / step_s, "message_s": comm_s,
             "stage_costs_s": {f"{s}{k}": v for (s, k), v in sorted(costs.items())},
             "link": {"latency_s": latency, "bandwidth": bw}}
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from runner.config import parse_bytes
 from runner.errors import ConfigError, RankFailedError
-from runner.layout import RunPlan
+from runner.layout import ResolvedRun
 from runner.parallel.dims import Coords, ParallelDims
 
 __all__ = ["check_rehearsal", "default_ranks", "rehearse", "format_rehearsal", "SYMMETRY"]
@@ -50,8 +50,8 @@ def _one_rank_on_host() -> Iterator[None]:
             os.environ["LOCAL_WORLD_SIZE"] = before
 
 
-def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> tuple[RunPlan, list[int], int | None]:
-    """The plan, the ranks to rehearse and the capacity (bytes), or a ``ConfigError`` naming the
+def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> tuple[ResolvedRun, list[int], int | None]:
+    """The resolved run, the ranks to rehearse and the capacity (bytes), or a ``ConfigError`` naming the
     key, the value and the fix; nothing is built before these pass."""
     import torch
 
@@ -78,17 +78,17 @@ def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> tuple[RunPlan, lis
     if capacity is None and cfg.device != "cpu" and torch.cuda.is_available():
         capacity = torch.cuda.get_device_properties(0).total_memory
     with _one_rank_on_host():
-        plan = validate(cfg, run_dir)
-    return plan, ranks, capacity
+        resolved = validate(cfg, run_dir)
+    return resolved, ranks, capacity
 
 
-def _run_one(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
+def _run_one(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
     out = run_dir / "rehearsal" / f"rank{rank}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     from runner.rehearse.rank import rank_main  # the training code: only when a rank is rehearsed
 
     process = multiprocessing.get_context("spawn").Process(
-        target=rank_main, args=(plan, cfg, rank, steps, run_dir / "rehearsal" / f"rank{rank}", out),
+        target=rank_main, args=(resolved, cfg, rank, steps, run_dir / "rehearsal" / f"rank{rank}", out),
         name=f"rehearse-rank{rank}")
     process.start()
     process.join(RANK_TIMEOUT_S)
@@ -105,21 +105,22 @@ def rehearse(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Rehearse the run of ``cfg`` (see the module's docstring); returns what ``rehearsal.json`` holds."""
     from runner.rehearse.compose import compose_step, memory_verdicts
 
-    plan, ranks, capacity = check_rehearsal(cfg, run_dir)
-    results = [_run_one(plan, cfg, rank, cfg.rehearse.steps, run_dir) for rank in ranks]
+    resolved, ranks, capacity = check_rehearsal(cfg, run_dir)
+    results = [_run_one(resolved, cfg, rank, cfg.rehearse.steps, run_dir) for rank in ranks]
     pipeline_ranks = {r["coords"]["pp"] for r in results}
     report: dict[str, Any] = {
-        "layout": plan.dims.describe(), "world_size": plan.world_size, "device": plan.device,
-        "schedule": plan.layout.schedule, "microbatches": plan.layout.microbatches, "ranks": results,
+        "layout": resolved.dims.describe(), "world_size": resolved.world_size, "device": resolved.device,
+        "schedule": resolved.layout.schedule, "microbatches": resolved.layout.microbatches, "ranks": results,
         "assumption": SYMMETRY, "capacity_bytes": capacity,
-        "memory": memory_verdicts(results, capacity, plan.dims),
+        "memory": memory_verdicts(results, capacity, resolved.dims),
     }
-    if pipeline_ranks == set(range(plan.pp)):
-        report["step"] = compose_step(plan, results, latency_s=cfg.plan.comm_latency_s,
+    if pipeline_ranks == set(range(resolved.pp)):
+        report["step"] = compose_step(resolved, results, latency_s=cfg.plan.comm_latency_s,
                                       bandwidth=cfg.plan.comm_bandwidth)
     else:
         report["step"] = None
-        report["step_missing"] = (f"pipeline ranks {sorted(set(range(plan.pp)) - pipeline_ranks)} were not rehearsed: "
+        missing = sorted(set(range(resolved.pp)) - pipeline_ranks)
+        report["step_missing"] = (f"pipeline ranks {missing} were not rehearsed: "
                                   "no composed step (rehearse.ranks=null rehearses one of each)")
     (run_dir / "rehearsal.json").write_text(json.dumps(report, indent=1))
     return report

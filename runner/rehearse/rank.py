@@ -26,23 +26,23 @@ from omegaconf import DictConfig
 
 from runner._torch.rehearsal import peak_split, peak_tracker
 from runner.hooks import Hook, StepContext, StepState
-from runner.layout import RunPlan
+from runner.layout import ResolvedRun
 from runner.rehearse.memory import held_bytes
 from runner.rehearse.world import collectives_by_dim, init_rehearsal, reset_collectives
 
-__all__ = ["rehearsal_plan", "run_rank", "rank_main"]
+__all__ = ["rehearsal_run", "run_rank", "rank_main"]
 
 log = logging.getLogger(__name__)
 
 
-def rehearsal_plan(plan: RunPlan, steps: int, run_dir: Path) -> RunPlan:
-    """The run's plan for a rehearsed rank: ``steps`` steps into ``run_dir``, no checkpoint, no
+def rehearsal_run(resolved: ResolvedRun, steps: int, run_dir: Path) -> ResolvedRun:
+    """The resolved run of a rehearsed rank: ``steps`` steps into ``run_dir``, no checkpoint, no
     evaluation, no verify, no torch profiler; the recorder times the last step's actions."""
     return dataclasses.replace(
-        plan, steps=steps, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
-        checkpoint=dataclasses.replace(plan.checkpoint, every=0),
-        eval=dataclasses.replace(plan.eval, every=0),
-        profile=dataclasses.replace(plan.profile, enabled=False, wait=steps - 1, warmup=0, active=1))
+        resolved, steps=steps, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
+        checkpoint=dataclasses.replace(resolved.checkpoint, every=0),
+        eval=dataclasses.replace(resolved.eval, every=0),
+        profile=dataclasses.replace(resolved.profile, enabled=False, wait=steps - 1, warmup=0, active=1))
 
 
 class _Measure(Hook):
@@ -69,17 +69,17 @@ class _Measure(Hook):
             self.collectives = collectives_by_dim(ctx.mesh.dims)
 
 
-def run_rank(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
+def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
     """Rehearse ``rank`` of ``plan`` in this process (which must hold no process group); returns
     its measurements."""
     from runner.train import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
-    env = init_rehearsal(rank, plan.world_size, device)
+    device = torch.device("cuda", 0) if resolved.device == "cuda" else torch.device("cpu")
+    env = init_rehearsal(rank, resolved.world_size, device)
     try:
         measure = _Measure(steps)
-        trainer = Trainer(rehearsal_plan(plan, steps, run_dir), cfg, env, hooks=[measure], static_stages=True)
+        trainer = Trainer(rehearsal_run(resolved, steps, run_dir), cfg, env, hooks=[measure], static_stages=True)
         trainer.setup()
         tracker = peak_tracker(trainer.modules, trainer.optimizer)
         # The tracker's dispatch mode slows every op: memory is tracked over the steps before the
@@ -94,7 +94,7 @@ def run_rank(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Pat
                     "seconds": (a.end_ns - a.start_ns) / 1e9} for a in recorder.actions if a.step == steps]
         coords = trainer.mesh.coords
         return {"rank": rank, "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
-                "stages": plan.layout.stages_on(coords.pp), "steps": steps, "losses": trainer.losses,
+                "stages": resolved.layout.stages_on(coords.pp), "steps": steps, "losses": trainer.losses,
                 "held_bytes": measure.held, "peak_bytes": peak_split(tracker),
                 "step_s": trainer.step_times[-1], "optimizer_s": measure.optimizer_s, "actions": actions,
                 "collectives": measure.collectives, "memory_tracker": "torch.distributed._tools.MemTracker"}
@@ -103,9 +103,9 @@ def run_rank(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Pat
             dist.destroy_process_group()
 
 
-def rank_main(plan: RunPlan, cfg: DictConfig, rank: int, steps: int, run_dir: Path, out: Path) -> None:
+def rank_main(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_dir: Path, out: Path) -> None:
     """A spawned process's target: rehearse ``rank`` and write its result to ``out`` (JSON)."""
-    torch.set_num_threads(plan.threads_per_rank)
+    torch.set_num_threads(resolved.threads_per_rank)
     run_dir.mkdir(parents=True, exist_ok=True)
-    result = run_rank(plan, cfg, rank, steps, run_dir)
+    result = run_rank(resolved, cfg, rank, steps, run_dir)
     out.write_text(json.dumps(result, indent=1))

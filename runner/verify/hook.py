@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from runner.errors import VerifyError
 from runner.hooks import Hook, StepContext, StepState
-from runner.layout import RunPlan
+from runner.layout import ResolvedRun
 from runner.losses import build_loss
 from runner.models.split import build_meta_model, materialize
 from runner.models.units import SequentialSpec, tied_groups
@@ -163,11 +163,11 @@ class Reference:
     (a head tied to the embedding is the embedding's parameter here, so it skips decay as the
     run's tied-embedding exemption has it do), its clipping and LR schedule (``runner.optim``)."""
 
-    def __init__(self, cfg: DictConfig, plan: RunPlan):
-        self.model, forward = reference_model(cfg, plan.resume)
-        self.unsplit = UnsplitStep(self.model, plan.layout.microbatches, build_loss(cfg.loss), forward=forward)
-        self.optimizer, self.scheduler = build_optimizer([self.model], plan.train)
-        self.grad_clip = plan.train.grad_clip
+    def __init__(self, cfg: DictConfig, resolved: ResolvedRun):
+        self.model, forward = reference_model(cfg, resolved.resume)
+        self.unsplit = UnsplitStep(self.model, resolved.layout.microbatches, build_loss(cfg.loss), forward=forward)
+        self.optimizer, self.scheduler = build_optimizer([self.model], resolved.train)
+        self.grad_clip = resolved.train.grad_clip
 
     def backward(self, batch: Batch) -> tuple[float, float]:
         """The step's forward and backward on the global batch: its loss and global gradient norm."""
@@ -252,7 +252,7 @@ class Verify(Hook):
         if state.first:
             self.first = state.step
         nth = state.step - self.first + 1
-        return nth if self.first and nth <= ctx.plan.verify_steps + 1 else 0
+        return nth if self.first and nth <= ctx.resolved.verify_steps + 1 else 0
 
     def after_reduce(self, ctx: StepContext, state: StepState) -> None:
         nth = self._nth(ctx, state)
@@ -264,7 +264,7 @@ class Verify(Hook):
         else:
             self._drift(ctx, state)
         if ctx.env.is_main and self.reference is not None:
-            if nth <= ctx.plan.verify_steps:
+            if nth <= ctx.resolved.verify_steps:
                 self.lr = self.reference.update(self.ref_grad_norm)
             else:
                 self.reference = None  # K + 1 compared: its memory back
@@ -274,14 +274,14 @@ class Verify(Hook):
         loss and every gradient against the run's, before clipping."""
         assert state.loss is not None  # reduced before after_reduce
         got = gather_grads(ctx.modules, ctx.env, ctx.not_counted)
-        moments = _gather_adam_state(ctx) if ctx.plan.resume is not None else None
+        moments = _gather_adam_state(ctx) if ctx.resolved.resume is not None else None
         report = None
         if ctx.env.is_main:
-            self.reference = Reference(ctx.cfg, ctx.plan)
+            self.reference = Reference(ctx.cfg, ctx.resolved)
             if moments is not None:
                 self.reference.resume_state(moments, ctx.scheduler.state_dict())
             ref_loss, self.ref_grad_norm = self.reference.backward(state.batch)
-            rtol, atol = TOLERANCES[ctx.plan.train.precision]
+            rtol, atol = TOLERANCES[ctx.resolved.train.precision]
             report = compare(got, collect_grads([self.reference.model]), state.loss, ref_loss, rtol=rtol, atol=atol)
             report = _with_dropout_hint(report, ctx.cfg)
             report.update(grad_norm=state.grad_norm, ref_grad_norm=self.ref_grad_norm, steps=[])
@@ -298,7 +298,7 @@ class Verify(Hook):
             assert self.reference is not None
             ref_loss, self.ref_grad_norm = self.reference.backward(state.batch)
             report = compare_drift(state.loss, ref_loss, state.grad_norm, self.ref_grad_norm,
-                                   rtol=DRIFT[ctx.plan.train.precision])
+                                   rtol=DRIFT[ctx.resolved.train.precision])
             log.info("verify: step %d: loss rel diff %.3g, grad norm rel diff %.3g -> %s", state.step,
                      report["loss_rel_diff"], report["grad_norm_rel_diff"], "passed" if report["passed"] else "FAILED")
         self._record(state.step, "loss_and_grad_norm",
@@ -307,14 +307,14 @@ class Verify(Hook):
     def after_step(self, ctx: StepContext, state: StepState) -> None:
         """After each of the first K updates: every weight (tied copies under each of their names)."""
         nth = self._nth(ctx, state)
-        if not nth or nth > ctx.plan.verify_steps:
+        if not nth or nth > ctx.resolved.verify_steps:
             return
         busy(f"verifying the weights after step {state.step} against the unsplit model")
         got = gather(ctx.modules, ctx.env, _weight)
         report = None
         if ctx.env.is_main:
             assert self.reference is not None
-            units, fraction = WEIGHT_TOLERANCES[ctx.plan.train.precision]
+            units, fraction = WEIGHT_TOLERANCES[ctx.resolved.train.precision]
             report = compare_weights(got, self.reference.weights(), self.lr, max_lr_units=units, max_fraction=fraction)
             log.info("verify: weights after step %d: at most %.3g lr apart, %.3g%% of them beyond %g lr -> %s",
                      state.step, report["max_lr_units"], 100 * report["fraction_off"], units,

@@ -17,7 +17,7 @@ class HeldBytes(Hook):
         self.by_rank: list | None = None
 
     def after_step(self, ctx: StepContext, state: StepState) -> None:
-        if state.step == ctx.plan.steps:
+        if state.step == ctx.resolved.steps:
             self.by_rank = gather_to_main(held_bytes(ctx.params, ctx.optimizer), ctx.env)
 
     def summary(self) -> dict[str, Any]:
