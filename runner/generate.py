@@ -39,19 +39,24 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PROG = "python -m runner.generate"
 
 
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
-    """What ``key=value`` words set (each key's meaning: its comment, and ``--help``)."""
+    """What ``key=value`` words set (each key's meaning: its help, as ``--help`` prints it)."""
 
-    prompt: str | None = None  # the text to continue
-    prompt_ids: tuple[int, ...] | None = None  # token ids instead (a run without a tokenizer): "1 2 3"
-    max_new_tokens: int = 64  # the token budget: at most this many tokens after the prompt
-    temperature: float = 0.0  # 0: greedy (the likeliest token each step); > 0: sample, softmax(logits / t)
-    top_k: int = 0  # sample from the k likeliest tokens only; 0: from all
-    seed: int = 0  # the sampling generator's seed: the same seed, the same text
-    stop_at_eos: bool = True  # stop at the tokenizer's end-of-sequence token
-    device: str = "cpu"  # cpu, cuda, cuda:1, ...
-    dtype: str = "fp32"  # fp32, bf16, fp16: the weights and the computation
+    prompt: str | None = _setting(None, "the text to continue (required, or prompt_ids)")
+    prompt_ids: tuple[int, ...] | None = _setting(None, 'token ids instead, for a run without a tokenizer: "1 5 9"')
+    max_new_tokens: int = _setting(64, "the token budget: at most this many tokens after the prompt")
+    temperature: float = _setting(0.0, "0: greedy (the likeliest token each step); > 0: sample from "
+                                       "softmax(logits / temperature)")
+    top_k: int = _setting(0, "sample from the k likeliest tokens only; 0: from all")
+    seed: int = _setting(0, "the sampling generator's seed: the same settings and seed, the same text")
+    stop_at_eos: bool = _setting(True, "stop at the tokenizer's end-of-sequence token (true or false)")
+    device: str = _setting("cpu", "cpu, cuda, cuda:1, ...")
+    dtype: str = _setting("fp32", "the weights' and the computation's: fp32, bf16 or fp16")
 
     def check(self) -> None:
         """Every value a user can get wrong, before anything is loaded."""
@@ -225,7 +230,9 @@ def _decode(model: nn.Module, ids: list[int], settings: Settings, eos_id: int | 
 def generate(source: str | Path, settings: Settings | None = None, **values: Any) -> Generation:
     """Continue the prompt with the weights of ``source`` (a run directory's newest complete
     checkpoint, or the checkpoint named): ``generate(run_dir, prompt="...", max_new_tokens=20)``,
-    or a ``Settings``. Raises ``ConfigError`` for bad input, before any weight is read."""
+    or a ``Settings``. Raises ``ConfigError`` for bad input."""
+    if settings is not None and values:
+        raise TypeError("generate() takes a Settings or keyword settings, not both")
     settings = settings or Settings(**values)
     settings.check()
     checkpoint = _checkpoint_of(Path(source).expanduser().resolve())
@@ -272,7 +279,7 @@ def _value(key: str, text: str) -> Any:
 
 
 def _example(key: str) -> str:
-    return {"prompt_ids": '"1 5 9"', "stop_at_eos": "false"}.get(key, str(getattr(Settings(), key)))
+    return {"prompt_ids": '"1 5 9"', "stop_at_eos": "false"}.get(key, str(_KEYS[key].default))
 
 
 def parse_settings(words: list[str]) -> Settings:
@@ -290,7 +297,8 @@ def parse_settings(words: list[str]) -> Settings:
 
 
 def _help() -> str:
-    lines = [f"  {name}={_example(name) if name != 'prompt' else '...'}" for name in _KEYS]
+    lines = [f"  {name:<15} {f.metadata['help']}" + ("" if f.default is None else f" (default {str(f.default).lower()})")
+             for name, f in _KEYS.items()]
     return "settings (key=value):\n" + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1]
 
 

@@ -8,6 +8,8 @@ tiny built-in run trained here."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,19 @@ def test_a_builtin_models_greedy_output_equals_an_argmax_loop_over_the_unsplit_m
     loaded = checkpoint_model(checkpoint)
     assert loaded.head.weight is loaded.embed.tok.weight  # tied again
     assert torch.equal(loaded.head.weight, reference.head.weight)
+    by_ids = generate(run, prompt_ids=tuple(b"the pipeline "), max_new_tokens=3)
+    assert by_ids.new_ids == result.new_ids and by_ids.text is None
+
+
+def test_a_user_model_factory_is_not_imported(builtin_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(builtin_run[0], run)
+    config = run / "resolved_config.yaml"
+    config.write_text(config.read_text().replace("runner.models.builtin.transformer", "mypkg.models.build"))
+    assert _main(str(run), "prompt=the") == 2
+    err = capsys.readouterr().err
+    assert "model._target_='mypkg.models.build' is not a built-in model" in err and "Fix: " in err
+    assert "mypkg" not in sys.modules
 
 
 def _run_without_checkpoints(tmp_path: Path) -> Path:
