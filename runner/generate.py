@@ -297,8 +297,8 @@ def parse_settings(words: list[str]) -> Settings:
 
 
 def _help() -> str:
-    lines = [f"  {name:<15} {f.metadata['help']}" + ("" if f.default is None else f" (default {str(f.default).lower()})")
-             for name, f in _KEYS.items()]
+    defaults = {name: "" if f.default is None else f" (default {str(f.default).lower()})" for name, f in _KEYS.items()}
+    lines = [f"  {name:<15} {f.metadata['help']}{defaults[name]}" for name, f in _KEYS.items()]
     return "settings (key=value):\n" + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1]
 
 
