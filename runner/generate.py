@@ -168,8 +168,9 @@ def _check_budget(model: nn.Module, ids: list[int], settings: Settings) -> None:
     if limit is None or len(ids) + settings.max_new_tokens <= limit:
         return
     if len(ids) >= limit:
-        raise ConfigError(f"the prompt is {len(ids)} tokens, the model takes at most {limit} positions. "
-                          "Fix: a shorter prompt.")
+        key = "prompt" if settings.prompt is not None else "prompt_ids"
+        raise ConfigError(f"{key}={shown(settings.prompt or list(ids))} is {len(ids)} tokens, the model takes at most "
+                          f"{limit} positions. Fix: a prompt of at most {limit - 1} tokens.")
     raise ConfigError(f"max_new_tokens={settings.max_new_tokens}: with the prompt's {len(ids)} tokens that is "
                       f"{len(ids) + settings.max_new_tokens} positions, the model takes at most {limit}. "
                       f"Fix: max_new_tokens={limit - len(ids)} or less.")
@@ -234,8 +235,12 @@ def generate(source: str | Path, settings: Settings | None = None, **values: Any
     if settings is not None and values:
         raise TypeError("generate() takes a Settings or keyword settings, not both")
     settings = settings or Settings(**values)
+    source = Path(source).expanduser().resolve()
+    if "=" in source.name and not source.exists():  # a setting where the source belongs
+        raise ConfigError(f"{_PROG} {source.name}: the first argument is the run directory or checkpoint, not a "
+                          f"setting. Fix: {_PROG} <run dir> {source.name}.")
     settings.check()
-    checkpoint = _checkpoint_of(Path(source).expanduser().resolve())
+    checkpoint = _checkpoint_of(source)
     codec = _codec(checkpoint)
     ids = _prompt_ids(settings, codec, checkpoint)
     model = checkpoint_model(checkpoint).eval()

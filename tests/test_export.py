@@ -2,7 +2,7 @@
 writes beside the target and renames, refuses a non-empty target (unless ``--overwrite``) and any
 run directory, the model and the tokenizer the run used, ships the tokenizer the run trained with,
 writes the source dtype unless told otherwise, and answers with the main CLI's exit codes.
-In-process: one tiny Llama run (bf16 pretrained weights, trained with another tokenizer than its
+In-process: one tiny Llama run (bf16 pretrained weights, a tied head, trained with another tokenizer than its
 model directory's), its checkpoint exported many times."""
 
 from __future__ import annotations

@@ -75,6 +75,10 @@ def test_greedy_decoding_of_a_hf_run_equals_transformers_generate_on_its_export(
     assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert result.text.startswith(prompt)
     assert not dist.is_initialized()  # one process, no process group
+    assert "lm_head.weight" not in read_model_tensors(result.checkpoint)  # stored once, under the first name
+    loaded = checkpoint_model(result.checkpoint)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # tied again
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
 
     main([str(trained / "run" / "checkpoints" / "step-2"), f"prompt={prompt}", "max_new_tokens=20"])
     printed = capsys.readouterr()
@@ -144,6 +148,9 @@ BAD = {
     "not a run": (lambda t: t, ["prompt=the"], "is not a complete checkpoint: it has no .metadata"),
     "no checkpoint": (_run_without_checkpoints, ["prompt=the"], "the run saved no checkpoint (it has no "
                       "checkpoints/). Fix: a run trained with checkpoint.every=K"),
+    "no source": (lambda t: "prompt=the stage", [], "python -m runner.generate prompt=the stage: the first "
+                  "argument is the run directory or checkpoint, not a setting. Fix: python -m runner.generate "
+                  "<run dir> prompt=the stage."),
     "empty prompt": ("run", ["prompt="], "prompt='' is empty. Fix: prompt="),
     "no prompt": ("run", [], 'no prompt. Fix: python -m runner.generate <run dir> prompt="'),
     "negative temperature": ("run", ["prompt=the", "temperature=-0.5"], "temperature=-0.5 must be >= 0. Fix: "),
@@ -155,6 +162,8 @@ BAD = {
                                     "prompt's 2 tokens that is 65 positions, the model takes at most 64. Fix: "
                                     "max_new_tokens=62 or less."),
     "negative top_k": ("run", ["prompt=the", "top_k=-1"], "top_k=-1 must be >= 0. Fix: "),
+    "prompt beyond the positions": ("run", ["prompt=" + "the " * 70], "is 70 tokens, the model takes at most 64 "
+                                    "positions. Fix: a prompt of at most 63 tokens."),
 }
 
 

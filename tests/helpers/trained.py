@@ -36,12 +36,14 @@ def run_config(root: Path, tokenizer: Path, *overrides: str):
 
 
 def train_tiny_llama(root: Path) -> Path:
-    """``root``: model/ (a tiny Llama saved in bf16, with tokenizer A), tokenizer-b/ (B: the same
+    """``root``: model/ (a tiny Llama with a tied head saved in bf16, with tokenizer A), tokenizer-b/ (B: the same
     size, other words), run/ (2 steps trained with B, checkpoint step-2)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(family_configs()["llama"]).to(torch.bfloat16).save_pretrained(root / "model")
+    config = family_configs()["llama"]
+    config.tie_word_embeddings = True  # the head stored once in the checkpoint, tied again where it is loaded
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root / "model")
     write_tokenizer(root / "model")
     other_tokenizer(root / "tokenizer-b")
     (root / "corpus.txt").write_text(" ".join(WORDS * 40))
