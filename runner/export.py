@@ -25,14 +25,10 @@ from pathlib import Path
 
 import torch
 
-from runner._torch.dcp import read_model_tensors
-from runner.checkpoint.checkpointer import verify_checkpoint
 from runner.checkpoint.files import TOKENIZER_DIR, find_checkpoint, read_train_state
+from runner.checkpoint.model import hf_model
 from runner.config import parse_bytes
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
-from runner.models.hf_dirs import remote_code_problem
-from runner.models.units import tied_groups
-from runner.ranks.dist import DistEnv
 from runner.rundir import LOCK_FILE
 
 __all__ = ["DTYPES", "export", "checkpoint_of", "source_dtype", "main"]
@@ -128,34 +124,6 @@ def _check_target(out: Path, checkpoint: Path, *, overwrite: bool) -> None:
         raise ConfigError(f"output directory {out}: {parent} is not writable. Fix: another output directory.")
 
 
-def _model(checkpoint: Path):
-    """The model of the checkpoint's ``hf/config.json`` with the checkpoint's tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf = checkpoint / "hf"
-    if problem := remote_code_problem(hf, f"checkpoint {checkpoint}"):  # before transformers reads an auto_map
-        raise ConfigError(problem)
-    config = AutoConfig.from_pretrained(hf, local_files_only=True, trust_remote_code=False)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    tied = {n for names in tied_groups(model) for n in names[1:]}  # stored once, under the first name
-    verify_checkpoint(checkpoint, read_train_state(checkpoint)["world_size"], DistEnv(0, 1, torch.device("cpu")))
-    tensors = read_model_tensors(checkpoint)
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    missing = [n for n in missing if n not in tied and n in params]
-    if missing or unexpected:
-        raise RunnerError(f"{checkpoint} does not hold this model's weights: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}.")
-    model.tie_weights()
-    for module in model.modules():  # buffers no checkpoint holds (rotary frequencies): computed
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            module.to_empty(device="cpu", recurse=False)
-            with torch.no_grad():
-                model._init_weights(module)
-    return model
-
-
 def _ship_files(checkpoint: Path, target: Path) -> None:
     """The tokenizer the run trained with (the checkpoint's ``tokenizer/``; checkpoints that
     predate it: the model directory's, in ``hf/``) and the model's generation config."""
@@ -200,7 +168,7 @@ def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size:
         raise ConfigError(f"{checkpoint} holds no Hugging Face config (hf/config.json): only model=hf runs export "
                           "to Hugging Face format. Fix: export a checkpoint of a model=hf run.")
     _check_target(out, checkpoint, overwrite=overwrite)
-    model = _model(checkpoint)
+    model = hf_model(checkpoint)
     model.to(DTYPES[dtype or source_dtype(checkpoint)])
     out.parent.mkdir(parents=True, exist_ok=True)
     new = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"

@@ -44,3 +44,13 @@ def pytest_runtest_teardown(item):
     tier.end()
     if _threads:
         torch.set_num_threads(_threads.pop())
+
+
+@pytest.fixture(scope="session")
+def trained_llama(tmp_path_factory) -> Path:
+    """One tiny Llama trained 2 steps by the runner (``helpers.trained.train_tiny_llama``): the
+    session's one such run, exported by test_export and sampled from by test_generate. Tests read it
+    and write elsewhere."""
+    from helpers.trained import train_tiny_llama
+
+    return train_tiny_llama(tmp_path_factory.mktemp("export"))

@@ -2,7 +2,7 @@
 writes beside the target and renames, refuses a non-empty target (unless ``--overwrite``) and any
 run directory, the model and the tokenizer the run used, ships the tokenizer the run trained with,
 writes the source dtype unless told otherwise, and answers with the main CLI's exit codes.
-In-process: one tiny Llama run (bf16 pretrained weights, trained with another tokenizer than its
+In-process: one tiny Llama run (bf16 pretrained weights, a tied head, trained with another tokenizer than its
 model directory's), its checkpoint exported many times."""
 
 from __future__ import annotations
@@ -20,49 +20,15 @@ from runner.checkpoint.files import TOKENIZER_DIR
 from runner.checkpoint.resume_check import tokenizer_record
 from runner.errors import ConfigError
 from runner.export import export, main
-from runner.ranks.dist import DistEnv
-from runner.train import train
 from runner.validate import validate
 
-from helpers.config import compose
-from helpers.hf import family_configs, write_tokenizer
-
-ENV = DistEnv(0, 1, torch.device("cpu"))
-WORDS = "the pipeline stage runs every microbatch forward and backward while another rank waits".split()
-
-
-def other_tokenizer(directory: Path) -> Path:
-    """A tokenizer of the same size as ``write_tokenizer``'s whose ids stand for other words."""
-    write_tokenizer(directory)
-    file = directory / "tokenizer.json"
-    file.write_text(file.read_text().replace('"pipeline"', '"pipework"'))
-    return directory
-
-
-def run_config(root: Path, tokenizer: Path, *overrides: str):
-    return compose("device=cpu", "model=hf", f"model.path={root / 'model'}", "data=text",
-                   f"data.path={root / 'corpus.txt'}", f"data.tokenizer={tokenizer}",
-                   f"data.cache_dir={root / 'cache'}",
-                   "train.seq_len=16", "parallel.pp=1", "parallel.microbatches=2", "train.batch_size=4",
-                   "profile.enabled=false", *overrides)
+from helpers.trained import run_config
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """``root``: model/ (a tiny Llama saved in bf16, with tokenizer A), tokenizer-b/ (B: the same
-    size, other words), run/ (2 steps trained with B, checkpoint step-2)."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("export")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(family_configs()["llama"]).to(torch.bfloat16).save_pretrained(root / "model")
-    write_tokenizer(root / "model")
-    other_tokenizer(root / "tokenizer-b")
-    (root / "corpus.txt").write_text(" ".join(WORDS * 40))
-    cfg = run_config(root, root / "tokenizer-b", "train.steps=2", "checkpoint.every=2")
-    (root / "run").mkdir()
-    train(validate(cfg, root / "run"), cfg, ENV)
-    return root
+def trained(trained_llama) -> Path:
+    """The session's tiny Llama run (``helpers.trained.train_tiny_llama``), shared with test_generate."""
+    return trained_llama
 
 
 def _main(*argv: str) -> int:

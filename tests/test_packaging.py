@@ -96,7 +96,7 @@ def test_the_installed_example_schedules_resolve_by_name_from_any_directory(inst
                    cwd=tmp_path, env=env, checkout=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout == (shipped.parent / "gpipe_pp2_m4.csv").read_text()
-    assert (bin_dir / "runner-timeline").is_file()
+    assert (bin_dir / "runner-timeline").is_file() and (bin_dir / "runner-generate").is_file()
 
 
 @pytest.mark.timeout(60)
