@@ -177,8 +177,10 @@ def _copy_state(state: dict | None, kept: dict[str, object] | None) -> dict[str,
     for key, value in state.items():
         old = (kept or {}).get(key)
         if isinstance(value, torch.Tensor):
-            reuse = isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype
-            out[key] = old.copy_(value) if reuse else value.detach().clone()  # type: ignore[union-attr]
+            if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+                out[key] = old.copy_(value)
+            else:
+                out[key] = value.detach().clone()
         else:
             out[key] = value
     return out

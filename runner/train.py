@@ -32,8 +32,8 @@ from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
 from runner.models.split import StageModule
-from runner.options import OptimizerSync
 from runner.optim import UpdateSnapshot, build_optimizer, clip_coefficient, clip_grads
+from runner.options import OptimizerSync
 from runner.outputs.metrics import (
     MetricsWriter,
     as_ran,
@@ -260,6 +260,7 @@ class Trainer:
         self.step_times.append(step_time)
         if state.first:
             self.clock.mark("first_step")  # with shape inference (and compilation)
+        assert state.loss is not None  # reduced by the update
         self.losses.append(state.loss)
         return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm,
                 "step_time_s": step_time, "tokens_per_s": resolved.tokens_per_step / step_time}

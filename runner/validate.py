@@ -25,8 +25,8 @@ from runner.checkpoint.resume_check import resume_point
 from runner.compose import check_schema, rank_options
 from runner.config import parse_bytes
 from runner.errors import ConfigError
-from runner.options import OptimizerSync
 from runner.layout import Layout, ResolvedRun, microbatch_size
+from runner.options import OptimizerSync
 from runner.outputs.config import LOGGING_MOVED
 from runner.outputs.loggers import check_loggers
 from runner.parallel.dims import ParallelDims
