@@ -36,20 +36,20 @@ SCHEDULES = ["1f1b", "zbh1", "zbh2"]
 CLIP = {8: 0.81, 16: 0.71}
 MODES = ["barrier", "post_validate"]
 STEPS = 20
-NANGRAD = "nangrad:1:3"  # a finite loss and a NaN gradient on rank 1 at step 3
+NANGRAD = "nangrad:1:2"  # a finite loss and a NaN gradient on rank 1 at step 2
 
 
 def _cases(layout: list[str], schedules: list[str], *, clip: float,
            extra: dict[str, list[str]] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
-    """Each schedule (and each ``extra`` layout) 20 steps in both modes, and 3 steps with a NaN
-    gradient at step 3; returns the cases and their faults."""
+    """Each schedule (and each ``extra`` layout) 20 steps in both modes, and 2 steps with a NaN
+    gradient at step 2; returns the cases and their faults."""
     layouts = {name: [f"schedule={name}", *layout] for name in schedules} | (extra or {})
     cases, faults = {}, {}
     for name, overrides in layouts.items():
         for mode in MODES:
             common = [*TINY, *overrides, f"train.grad_clip={clip}", f"train.optimizer_sync={mode}"]
             cases[f"{name}-{mode}"] = resolved(*common, f"train.steps={STEPS}")
-            cases[f"{name}-nangrad-{mode}"] = resolved(*common, "train.steps=3")
+            cases[f"{name}-nangrad-{mode}"] = resolved(*common, "train.steps=2")
             faults[f"{name}-nangrad-{mode}"] = NANGRAD
     return cases, faults
 
@@ -83,7 +83,7 @@ def _assert_same_run(out: Path, records: dict[str, dict], name: str, clip: float
 
 def _assert_same_refusal(records: dict[str, dict], name: str) -> None:
     errors = [records[f"{name}-nangrad-{mode}"].get("error", "") for mode in MODES]
-    assert errors[0].startswith("NonFiniteLossError: non-finite gradient norm at step 3 (loss "), errors[0]
+    assert errors[0].startswith("NonFiniteLossError: non-finite gradient norm at step 2 (loss "), errors[0]
     assert "grad_norm nan" in errors[0] and errors[1] == errors[0], errors
 
 
