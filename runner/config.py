@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from runner.errors import ConfigError, shown
-from runner.options import ActivationCheckpointing, LRSchedule, NoDecay, Precision, choices
+from runner.options import ActivationCheckpointing, LRSchedule, NoDecay, OptimizerSync, Precision, choices
 
 __all__ = ["TrainConfig", "EvalConfig", "PlanConfig", "TargetPlanConfig", "parse_bytes"]
 
@@ -53,6 +53,13 @@ class TrainConfig:
     no_decay: List[str] = field(default_factory=lambda: ["bias", "norm", "embedding"], metadata=choices(NoDecay))
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global gradient norm across all stages; 0 = off
+    # barrier | post_validate. barrier: every rank waits for the step's loss and global gradient
+    # norm (one all-reduce), then clips and steps AdamW. post_validate: each rank steps AdamW as
+    # soon as its own backward is done, unclipped, while that all-reduce runs; the step is then
+    # validated, and one that needed clipping is undone from a snapshot taken before it (+12 bytes
+    # per parameter) and redone clipped; a non-finite one is undone and stops the run as under
+    # barrier. Both train bit-identically (docs/optimizer-sync.md).
+    optimizer_sync: str = field(default="barrier", metadata=choices(OptimizerSync))
     seed: int = 0
     # fp32 | bf16. bf16 autocasts each stage's forward (parameters, gradients and the optimizer
     # stay fp32); with parallel.dp_mode=fsdp it is FSDP's mixed-precision policy instead.

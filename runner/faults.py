@@ -3,7 +3,10 @@
 them: the training step meets them as a hook, a checkpoint's save as its ``before_commit`` callback.
 
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
-(SIGKILL), ``stall`` (sleep far past the collective timeout), ``sigstop`` (SIGSTOP in the middle of
+(SIGKILL), ``kill-after-backward`` (SIGKILL once the rank's forward and backward are done, before it
+adds its share to the step's loss and norm: its peers wait in that reduction, under
+``train.optimizer_sync=post_validate`` with their update applied), ``stall`` (sleep far past the
+collective timeout), ``sigstop`` (SIGSTOP in the middle of
 the rank's first action of the step, inside its first stage's forward, where its tp peers then wait
 in that action's collectives), ``nan`` (a non-finite loss), ``nangrad`` (a finite loss with a
 non-finite gradient) or ``double-step`` (that rank's optimizer applies the step's update twice: a
@@ -47,7 +50,7 @@ def _stop_in_forward(module: torch.nn.Module) -> None:
 
 class TrainFault(Hook):
     """``what`` on ``rank`` at ``step``: raise, kill and stall as the step begins, sigstop in its
-    first forward; nan and nangrad once its backward has run; double-step once its gradients are
+    first forward; kill-after-backward, nan and nangrad once its backward has run; double-step once its gradients are
     clipped."""
 
     def __init__(self, what: str, rank: int, step: int):
@@ -71,6 +74,8 @@ class TrainFault(Hook):
     def after_backward(self, ctx: StepContext, state: StepState) -> None:
         if not self._due(ctx, state):
             return
+        if self.what == "kill-after-backward":
+            _kill()
         if self.what == "nan" and state.local_loss is not None:
             state.local_loss = state.local_loss * float("nan")
         if self.what == "nangrad":  # a finite loss with a non-finite gradient

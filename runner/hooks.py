@@ -65,10 +65,14 @@ class Hook:
         reduced over the ranks (``state.local_loss`` may be replaced)."""
 
     def after_reduce(self, ctx: StepContext, state: StepState) -> None:
-        """The step's loss and norm known and finite; gradients not yet clipped or applied."""
+        """The step's loss and norm known and finite; gradients not yet clipped. Not yet applied
+        under ``train.optimizer_sync=barrier``; under ``post_validate`` the unclipped update
+        already is (docs/optimizer-sync.md)."""
 
     def after_clip(self, ctx: StepContext, state: StepState) -> None:
-        """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped."""
+        """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped (under
+        ``post_validate``: on a step the clip left alone, it has, unclipped; on one it clipped, the
+        speculative update is undone and the clipped one follows)."""
 
     def after_step(self, ctx: StepContext, state: StepState) -> None:
         """The optimizer and the LR schedule have stepped: the parameters hold the step's update."""

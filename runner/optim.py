@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from runner.config import TrainConfig
 
 __all__ = ["NO_DECAY_KINDS", "lr_factor", "param_groups", "check_distinct_storage", "build_optimizer",
-           "clip_grads"]
+           "clip_grads", "clip_coefficient", "UpdateSnapshot"]
 
 # By shape and role, not by a list of classes (transformers' LlamaRMSNorm is no torch norm):
 # every 1-D parameter is a bias or a gain (the weights of norms of any class), and embedding tables
@@ -106,6 +106,84 @@ def clip_grads(params: Sequence[nn.Parameter], max_norm: float, total_norm: floa
     norm = torch.tensor(total_norm)
     for group in _by_kind(params):  # torch's foreach ops take DTensors or tensors, not both
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+
+
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor ``clip_grads`` scales every gradient by, computed as torch computes it (float32
+    ``max_norm / (total_norm + 1e-6)``, at most 1): 1.0 exactly where clipping leaves the gradients
+    as they are (a product with 1.0 is exact), so an update made without clipping stands."""
+    if max_norm <= 0:
+        return 1.0
+    return torch.clamp(max_norm / (torch.tensor(total_norm) + 1e-6), max=1.0).item()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class UpdateSnapshot:
+    """What an AdamW step changes on this rank, copied before it (``train.optimizer_sync=
+    post_validate``): every parameter, and each one's optimizer state (both moments and ``step``), so
+    that an update applied before its global check can be undone exactly, not by an inverse of
+    AdamW. The copies are made once and refilled at each step; ``restore`` writes the values back
+    into the same tensors (what the checkpointer holds stays what it holds). The LR schedule needs
+    no copy: the trainer steps it after the validation."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.values: list[torch.Tensor] = []
+        self.state: list[dict[str, object] | None] = []  # None: no state yet (before the first step)
+
+    @torch.no_grad()
+    def take(self) -> None:
+        if not self.values:
+            self.values = [p.detach().clone() for p in self.params]
+        else:
+            for p, copy in zip(self.params, self.values):
+                copy.copy_(p)
+        old = self.state or [None] * len(self.params)
+        self.state = [_copy_state(self.optimizer.state.get(p), kept) for p, kept in zip(self.params, old)]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, copy, saved in zip(self.params, self.values, self.state):
+            p.copy_(copy)
+            if saved is None:
+                self.optimizer.state.pop(p, None)  # the step made it: the redo makes it again
+                continue
+            state = self.optimizer.state[p]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value
+
+    def numel(self) -> int:
+        """The parameters' elements on this rank."""
+        return sum(_local(p).numel() for p in self.params)
+
+    def nbytes(self) -> int:
+        """The memory the copies take on this rank."""
+        tensors = [*self.values, *(v for s in self.state if s for v in s.values() if isinstance(v, torch.Tensor))]
+        return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _copy_state(state: dict | None, kept: dict[str, object] | None) -> dict[str, object] | None:
+    """A copy of one parameter's optimizer state, into ``kept``'s tensors where it has them."""
+    if not state:
+        return None
+    out: dict[str, object] = {}
+    for key, value in state.items():
+        old = (kept or {}).get(key)
+        if isinstance(value, torch.Tensor):
+            if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+                out[key] = old.copy_(value)
+            else:
+                out[key] = value.detach().clone()
+        else:
+            out[key] = value
+    return out
 
 
 def _by_kind(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:

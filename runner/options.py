@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = ["Choice", "Device", "StartMethod", "Precision", "ActivationCheckpointing", "LRSchedule", "NoDecay",
-           "WandbMode", "choices", "allowed"]
+           "OptimizerSync", "WandbMode", "choices", "allowed"]
 
 
 class Choice(str, Enum):
@@ -51,6 +51,11 @@ class ActivationCheckpointing(Choice):
     none = "none"
     full = "full"
     every_n = "every_n"
+
+
+class OptimizerSync(Choice):
+    barrier = "barrier"  # every rank waits for the step's loss and global norm, then clips and steps
+    post_validate = "post_validate"  # each rank steps at once; the global checks validate it afterwards
 
 
 class LRSchedule(Choice):

@@ -3,7 +3,8 @@
 * ``setup``: the data, the mesh, this rank's stages and schedule, the optimizer, the checkpoint to
   resume from, the profiler, the metrics and loggers (rank 0);
 * ``step``: one optimizer step: data → pipelined forward and backward → the loss and global
-  gradient norm over all ranks → clip → AdamW;
+  gradient norm over all ranks → clip → AdamW (``train.optimizer_sync=post_validate``: AdamW while
+  that reduction runs, validated after it, undone and redone clipped where it had to be);
 * ``evaluate``: held-out loss, forward only, every ``eval.every`` steps;
 * ``checkpoint``: every ``checkpoint.every`` steps;
 * ``finish``: the profile, and on rank 0 the summary.
@@ -17,7 +18,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -31,7 +32,8 @@ from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
 from runner.models.split import StageModule
-from runner.optim import build_optimizer, clip_grads
+from runner.optim import UpdateSnapshot, build_optimizer, clip_coefficient, clip_grads
+from runner.options import OptimizerSync
 from runner.outputs.metrics import (
     MetricsWriter,
     as_ran,
@@ -46,12 +48,12 @@ from runner.parallel.mesh import Mesh, build_mesh
 from runner.pipeline.step import Batch, build_step
 from runner.ranks.clock import StartupClock
 from runner.ranks.console import step_record
-from runner.ranks.dist import DistEnv, all_reduce_sum, gather_to_main
+from runner.ranks.dist import DistEnv, all_reduce_sum, gather_to_main, start_all_reduce_sum
 from runner.ranks.processes import raise_if_stopped
 from runner.ranks.watchdog import beat, busy, waiting
 from runner.verify.hook import Verify
 
-__all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm"]
+__all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm", "start_reduce"]
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +72,26 @@ def reduce_loss_and_grad_norm(local_loss: torch.Tensor | None, params: list[torc
     gradients' squares, a shard's counted once per shard of its tensor (``_squares``), so the
     world's sums divided by ``stage_ranks`` are the loss and the squared global norm. A per-rank
     clip would scale each stage differently; this norm is the same on every rank."""
+    return start_reduce(local_loss, params, env, mesh)()
+
+
+def start_reduce(local_loss: torch.Tensor | None, params: list[torch.nn.Parameter], env: DistEnv,
+                 mesh: Mesh) -> Callable[[], tuple[float, float]]:
+    """``reduce_loss_and_grad_norm``'s all-reduce, started without blocking: the same sums in the
+    same order (so the same bits); the returned function waits for it and gives the loss and the
+    norm (``train.optimizer_sync=post_validate`` steps AdamW in between)."""
     loss = local_loss.detach().float() if local_loss is not None else torch.zeros((), device=env.device)
     local = torch.stack([loss, _squares(params, env.device)])
-    with waiting("the step's loss and gradient-norm all-reduce"):  # blocked here, a rank waits for its peers
-        sums = all_reduce_sum(local, env) / mesh.dims.stage_ranks
-        loss_value, norm_sq = sums.tolist()  # the step's one host sync
-    return loss_value, math.sqrt(norm_sq)
+    work = start_all_reduce_sum(local, env)
+
+    def wait() -> tuple[float, float]:
+        with waiting("the step's loss and gradient-norm all-reduce"):  # blocked here, a rank waits for its peers
+            if work is not None:
+                work.wait()
+            loss_value, norm_sq = (local / mesh.dims.stage_ranks).tolist()  # the step's one host sync
+        return loss_value, math.sqrt(norm_sq)
+
+    return wait
 
 
 def _squares(params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -139,6 +155,21 @@ def _artifacts(run_dir) -> list:
     return [run_dir / n for n in names if (run_dir / n).is_file()]
 
 
+@dataclass
+class PostValidation:
+    """``train.optimizer_sync=post_validate`` on this rank: the snapshot each update is taken into,
+    the steps rolled back, and the seconds spent on snapshots and on rollbacks (restore and redo)."""
+
+    snapshot: UpdateSnapshot
+    rollbacks: int = 0
+    snapshot_s: float = 0.0
+    rollback_s: float = 0.0
+
+    def report(self) -> dict:
+        return {"snapshot_bytes": self.snapshot.nbytes(), "params": self.snapshot.numel(),
+                "rollbacks": self.rollbacks, "snapshot_s": self.snapshot_s, "rollback_s": self.rollback_s}
+
+
 class Trainer:
     """One rank's training, following ``plan`` (``runner.validate``); ``cfg`` is the composed config
     (the factories' keys and the training options). ``clock``: the startup phases so far (a fresh
@@ -178,6 +209,8 @@ class Trainer:
         # A head tied to the embedding is an embedding wherever it sits (no weight decay).
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
+        self.post_validate = (PostValidation(UpdateSnapshot(self.optimizer))
+                              if t.optimizer_sync == OptimizerSync.post_validate else None)
         self.checkpointer = Checkpointer(resolved.checkpoint, self.run_dir, env, self.modules, self.optimizer,
                                          self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
@@ -214,18 +247,12 @@ class Trainer:
         with self.profiler.recorder.pipeline_step(state.step):
             state.local_loss = self.step_fn(inputs, targets, **kwargs)
         self._call("after_backward", state)
-        self.tied.sync_grads()
-        state.loss, state.grad_norm = reduce_loss_and_grad_norm(state.local_loss, self.norm_params, env, self.mesh)
-        # Every rank sees the same reduced values: all stop at this step, before the optimizer
-        # writes NaN into the parameters (a finite loss can come with a non-finite gradient).
-        if not (math.isfinite(state.loss) and math.isfinite(state.grad_norm)):
-            raise NonFiniteLossError(_non_finite_message(state.step, state.loss, state.grad_norm,
-                                                         self.checkpointer.last_good))
-        self._call("after_reduce", state)
-        clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
-        self._call("after_clip", state)
+        self.tied.sync_grads()  # between the ranks holding a tied weight's copies: blocks (docs/optimizer-sync.md)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        if self.post_validate is not None:
+            self._update_post_validated(state)
+        else:
+            self._update(state)
         self.scheduler.step()
         self._call("after_step", state)
         step_time = time.perf_counter() - start
@@ -233,9 +260,56 @@ class Trainer:
         self.step_times.append(step_time)
         if state.first:
             self.clock.mark("first_step")  # with shape inference (and compilation)
+        assert state.loss is not None  # reduced by the update
         self.losses.append(state.loss)
         return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm,
                 "step_time_s": step_time, "tokens_per_s": resolved.tokens_per_step / step_time}
+
+    def _check_finite(self, state: StepState) -> None:
+        # Every rank sees the same reduced values: all stop at this step, before the optimizer's
+        # update stands (a finite loss can come with a non-finite gradient).
+        assert state.loss is not None and state.grad_norm is not None
+        if not (math.isfinite(state.loss) and math.isfinite(state.grad_norm)):
+            raise NonFiniteLossError(_non_finite_message(state.step, state.loss, state.grad_norm,
+                                                         self.checkpointer.last_good))
+
+    def _update(self, state: StepState) -> None:
+        """``train.optimizer_sync=barrier``: wait for the loss and the global norm, check, clip, step."""
+        state.loss, state.grad_norm = reduce_loss_and_grad_norm(state.local_loss, self.norm_params, self.env,
+                                                                self.mesh)
+        self._check_finite(state)
+        self._call("after_reduce", state)
+        clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
+        self._call("after_clip", state)
+        self.optimizer.step()
+
+    def _update_post_validated(self, state: StepState) -> None:
+        """``train.optimizer_sync=post_validate``: the reduction started, AdamW stepped unclipped while
+        it runs, then the step validated against it: one whose norm needed clipping is undone and
+        redone clipped, a non-finite one undone and refused (``_check_finite``). The hooks'
+        ``after_reduce`` and (unclipped) ``after_clip`` come after the update."""
+        stats = self.post_validate
+        assert stats is not None
+        wait = start_reduce(state.local_loss, self.norm_params, self.env, self.mesh)  # started before the update
+        began = time.perf_counter()
+        stats.snapshot.take()
+        stats.snapshot_s += time.perf_counter() - began
+        self.optimizer.step()  # as if no clip were needed and every value finite
+        state.loss, state.grad_norm = wait()
+        if not (math.isfinite(state.loss) and math.isfinite(state.grad_norm)):
+            stats.snapshot.restore()  # the parameters as the barrier leaves them when it stops
+        self._check_finite(state)
+        self._call("after_reduce", state)
+        if clip_coefficient(self.resolved.train.grad_clip, state.grad_norm) == 1.0:
+            self._call("after_clip", state)
+            return
+        began = time.perf_counter()
+        stats.snapshot.restore()
+        clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
+        self._call("after_clip", state)
+        self.optimizer.step()
+        stats.rollbacks += 1
+        stats.rollback_s += time.perf_counter() - began
 
     # -- evaluate --------------------------------------------------------------------------------
     def evaluation_due(self, step: int) -> bool:
@@ -297,9 +371,11 @@ class Trainer:
         """The profile files and, on rank 0, the summary (written, and returned)."""
         busy("writing the profile and summary")
         bubble = self.profiler.finish(self.resolved.layout, self.mesh.dims.ranks_of("pp", 0))
-        # Per rank: its peak memory, its device's name, and (pretrained weights) the bytes it read.
+        # Per rank: its peak memory, its device's name, (pretrained weights) the bytes it read, and
+        # (post_validate) its snapshot's bytes, rollbacks and their time.
         per_rank = gather_to_main((peak_memory_bytes(self.env.device), device_name(self.env.device),
-                                   getattr(self.modules[0].spec, "bytes_read", 0)), self.env)
+                                   getattr(self.modules[0].spec, "bytes_read", 0),
+                                   self.post_validate.report() if self.post_validate else None), self.env)
         if per_rank is None:  # not rank 0
             return None
         assert self.metrics is not None  # rank 0 writes the metrics
@@ -315,6 +391,8 @@ class Trainer:
         summary["startup_phases_s"] = self.clock.phases()
         if any(r[2] for r in per_rank):
             summary["weights_read_bytes"] = [r[2] for r in per_rank]
+        if self.post_validate is not None:  # per rank: each one's snapshot, rollbacks and their seconds
+            summary["post_validate"] = {key: [r[3][key] for r in per_rank] for key in per_rank[0][3]}
         if val_losses:
             summary["val_loss"] = val_losses[-1][1]
             summary["val_losses"] = [{"step": st, "val_loss": v} for st, v in val_losses]

@@ -26,6 +26,7 @@ from runner.compose import check_schema, rank_options
 from runner.config import parse_bytes
 from runner.errors import ConfigError
 from runner.layout import Layout, ResolvedRun, microbatch_size
+from runner.options import OptimizerSync
 from runner.outputs.config import LOGGING_MOVED
 from runner.outputs.loggers import check_loggers
 from runner.parallel.dims import ParallelDims
@@ -164,6 +165,17 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     return layout
 
 
+def _check_optimizer_sync(cfg: DictConfig, *, verify: bool, resume: Path | None) -> None:
+    """``verify`` reads a resumed run's AdamW state when the first step's norm is known: under
+    ``post_validate`` the update has been applied by then."""
+    if verify and resume is not None and cfg.train.optimizer_sync == OptimizerSync.post_validate:
+        raise ConfigError(f"train.optimizer_sync={cfg.train.optimizer_sync} with verify=true and checkpoint.resume="
+                          f"{cfg.checkpoint.resume}: verify reads the resumed AdamW state before the first update, "
+                          "which post_validate has already applied when the step's norm arrives. Fix: "
+                          "train.optimizer_sync=barrier for the verified run (post_validate trains bit-identically "
+                          "to it), or verify=false.")
+
+
 def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
     """Check a composed config (raising ``ConfigError`` naming key, value and fix) and resolve it
     into the ``ResolvedRun``: its layout, the device ``auto`` picks here, threads per rank and, for a
@@ -182,6 +194,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
     verify = resolve_verify(cfg)
     layout = _layout(cfg, csv, verify=verify, device=device)
     resume = resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
+    _check_optimizer_sync(cfg, verify=verify, resume=resume)
     threads = threads_per_rank(cfg, ranks_on_host)
     return ResolvedRun(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,

@@ -11,7 +11,14 @@ from runner._torch import pp as _torch_pp
 from runner.pipeline.ops import Op
 from runner.pipeline.registry import SCHEDULES, theoretical_bubble
 from runner.pipeline.schedule import placement, schedule_order
-from runner.pipeline.simulate import bubble_fractions, peak_in_flight, simulate
+from runner.pipeline.simulate import (
+    bubble_fractions,
+    compute_floor,
+    peak_in_flight,
+    repeat_steps,
+    simulate,
+    steady_step,
+)
 from runner.pipeline.zb_orders import zbh1_order, zbh2_order
 from runner.plan.planner import _candidates
 from runner.validate import validate
@@ -120,3 +127,37 @@ def test_zbh1_runs_at_microbatch_counts_torchs_class_refuses():
 def test_the_planner_lists_them_as_one_stage_per_rank_candidates():
     found = _candidates(compose(*TINY, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[2,4]"))
     assert {("zbh1", 2, 1), ("zbh1", 4, 1), ("zbh2", 2, 1), ("zbh2", 4, 1)} <= set(found)
+
+
+def test_without_the_barrier_zbh2s_steady_step_is_the_papers_floor_hand_computed_at_pp2_m3():
+    # F = I = W = 1, ZB-H2 at p=2, m=3. Rank 0: F0 F1 F2, then I0 W0 I1 W1 I2 W2 (each I waits for
+    # rank 1's I of its microbatch); rank 1: F0 I0 F1 I1 F2 I2 W0 W1 W2. Step 1 ends at 10 (rank 1's
+    # last W), = m(F+I+W) + (p-1)F, the step with the barrier. Without it rank 0 starts step 2's
+    # forwards at 9, when its own W2 ends: rank 1's F3 at [10, 11] ... its W5 ends at 19, and every
+    # step after is 9 = m(F+I+W) apart, the floor: no bubble in the steady state.
+    order = zbh2_order(2, 3)
+    assert _step(order, EQUAL) == 10
+    actions = simulate(repeat_steps(order, 3), EQUAL, num_stages=2)
+    ends = [max(a.end for a in actions if a.op.microbatch // 3 == k) for k in range(3)]
+    assert ends == [10, 19, 28]
+    first_of_step_2 = {a.rank: a.start for a in actions if a.op.microbatch == 3 and a.op.kind == "F"}
+    assert first_of_step_2 == {0: 9, 1: 10}
+    step, bubbles = steady_step(order, EQUAL, num_stages=2, steps=3)
+    assert step == compute_floor(order, EQUAL) == 9 and bubbles == {0: 0.0, 1: 0.0}
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 12), (8, 24)])
+def test_without_the_barrier_steps_overlap_never_slower_and_never_below_the_compute_floor(pp, m):
+    f, b, w = EQUAL.values()
+    zbh2 = zbh2_order(pp, m)
+    assert steady_step(zbh2, EQUAL, num_stages=pp)[0] == compute_floor(zbh2, EQUAL) == m * (f + b + w)
+    # 1F1B's and ZB-H1's bubble is within every step: removing the barrier leaves their step as it is.
+    one_f_one_b = schedule_order("1f1b", pp, m, 1)
+    assert steady_step(one_f_one_b, {"F": 1.0, "B": 2.0}, num_stages=pp)[0] == _step(one_f_one_b, {"F": 1.0, "B": 2.0})
+    for order in (zbh1_order(pp, m), zbh2):
+        for costs in (EQUAL, PAPER_LIKE):
+            for comm_s in (0.0, 0.1):
+                step, _ = steady_step(order, costs, num_stages=pp, comm_s=comm_s)
+                assert compute_floor(order, costs) - 1e-9 <= step <= _step(order, costs, comm_s) + 1e-9
+    with pytest.raises(ValueError, match="steps=1"):
+        steady_step(zbh2, EQUAL, num_stages=pp, steps=1)

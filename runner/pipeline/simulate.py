@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 
 from runner.pipeline.ops import Op
 
-__all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS"]
+__all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
+           "repeat_steps", "steady_step", "compute_floor"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -169,3 +170,41 @@ def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:
     for a in actions:
         busy[a.rank] = busy.get(a.rank, 0.0) + a.end - a.start
     return {rank: 1.0 - b / makespan for rank, b in sorted(busy.items())}
+
+
+def repeat_steps(order: Mapping[int, Sequence[Op]], steps: int) -> dict[int, list[Op]]:
+    """``steps`` copies of a step's ``order`` back to back on each rank, microbatches renumbered
+    (step k's microbatch i is ``k * m + i``): consecutive steps with no barrier between them, each
+    rank starting step k+1 once its own step k is done (the optimizer's time not counted)."""
+    m = 1 + max(op.microbatch for ops in order.values() for op in ops)
+    return {rank: [Op(op.stage, op.kind, k * m + op.microbatch) for k in range(steps) for op in ops]
+            for rank, ops in order.items()}
+
+
+def steady_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+                *, num_stages: int, steps: int = 4, comm_s: float = 0.0) -> tuple[float, dict[int, float]]:
+    """Without the barrier (the Zero Bubble paper's post-validation): the steady-state step of
+    ``steps`` consecutive steps (``repeat_steps``), the time between the ends of the last two, and
+    each rank's bubble within it (1 - its compute per step / that time). One step's cool-down may
+    then run under the next one's warm-up; no order beats ``compute_floor``."""
+    if steps < 2:
+        raise ValueError(f"steps={steps}: a steady state needs at least 2 steps")
+    m = 1 + max(op.microbatch for ops in order.values() for op in ops)
+    actions = simulate(repeat_steps(order, steps), costs, num_stages=num_stages, comm_s=comm_s)
+    ends = [max(a.end for a in actions if a.op.microbatch // m == k) for k in (steps - 2, steps - 1)]
+    step = ends[1] - ends[0]
+    work = _work(order, costs)
+    return step, {rank: 1.0 - w / step for rank, w in sorted(work.items())}
+
+
+def compute_floor(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float]
+                  ) -> float:
+    """The least a step can take once steps overlap: the busiest rank's compute per step (the
+    paper's m(F+B+W) for equal stages). With the barrier a step also waits for the F ramp."""
+    return max(_work(order, costs).values())
+
+
+def _work(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float]
+          ) -> dict[int, float]:
+    cost = _cost_of(costs, 0.0, 0)
+    return {rank: sum(cost(op) for op in ops) for rank, ops in order.items()}

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
-           "release_at_cleanup", "live_group_threads", "all_reduce_sum", "gather_to_main"]
+           "release_at_cleanup", "live_group_threads", "all_reduce_sum", "start_all_reduce_sum",
+           "gather_to_main"]
 
 log = logging.getLogger("runner.dist")  # named as before runner/ became packages (runner.log)
 
@@ -135,6 +136,14 @@ def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     if env.world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def start_all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> dist.Work | None:
+    """``all_reduce_sum`` started without blocking: ``tensor`` holds the sum once the returned
+    work's ``wait()`` returns (None: one rank, nothing to wait for)."""
+    if env.world_size == 1:
+        return None
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
 
 
 def gather_to_main(obj: Any, env: DistEnv) -> list[Any] | None:

@@ -18,7 +18,7 @@ from runner.hooks import Hook, StepContext, StepState
 from runner.ranks.processes import spawn as spawn_ranks
 from runner.train import train
 from runner.validate import validate
-from runner.verify.hook import gather_grads
+from runner.verify.hook import gather, gather_grads
 
 
 def spawn(world: int, fn, *args) -> None:
@@ -55,6 +55,27 @@ class FirstGrads(Hook):
     def after_clip(self, ctx: StepContext, state: StepState) -> None:
         if state.first:
             self.clipped = gather_grads(ctx.modules, ctx.env, skip=ctx.not_counted)
+
+
+class FinalWeights(Hook):
+    """After the run's last step, every weight (by full name, a tied weight once) and its AdamW
+    moments in rank 0's run directory, ``weights.pt``: what a run ends with, to compare exactly."""
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        if state.step != ctx.resolved.steps:
+            return
+        state_of = ctx.optimizer.state
+        final = {"weights": gather(ctx.modules, ctx.env, lambda p: p, ctx.not_counted)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            final[key] = gather(ctx.modules, ctx.env, lambda p, key=key: state_of[p][key], ctx.not_counted)
+        if ctx.env.is_main:
+            assert ctx.resolved.run_dir is not None
+            torch.save(final, ctx.resolved.run_dir / "weights.pt")
+
+
+def final_weights() -> list[Hook]:
+    """``run_cases``' ``more_hooks`` for ``FinalWeights``."""
+    return [FinalWeights()]
 
 
 @contextlib.contextmanager

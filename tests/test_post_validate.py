@@ -1,0 +1,226 @@
+"""``train.optimizer_sync=post_validate``: each rank steps AdamW before the step's global norm is
+known, and the step is validated afterwards (undone from a snapshot and redone clipped where the
+norm needed clipping, undone and refused where a value is not finite). The bar: the barrier's
+numbers, bit for bit (losses, norms, final weights and AdamW moments), with clipping binding on some
+steps and not on others, and today's error at the same step for a non-finite gradient.
+
+One 2-rank spawn runs every pp=2 case; pp=4 and dp=2 (DDP, FSDP) are in the slow tier, as is the
+job ending in bounded time when a rank dies while its peers wait in the overlapped reduction."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.errors import ConfigError, NonFiniteLossError
+from runner.optim import UpdateSnapshot, clip_coefficient, clip_grads
+from runner.ranks.dist import DistEnv
+from runner.train import Trainer
+from runner.validate import _check_optimizer_sync, validate
+
+from helpers.cli import start_cli
+from helpers.config import TINY, compose, resolved
+from helpers.ranks import final_weights, run_cases
+
+PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+PP4 = ["parallel.pp=4", "parallel.microbatches=8", "train.batch_size=16"]
+SCHEDULES = ["1f1b", "zbh1", "zbh2"]
+# The tiny model's global norms over 20 steps: 0.74-0.93 with 8 samples a step, 0.67-0.75 with 16.
+# These clips bind on some steps, not all.
+CLIP = {8: 0.81, 16: 0.71}
+MODES = ["barrier", "post_validate"]
+STEPS = 20
+NANGRAD = "nangrad:1:2"  # a finite loss and a NaN gradient on rank 1 at step 2
+
+
+def _cases(layout: list[str], schedules: list[str], *, clip: float,
+           extra: dict[str, list[str]] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each schedule (and each ``extra`` layout) 20 steps in both modes, and 2 steps with a NaN
+    gradient at step 2; returns the cases and their faults."""
+    layouts = {name: [f"schedule={name}", *layout] for name in schedules} | (extra or {})
+    cases, faults = {}, {}
+    for name, overrides in layouts.items():
+        for mode in MODES:
+            common = [*TINY, *overrides, f"train.grad_clip={clip}", f"train.optimizer_sync={mode}"]
+            cases[f"{name}-{mode}"] = resolved(*common, f"train.steps={STEPS}")
+            cases[f"{name}-nangrad-{mode}"] = resolved(*common, "train.steps=2")
+            faults[f"{name}-nangrad-{mode}"] = NANGRAD
+    return cases, faults
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(out: Path, records: dict[str, dict], name: str, clip: float) -> None:
+    """``name``'s post_validate run is the barrier's, bit for bit; clipping bound on some steps and
+    not on others, and post_validate rolled back exactly the clipped ones."""
+    barrier, post = records[f"{name}-barrier"], records[f"{name}-post_validate"]
+    for record in (barrier, post):
+        assert "error" not in record, record.get("traceback")
+    assert len(post["losses"]) == STEPS and post["losses"] == barrier["losses"], name
+    got, want = _metrics(out / f"{name}-post_validate"), _metrics(out / f"{name}-barrier")
+    assert [(m["loss"], m["grad_norm"], m["lr"]) for m in got] == [(m["loss"], m["grad_norm"], m["lr"]) for m in want]
+    clipped = sum(clip_coefficient(clip, m["grad_norm"]) < 1 for m in want)
+    assert 0 < clipped < STEPS, f"{name}: the clip must bind on some steps and not on others ({clipped} of {STEPS})"
+    report = post["summary"]["post_validate"]
+    assert set(report["rollbacks"]) == {clipped}, report  # every rank undid and redid exactly those
+    for nbytes, params in zip(report["snapshot_bytes"], report["params"]):
+        assert 12 * params <= nbytes <= 12 * params + 4 * 200, report  # 3 fp32 copies, and each tensor's AdamW step
+    assert "post_validate" not in barrier["summary"]
+    final = {mode: torch.load(out / f"{name}-{mode}" / "weights.pt", weights_only=True) for mode in MODES}
+    for kind, tensors in final["barrier"].items():
+        assert tensors.keys() == final["post_validate"][kind].keys() and tensors, (name, kind)
+        for key, value in tensors.items():
+            assert torch.equal(final["post_validate"][kind][key], value), (name, kind, key)
+
+
+def _assert_same_refusal(records: dict[str, dict], name: str) -> None:
+    errors = [records[f"{name}-nangrad-{mode}"].get("error", "") for mode in MODES]
+    assert errors[0].startswith("NonFiniteLossError: non-finite gradient norm at step 2 (loss "), errors[0]
+    assert "grad_norm nan" in errors[0] and errors[1] == errors[0], errors
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("post-validate") / "pp2"
+    cases, faults = _cases(PP2, SCHEDULES, clip=CLIP[8])
+    return out, run_cases(out, 2, cases, more_hooks=final_weights, faults=faults)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_post_validation_trains_bit_identically_to_the_barrier_at_pp2(pp2, name):
+    _assert_same_run(*pp2, name, CLIP[8])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_non_finite_gradient_stops_both_modes_at_the_same_step_with_the_same_error(pp2, name):
+    _assert_same_refusal(pp2[1], name)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_post_validation_at_pp4_and_with_ddp_and_fsdp_at_dp2(tmp_path):
+    dp2 = [*PP2, "parallel.dp=2", "train.batch_size=16", "schedule=1f1b"]
+    cases, faults = _cases(PP4, SCHEDULES, clip=CLIP[16],
+                           extra={mode: [*dp2, f"parallel.dp_mode={mode}"] for mode in ("ddp", "fsdp")})
+    records = run_cases(tmp_path, 4, cases, more_hooks=final_weights, faults=faults)
+    for name in [*SCHEDULES, "ddp", "fsdp"]:
+        _assert_same_run(tmp_path, records, name, CLIP[16])
+        _assert_same_refusal(records, name)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_rank_dying_while_its_peer_waits_in_the_overlapped_reduction_ends_the_job_in_bounded_time(tmp_path):
+    # 1F1B at pp=2: rank 1 (the last stage) finishes its backward first, steps AdamW and waits in the
+    # reduction for rank 0, which is killed once its own backward is done.
+    run_dir = tmp_path / "run"
+    proc = start_cli(*TINY, *PP2, "train.steps=50", "train.optimizer_sync=post_validate", "launch.timeout_s=10",
+                     "launch.grace_s=5", f"hydra.run.dir={run_dir}", env={"RUNNER_FAULT": "kill-after-backward:0:3"})
+    began = time.monotonic()
+    _, err = proc.communicate(timeout=100)
+    assert time.monotonic() - began < 60  # startup, two steps, then launch.timeout_s + launch.grace_s at most
+    assert proc.returncode == 3 and "rank 0" in err and "SIGKILL" in err, err
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+
+
+# -- in-process ------------------------------------------------------------------------------------
+def _adamw() -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    return params, torch.optim.AdamW(params, lr=0.1, weight_decay=0.1)
+
+
+def _set_grads(params: list[torch.nn.Parameter], seed: int) -> None:
+    torch.manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+
+def _state(params, optimizer) -> list[torch.Tensor]:
+    return [t.clone() for p in params for t in (p.detach(), *optimizer.state[p].values())]
+
+
+def test_a_snapshot_undoes_an_adamw_step_bit_for_bit_and_the_redo_is_the_step_itself():
+    params, optimizer = _adamw()
+    twin_params, twin = _adamw()
+    snapshot = UpdateSnapshot(optimizer)
+    for step in range(3):  # the first (no AdamW state yet) and later steps
+        _set_grads(params, step)
+        _set_grads(twin_params, step)
+        snapshot.take()
+        before = [p.detach().clone() for p in params]
+        optimizer.step()
+        assert not torch.equal(params[0], before[0])
+        snapshot.restore()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        if step == 0:
+            assert not optimizer.state  # no state before the first step: none after its undoing
+        for ps in (params, twin_params):
+            clip_grads(ps, 0.5, torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ps])).item())
+        optimizer.step()
+        twin.step()
+        assert all(torch.equal(a, b) for a, b in zip(_state(params, optimizer), _state(twin_params, twin))), step
+    numel = sum(p.numel() for p in params)
+    assert snapshot.numel() == numel == 22 and snapshot.nbytes() == 12 * numel + 4 * len(params)
+
+
+@pytest.mark.parametrize("norm", [0.1, 0.5 - 2e-6, 0.5 - 1e-6, 0.5, 0.5 + 1e-7, 0.7, math.inf])
+def test_the_clip_coefficient_is_the_factor_clip_grads_applies_and_1_exactly_where_it_changes_nothing(norm):
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.zeros(1000))
+    p.grad = torch.randn(1000)
+    original = p.grad.clone()
+    clip_grads([p], 0.5, norm)
+    coefficient = clip_coefficient(0.5, norm)
+    assert torch.equal(p.grad, original * torch.tensor(coefficient, dtype=torch.float32))
+    assert (coefficient == 1.0) == torch.equal(p.grad, original)
+    assert clip_coefficient(0.0, norm) == 1.0  # grad_clip=0: off
+
+
+def test_a_non_finite_step_leaves_the_weights_and_adamw_state_as_the_barrier_leaves_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNNER_FAULT", "nangrad:0:2")
+    kept = {}
+    for mode in MODES:
+        cfg = compose(*TINY, "parallel.pp=1", "train.steps=2", f"train.optimizer_sync={mode}")
+        (tmp_path / mode).mkdir()
+        trainer = Trainer(validate(cfg, tmp_path / mode), cfg, DistEnv(0, 1, torch.device("cpu")))
+        with pytest.raises(NonFiniteLossError, match="non-finite gradient norm at step 2") as info:
+            trainer.run()
+        kept[mode] = (str(info.value), _state(trainer.params, trainer.optimizer))
+    assert kept["post_validate"][0] == kept["barrier"][0]
+    assert all(torch.equal(a, b) for a, b in zip(kept["post_validate"][1], kept["barrier"][1]))
+    assert all(torch.isfinite(t).all() for t in kept["post_validate"][1])
+
+
+def test_verify_of_a_resumed_run_under_post_validation_is_refused_with_the_fix():
+    cfg = compose(*TINY, *PP2, "train.optimizer_sync=post_validate", "checkpoint.resume=latest")
+    with pytest.raises(ConfigError, match=r"train.optimizer_sync=post_validate with verify=true .*"
+                                          r"Fix: train.optimizer_sync=barrier"):
+        _check_optimizer_sync(cfg, verify=True, resume=Path(os.devnull))
+    _check_optimizer_sync(cfg, verify=False, resume=Path(os.devnull))  # either alone is fine
+    _check_optimizer_sync(cfg, verify=True, resume=None)
+
+
+def test_verify_holds_a_post_validated_run_to_the_unsplit_model_when_the_clip_binds(tmp_path):
+    cfg = compose(*TINY, "parallel.pp=1", "train.steps=2", "train.grad_clip=0.05", "verify=true",
+                  "train.optimizer_sync=post_validate")
+    result = Trainer(validate(cfg, tmp_path), cfg, DistEnv(0, 1, torch.device("cpu"))).run()
+    assert result.summary is not None
+    assert result.summary["post_validate"]["rollbacks"] == [2]  # the clip bound on both steps
+    report = result.summary["verify"]
+    assert report["passed"] and [s["step"] for s in report["steps"]] == [1, 2]
+    assert all(s["weights"]["passed"] for s in report["steps"] if "weights" in s)
