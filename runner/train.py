@@ -5,7 +5,8 @@
 * ``step``: one optimizer step: data → pipelined forward and backward → the loss and global
   gradient norm over all ranks → clip → AdamW;
 * ``evaluate``: held-out loss, forward only, every ``eval.every`` steps;
-* ``checkpoint``: every ``checkpoint.every`` steps;
+* ``checkpoint``: every ``checkpoint.every`` steps (in the background with ``checkpoint.async_save``:
+  the loop's end waits for the last);
 * ``finish``: the profile, and on rank 0 the summary.
 
 What is not training runs in hooks (``runner.hooks``): ``verify``'s comparison with the unsplit
@@ -286,10 +287,12 @@ class Trainer:
                     self.val_losses.append((record["step"], record["val_loss"]))
                 self._record(record)
                 self.checkpoint(record["step"])
+            self.checkpointer.wait()  # the last asynchronous save, committed
         except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
             if self.metrics:
                 self.metrics.close(failed=True)
             raise
+        self.checkpointer.close()
         return TrainResult(losses=self.losses, summary=self.finish())
 
     # -- finish ----------------------------------------------------------------------------------

@@ -57,6 +57,8 @@ def _check_numbers(cfg: DictConfig) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
                           "every must be >= 0 and keep >= 1.")
+    if cfg.checkpoint.get("async_save") and not cfg.checkpoint.every:
+        log.warning("checkpoint.async_save=true has no effect: checkpoint.every=0 saves no checkpoint.")
     split = p.microbatches * p.dp  # equal microbatches in every replica
     if t.batch_size < split:
         raise ConfigError(
