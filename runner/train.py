@@ -315,6 +315,8 @@ class Trainer:
             config_path=write_resolved_config(self.run_dir, self.config),
         )
         summary["bubble"] = bubble
+        if self.checkpointer.blocked_s:  # the seconds each save held up the loop
+            summary["checkpoint_blocked_s"] = self.checkpointer.blocked_s
         summary["startup_phases_s"] = self.clock.phases()
         if any(r[2] for r in per_rank):
             summary["weights_read_bytes"] = [r[2] for r in per_rank]

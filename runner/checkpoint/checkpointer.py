@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import shutil
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -222,6 +223,7 @@ class Checkpointer:
         self.executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
                          if self.async_save else None)
         self.pending: tuple[int, Future] | None = None  # (step, its commit) of the save in flight
+        self.blocked_s: list[float] = []  # per save: how long its caller waited (in save, or in wait after it)
         if env.is_main:
             self._remove_partials()
 
@@ -315,7 +317,14 @@ class Checkpointer:
     def save(self, steps_done: int) -> None:
         """Checkpoint ``step-N``: written and committed before this returns or, with
         ``checkpoint.async_save``, in the background (``wait`` for it) once the previous save is done."""
-        self.wait()
+        start = time.perf_counter()
+        try:
+            self._save(steps_done)
+        finally:
+            self.blocked_s.append(time.perf_counter() - start)
+
+    def _save(self, steps_done: int) -> None:
+        self._wait()
         busy(f"saving checkpoint step-{steps_done}")
         partial, state = self._begin(steps_done)
         problem = None
@@ -351,6 +360,15 @@ class Checkpointer:
     def wait(self) -> None:
         """Until the asynchronous save in flight, if any, is committed; its error, if it failed
         (the same on every rank)."""
+        if self.pending is None:
+            return
+        start = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            self.blocked_s[-1] += time.perf_counter() - start  # the last save's, which it waited for
+
+    def _wait(self) -> None:
         if self.pending is None:
             return
         steps_done, future = self.pending
