@@ -24,13 +24,14 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from runner.checkpoint.files import complete_steps
 from runner.errors import ConfigError, RunnerError
 from runner.layout import ResolvedRun
+from runner.outputs.sweep_report import ERROR_FILE
 from runner.ranks import watchdog
 from runner.ranks.clock import StartupClock
 from runner.ranks.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
 from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
-from runner.ranks.restarts import RESTART_VARIABLE, publish_run_dir, restart_count
+from runner.ranks.restarts import RESTART_VARIABLE, attempt_store, publish_run_dir, restart_count
 from runner.ranks.supervise import forward_signals, wait_for_ranks
 from runner.rundir import hold_run_lock
 from runner.train import train
@@ -90,7 +91,8 @@ def _join_torchrun(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) 
     resolved.dims.check(world, started_by="torchrun", restart=f"--nproc-per-node {resolved.world_size}")
     device = pick_device(resolved.device, local_rank=local_rank_from_env())
     torch.set_num_threads(resolved.threads_per_rank)
-    env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
+    env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
+                           store=attempt_store(cfg.launch.timeout_s), loopback=False)
     clock.mark("process_group")
     done = False
     try:
@@ -180,6 +182,7 @@ def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
     if under_torchrun() and os.environ["RANK"] == "0" and restart_count() > 0:
         cfg = _own_checkpoint(cfg, run_dir)  # restarted by torchrun: from its newest checkpoint
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # the failed attempt's: this one may succeed
     resolved = validate(cfg, run_dir)
     log.info("run directory: %s (device: %s%s)\n%s", run_dir, resolved.device,
              f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in resolved.rank_cpus)}"

@@ -67,11 +67,13 @@ def _gloo_on_loopback() -> None:
 
 
 def init_distributed(
-    *, rank: int, world_size: int, device: torch.device, timeout_s: float, store: dist.Store | None = None
+    *, rank: int, world_size: int, device: torch.device, timeout_s: float, store: dist.Store | None = None,
+    loopback: bool | None = None,
 ) -> DistEnv:
-    """Join the process group: ``store`` for ranks spawned on this host, else torchrun's env://."""
+    """Join the process group: ``store`` for ranks spawned on this host (``loopback``, by default
+    where a store is given: gloo on loopback) or a restarted torchrun worker's, else torchrun's env://."""
     if world_size > 1:
-        if store is not None:
+        if store is not None if loopback is None else loopback:
             _gloo_on_loopback()
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",

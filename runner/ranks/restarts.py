@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["RESTART_VARIABLE", "restart_count", "publish_run_dir", "first_run_dir"]
+__all__ = ["RESTART_VARIABLE", "restart_count", "attempt_store", "publish_run_dir", "first_run_dir"]
 
 log = logging.getLogger("runner.launch")
 
@@ -30,7 +30,7 @@ def restart_count() -> int:
     return int(value)
 
 
-def _agent_store():
+def _agent_store(timeout_s: float = 60.0):
     """A client of torchrun's agent store (it lives as long as the torchrun job, across restarts), or
     None where the workers do not share it (``TORCHELASTIC_USE_AGENT_STORE``)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -38,7 +38,23 @@ def _agent_store():
     import torch.distributed as dist
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=60))
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def attempt_store(timeout_s: float):
+    """On a restarted torchrun worker: the agent store under a prefix of this attempt, for the process
+    group, or None (the first attempt, or no agent store: torch's own ``env://``). torch 2.13's workers
+    use the agent store as it is, where the previous attempt's keys remain: a rank of the new attempt
+    that reads a gloo address its peer published in the last one connects to a dead process and fails
+    (seen whenever rank 1 started first)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or restart_count() == 0:
+        return None
+    store = _agent_store(timeout_s)
+    if store is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"runner/attempt-{restart_count()}", store)
 
 
 def publish_run_dir(run_dir: Path) -> None:
