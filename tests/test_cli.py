@@ -180,33 +180,45 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(200)
-def test_torchrun_ranks_share_one_run_directory_and_a_restarted_job_resumes_in_it(tmp_path):
-    # Beside it, the same job under `--max-restarts 1` whose rank 1 is killed as step 3 begins in the
-    # first attempt: torchrun restarts both workers, which resume from checkpoints/step-2 of the
-    # first attempt's run directory (rank 0 composes its config again: a new timestamp otherwise).
-    (tmp_path / "restarted").mkdir()
-    restarted = start_cli("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "runner",
-                          "experiment=smoke", "checkpoint.every=2", cwd=tmp_path / "restarted",
-                          module="torch.distributed.run", env={"RUNNER_FAULT": "kill:1:3:0"})
+@pytest.mark.timeout(120)
+def test_torchrun_ranks_share_one_run_directory(tmp_path):
     done = run_cli("--standalone", "--nproc-per-node", "2", "-m", "runner", "experiment=smoke", cwd=tmp_path,
                    module="torch.distributed.run", timeout=110, check=True)
     run_dirs = list(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 1
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["pp"] == 2 and len(summary["losses"]) == 4 and len(summary["peak_mem_bytes"]) == 2
-    finish(restarted, timeout=180, check=True)
-    [again] = list((tmp_path / "restarted").glob("outputs/*/*"))
-    resumed = json.loads((again / "summary.json").read_text())
-    assert resumed["first_step"] == 3 and resumed["losses"] == summary["losses"]
-    assert "resumed from " + str(again / "checkpoints" / "step-2") in (again / "runner.log").read_text()
-    assert not (again / "error.txt").exists()  # the first attempt's failure: not this run's outcome
     assert not list(tmp_path.glob("*.log"))  # rank 1 wrote no outputs of its own
     log = (run_dirs[0] / "runner.log").read_text()
     assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log
     assert not _cores_of_each_rank(log)  # torchrun placed its ranks: the runner pins none
     for out in (log, done.stdout, done.stderr):  # each rank ended its groups' threads before exiting
         assert "still running after destroy_process_group" not in out and "terminate called" not in out
+
+
+@pytest.mark.slow  # two torchrun jobs, four worker interpreters each: ~30 CPU-s
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_job_torchrun_restarts_resumes_in_its_first_run_directory(tmp_path):
+    # Rank 1 is killed as step 3 begins in the first attempt: torchrun (--max-restarts 1) restarts
+    # both workers, which resume from checkpoints/step-2 of the first attempt's run directory (rank
+    # 0 composes its config again: a new timestamped directory otherwise), and end with the losses
+    # of the same job uninterrupted.
+    (tmp_path / "restarted").mkdir()
+    common = ("--standalone", "--nproc-per-node", "2")
+    restarted = start_cli(*common, "--max-restarts", "1", "-m", "runner", "experiment=smoke", "checkpoint.every=2",
+                          cwd=tmp_path / "restarted", module="torch.distributed.run",
+                          env={"RUNNER_FAULT": "kill:1:3:0"})
+    run_cli(*common, "-m", "runner", "experiment=smoke", cwd=tmp_path, module="torch.distributed.run", timeout=110,
+            check=True)
+    [run_dir] = list(tmp_path.glob("outputs/*/*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    finish(restarted, timeout=200, check=True)
+    [again] = list((tmp_path / "restarted").glob("outputs/*/*"))
+    resumed = json.loads((again / "summary.json").read_text())
+    assert resumed["first_step"] == 3 and resumed["losses"] == summary["losses"] and len(summary["losses"]) == 4
+    assert "resumed from " + str(again / "checkpoints" / "step-2") in (again / "runner.log").read_text()
+    assert not (again / "error.txt").exists()  # the first attempt's failure: not this run's outcome
 
 
 def _cores_given(log: str) -> list[str]:
