@@ -57,6 +57,25 @@ def _ratios(runs: Sequence[Mapping[str, Any]], a: str, b: str) -> list[float]:
     return [by[(a, rep)]["loop_s"] / by[(b, rep)]["loop_s"] for (name, rep) in by if name == a and (b, rep) in by]
 
 
+def _observations(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the numbers say, in sentences built from them: the wait per save, and the step's own time."""
+    def median_of(config: str, key: str) -> float | None:
+        vals = [v for r in runs if r["config"] == config and r.get(key) for v in
+                (r[key] if isinstance(r[key], list) else [r[key]])]
+        return statistics.median(vals) if vals else None
+
+    wait_sync, wait_async = median_of("sync", "blocked_s"), median_of("async", "blocked_s")
+    step = {c: median_of(c, "step_s") for c in CONFIGS}
+    if None in (wait_sync, wait_async, *step.values()):
+        return []
+    return [f"- The loop waited {wait_async:.3f} s per save in the background against {wait_sync:.3f} s in the "
+            f"foreground (medians over the saves), x{wait_async / wait_sync:.2f}.",
+            f"- The steps' own median time: {step['none']:.3f} s without saves, {step['sync']:.3f} s with saves in "
+            f"the foreground, {step['async']:.3f} s with saves in the background"
+            + (": on this host the background writes (and their hashing) share the cores the ranks compute on."
+               if step["async"] > 1.1 * max(step["none"], step["sync"]) else ".")]
+
+
 def render(data: Mapping[str, Any], page: Page) -> list[str]:
     res = data["results"]
     runs = res.get("runs", [])
@@ -73,6 +92,7 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
         vals = _ratios(runs, a, b)
         lines.append(f"| {label} | {', '.join(f'{v:.3f}' for v in vals)} | "
                      f"{num(statistics.median(vals)) if vals else ''} |")
+    lines += ["", *_observations(runs)]
     lines += ["", "| config | loop time per step (s) | median step (s) | median wait per save (s) |",
               "|---|---|---|---|"]
     for r in runs:
