@@ -62,6 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--option-repeats", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--overhead-steps", type=int, default=8)
+    parser.add_argument("--checkpoint-steps", type=int, default=12, help="steps per run of the checkpoint section")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of profiling, startup and overhead")
     parser.add_argument("--planner-rounds", type=int, default=5, help="rounds of plan + every (schedule, m) run")
     parser.add_argument("--planner-sizes", nargs="+", choices=list(PLANNER_SIZES), default=list(PLANNER_SIZES))

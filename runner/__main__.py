@@ -33,6 +33,7 @@ from runner.outputs.provenance import versions
 from runner.outputs.sweep_report import ERROR_FILE, write_report
 from runner.ranks.clock import StartupClock
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
+from runner.ranks.restarts import first_run_dir
 from runner.rundir import RunDirInUseError
 from runner.validate import check_config
 
@@ -139,6 +140,10 @@ def cli() -> None:
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
                      "hydra.job_logging.root.level=WARNING"]
+    elif under_torchrun() and not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
+        first = first_run_dir()  # restarted by torchrun: the run goes on in its own directory
+        if first is not None:
+            sys.argv.append(f"hydra.run.dir={first}")
     run_entry(_main_then_search_end, started=lambda: not _FIRST_LAUNCH, failed_jobs=_failed_jobs)
 
 

@@ -12,7 +12,8 @@ in that action's collectives), ``nan`` (a non-finite loss), ``nangrad`` (a finit
 non-finite gradient) or ``double-step`` (that rank's optimizer applies the step's update twice: a
 silently wrong run, which only ``verify`` catches), on that rank at that step (numbered from 1, as
 in the logs and metrics.jsonl): a hook (``fault_hooks``) the trainer holds only when such a fault is
-set.
+set. ``RUNNER_FAULT=<what>:<rank>:<step>:<attempt>``: only in that attempt of a job that restarts
+(``launch.max_restarts``, torchrun's ``--max-restarts``; the first is 0).
 ``RUNNER_FAULT=checkpoint-commit-step-<N>`` kills rank 0 between the shard writes and the commit
 of step N's checkpoint (``commit_fault``, the callback the trainer hands its ``Checkpointer``).
 """
@@ -27,6 +28,7 @@ from typing import Callable
 import torch
 
 from runner.hooks import Hook, StepContext, StepState
+from runner.ranks.restarts import restart_count
 
 __all__ = ["commit_fault", "fault_hooks", "TrainFault"]
 
@@ -87,9 +89,12 @@ class TrainFault(Hook):
 
 
 def fault_hooks() -> list[Hook]:
-    """The ``<what>:<rank>:<step>`` fault ``RUNNER_FAULT`` sets, if any."""
+    """The ``<what>:<rank>:<step>[:<attempt>]`` fault ``RUNNER_FAULT`` sets, if any, and due in this
+    attempt of the job (``runner.ranks.restarts.restart_count``; without ``<attempt>``: every one)."""
     spec = os.environ.get("RUNNER_FAULT", "").split(":")
-    return [TrainFault(spec[0], int(spec[1]), int(spec[2]))] if len(spec) == 3 else []
+    if len(spec) == 4 and int(spec[3]) != restart_count():
+        return []
+    return [TrainFault(spec[0], int(spec[1]), int(spec[2]))] if len(spec) in (3, 4) else []
 
 
 def commit_fault() -> Callable[[int], None] | None:

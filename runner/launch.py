@@ -1,10 +1,13 @@
 """Launching a run: the config is validated into its ``ResolvedRun`` (``runner.validate``), then the
 ranks start one of three ways: ``resolved.world_size`` processes spawned on this host (``runner.ranks.processes``,
-watched by ``runner.ranks.supervise``), the ranks ``torchrun`` (or SLURM) started, or, for one rank,
-right here. The run directory is locked while the run is in progress."""
+watched by ``runner.ranks.supervise``; started again from the run's newest checkpoint after a failure,
+``launch.max_restarts`` times), the ranks ``torchrun`` (or SLURM) started (a restarted worker resumes
+the run in its own directory), or, for one rank, right here. The run directory is locked while the run
+is in progress, across restarts."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -16,16 +19,19 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
-from runner.errors import ConfigError
+from runner.checkpoint.files import complete_steps
+from runner.errors import ConfigError, RunnerError
 from runner.layout import ResolvedRun
+from runner.outputs.sweep_report import ERROR_FILE
 from runner.ranks import watchdog
 from runner.ranks.clock import StartupClock
 from runner.ranks.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
 from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
+from runner.ranks.restarts import RESTART_VARIABLE, attempt_store, publish_run_dir, restart_count
 from runner.ranks.supervise import forward_signals, wait_for_ranks
 from runner.rundir import hold_run_lock
 from runner.train import train
@@ -36,9 +42,10 @@ __all__ = ["launch"]
 log = logging.getLogger(__name__)
 
 
-def _rank_prelude(heartbeats: watchdog.Heartbeats, run_dir: Path, console_queue, rank: int) -> None:
-    """First thing in each spawned rank: its heartbeats and its logging (``runner.log``, and the
-    launcher's console)."""
+def _rank_prelude(heartbeats: watchdog.Heartbeats, run_dir: Path, console_queue, restart: int, rank: int) -> None:
+    """First thing in each spawned rank: its attempt (``runner.ranks.restarts``), its heartbeats and
+    its logging (``runner.log``, and the launcher's console)."""
+    os.environ[RESTART_VARIABLE] = str(restart)
     watchdog.attach(heartbeats, rank)
     rank_logging(rank, run_dir, console_queue)
 
@@ -51,7 +58,8 @@ def _train_rank(env: DistEnv, resolved: ResolvedRun, cfg_dict: dict, results, *,
     results.close()
 
 
-def _spawn(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock, console: TextIO | None) -> dict:
+def _spawn(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock, console: TextIO | None,
+           restart: int = 0) -> dict:
     timeout_s, grace_s = cfg.launch.timeout_s, cfg.launch.grace_s
     method = start_method(cfg.launch.start_method, resolved.device, resolved.threads_per_rank)
     if method == "fork" and forked_ranks_would_hang(resolved.threads_per_rank):  # asked for: auto would spawn
@@ -71,7 +79,7 @@ def _spawn(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock, console:
                device=resolved.device, timeout_s=timeout_s, directory=resolved.run_dir, port=cfg.launch.port,
                method=method,
                threads=resolved.threads_per_rank, cpus=resolved.rank_cpus, clock=clock,
-               prelude=functools.partial(_rank_prelude, heartbeats, resolved.run_dir, console_queue)) as ranks:
+               prelude=functools.partial(_rank_prelude, heartbeats, resolved.run_dir, console_queue, restart)) as ranks:
         sender.close()  # the ranks hold theirs
         # The listener's thread starts after the ranks are forked: a fork copies no threads.
         with console_listener(console_queue, console), forward_signals(ranks.processes, grace_s):
@@ -83,15 +91,19 @@ def _join_torchrun(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) 
     resolved.dims.check(world, started_by="torchrun", restart=f"--nproc-per-node {resolved.world_size}")
     device = pick_device(resolved.device, local_rank=local_rank_from_env())
     torch.set_num_threads(resolved.threads_per_rank)
-    env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s)
+    env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
+                           store=attempt_store(cfg.launch.timeout_s), loopback=False)
     clock.mark("process_group")
     done = False
     try:
-        # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's.
-        box = [str(resolved.run_dir)]
+        # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's, and
+        # so is the checkpoint it resumes from (a restart's is its own newest: ``_launch``).
+        box = [str(resolved.run_dir), None if resolved.resume is None else str(resolved.resume)]
         dist.broadcast_object_list(box, src=0)
-        run_dir = Path(box[0])
-        resolved = dataclasses.replace(resolved, run_dir=run_dir)
+        run_dir, resume = Path(str(box[0])), box[1]
+        resolved = dataclasses.replace(resolved, run_dir=run_dir, resume=None if resume is None else Path(resume))
+        if rank == 0:
+            publish_run_dir(run_dir)  # for a restarted rank 0 (``runner.ranks.restarts``)
         with torchrun_rank_log(rank, run_dir), console_for_run():
             summary = train(resolved, cfg, env, clock=clock).summary
         done = True
@@ -132,8 +144,45 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
         torch.set_num_threads(threads)
 
 
+def _own_checkpoint(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """The config of a restart: resumed from the run's newest complete checkpoint in ``run_dir`` if
+    it saved one, else as it was launched."""
+    if not complete_steps(run_dir / "checkpoints", log_skipped=False):
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with read_write(cfg):
+        cfg.checkpoint.resume = str(run_dir)
+    return cfg
+
+
+def _spawn_with_restarts(resolved: ResolvedRun, cfg: DictConfig, run_dir: Path, clock: StartupClock,
+                         console: TextIO | None) -> dict:
+    """``_spawn``, again after a rank failed (``launch.max_restarts`` times at most): each attempt a
+    fresh rendezvous and fresh rank processes, resumed from the run's newest complete checkpoint.
+    The last failure is raised as it would be without restarts."""
+    restarts = cfg.launch.max_restarts
+    for restart in range(restarts + 1):
+        try:
+            return _spawn(resolved, cfg, clock, console, restart)
+        except ConfigError:  # nothing started: a restart would meet it again
+            raise
+        except RunnerError as e:
+            if restart == restarts:
+                raise
+            cfg = _own_checkpoint(cfg, run_dir)
+            resolved = validate(cfg, run_dir)
+            log.warning("restart %d of %d (launch.max_restarts): new rank processes, from %s, after this failure:\n%s",
+                        restart + 1, restarts, resolved.resume or "step 1 (the run saved no checkpoint yet)", e)
+            clock = StartupClock()
+            clock.mark("validate")
+    raise AssertionError("unreachable")
+
+
 def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO | None) -> dict | None:
     adopt_slurm_ranks()  # under submitit, each task enters here without going through cli()
+    if under_torchrun() and os.environ["RANK"] == "0" and restart_count() > 0:
+        cfg = _own_checkpoint(cfg, run_dir)  # restarted by torchrun: from its newest checkpoint
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # the failed attempt's: this one may succeed
     resolved = validate(cfg, run_dir)
     log.info("run directory: %s (device: %s%s)\n%s", run_dir, resolved.device,
              f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in resolved.rank_cpus)}"
@@ -147,7 +196,10 @@ def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO
     with hold_run_lock(run_dir) if owns_run_dir else nullcontext():
         clock.mark("validate")
         if under_torchrun():
+            if cfg.launch.max_restarts:
+                log.warning("launch.max_restarts=%d has no effect under torchrun, which restarts its workers "
+                            "itself: torchrun --max-restarts=N.", cfg.launch.max_restarts)
             return _join_torchrun(resolved, cfg, clock)
-        if resolved.world_size == 1:
+        if resolved.world_size == 1 and not cfg.launch.max_restarts:
             return _train_here(resolved, cfg, clock)
-        return _spawn(resolved, cfg, clock, console)
+        return _spawn_with_restarts(resolved, cfg, run_dir, clock, console)

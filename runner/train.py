@@ -6,7 +6,8 @@
   gradient norm over all ranks → clip → AdamW (``train.optimizer_sync=post_validate``: AdamW while
   that reduction runs, validated after it, undone and redone clipped where it had to be);
 * ``evaluate``: held-out loss, forward only, every ``eval.every`` steps;
-* ``checkpoint``: every ``checkpoint.every`` steps;
+* ``checkpoint``: every ``checkpoint.every`` steps (in the background with ``checkpoint.async_save``:
+  the loop's end waits for the last);
 * ``finish``: the profile, and on rank 0 the summary.
 
 What is not training runs in hooks (``runner.hooks``): ``verify``'s comparison with the unsplit
@@ -360,10 +361,12 @@ class Trainer:
                     self.val_losses.append((record["step"], record["val_loss"]))
                 self._record(record)
                 self.checkpoint(record["step"])
+            self.checkpointer.wait()  # the last asynchronous save, committed
         except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
             if self.metrics:
                 self.metrics.close(failed=True)
             raise
+        self.checkpointer.close()
         return TrainResult(losses=self.losses, summary=self.finish())
 
     # -- finish ----------------------------------------------------------------------------------
@@ -388,6 +391,8 @@ class Trainer:
             config_path=write_resolved_config(self.run_dir, self.config),
         )
         summary["bubble"] = bubble
+        if self.checkpointer.blocked_s:  # the seconds each save held up the loop
+            summary["checkpoint_blocked_s"] = self.checkpointer.blocked_s
         summary["startup_phases_s"] = self.clock.phases()
         if any(r[2] for r in per_rank):
             summary["weights_read_bytes"] = [r[2] for r in per_rank]

@@ -40,6 +40,19 @@ __all__ = ["check_config", "validate"]
 log = logging.getLogger(__name__)
 
 
+def _check_checkpoints(cfg: DictConfig) -> None:
+    """What saving, and restarting from what was saved, need (the values each key may take)."""
+    if cfg.checkpoint.async_save and not cfg.checkpoint.every:
+        log.warning("checkpoint.async_save=true has no effect: checkpoint.every=0 saves no checkpoint.")
+    restarts = cfg.launch.max_restarts
+    if restarts < 0:
+        raise ConfigError(f"launch.max_restarts={restarts} must be >= 0. Fix: launch.max_restarts=0 (a failed rank "
+                          "ends the job) or the number of restarts to allow.")
+    if restarts and not cfg.checkpoint.every:
+        log.warning("launch.max_restarts=%d with checkpoint.every=0: the run saves no checkpoint, so a restart "
+                    "trains again from step 1. Fix, to lose less: checkpoint.every=K.", restarts)
+
+
 def _check_numbers(cfg: DictConfig) -> None:
     p, t = cfg.parallel, cfg.train
     degrees = [(ParallelDims.key(name), p.get(name, 1)) for name in ParallelDims.ORDER]
@@ -58,6 +71,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep={cfg.checkpoint.keep}: "
                           "every must be >= 0 and keep >= 1.")
+    _check_checkpoints(cfg)
     split = p.microbatches * p.dp  # equal microbatches in every replica
     if t.batch_size < split:
         raise ConfigError(

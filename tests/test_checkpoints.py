@@ -298,3 +298,44 @@ def test_resuming_into_its_own_run_directory_keeps_its_history(tmp_path):
     assert summary == resumed and summary["first_step"] == 3 and summary["steps"] == 6
     assert summary["losses"] == [r["loss"] for r in records]
     assert [v["step"] for v in summary["val_losses"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_asynchronous_save_returns_before_its_files_are_written_and_commits_after_them(tmp_path, monkeypatch):
+    import threading
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from runner.train import Trainer
+
+    written, release = [], threading.Event()
+    write_item = dcp_fs._write_item
+
+    def held(*args, **kwargs):  # DCP's writes wait until the test lets them go
+        assert threading.current_thread() is not threading.main_thread()
+        assert release.wait(60)
+        written.append(1)
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", held)
+    cfg = compose(*ONE, "train.steps=2", "checkpoint.every=1", "checkpoint.async_save=true")
+    trainer = Trainer(validate(cfg, tmp_path), cfg, ENV)
+    trainer.setup()
+    trainer.step(0)
+    trainer.checkpoint(1)  # returns with the writes still held
+    checkpoints = tmp_path / "checkpoints"
+    [partial] = list(checkpoints.iterdir())
+    names = {p.name for p in partial.iterdir()}  # DCP may have opened its shard file, not written to it
+    assert partial.name.startswith(".partial-step-1-") and not written
+    assert {"rng-rank0.pt", "train_state.json"} <= names and not {".metadata", "manifest-rank0.json"} & names
+    trainer.step(1)  # the next step does not wait for the save either
+    release.set()
+    trainer.checkpointer.wait()
+    assert [p.name for p in checkpoints.iterdir()] == ["step-1"] and written
+    assert (checkpoints / "step-1" / "manifest-rank0.json").is_file()
+    state = json.loads((checkpoints / "step-1" / "train_state.json").read_text())
+    assert state["step"] == 1 and state["lr_scheduler"]["last_epoch"] == 1  # as of the save, not of its commit
+    trainer.checkpoint(2)
+    trainer.checkpointer.wait()
+    trainer.checkpointer.close()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-2"]
+    assert find_checkpoint(str(tmp_path), tmp_path) == checkpoints / "step-2"

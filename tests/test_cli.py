@@ -196,6 +196,31 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
         assert "still running after destroy_process_group" not in out and "terminate called" not in out
 
 
+@pytest.mark.slow  # two torchrun jobs, four worker interpreters each: ~30 CPU-s
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_job_torchrun_restarts_resumes_in_its_first_run_directory(tmp_path):
+    # Rank 1 is killed as step 3 begins in the first attempt: torchrun (--max-restarts 1) restarts
+    # both workers, which resume from checkpoints/step-2 of the first attempt's run directory (rank
+    # 0 composes its config again: a new timestamped directory otherwise), and end with the losses
+    # of the same job uninterrupted.
+    (tmp_path / "restarted").mkdir()
+    common = ("--standalone", "--nproc-per-node", "2")
+    restarted = start_cli(*common, "--max-restarts", "1", "-m", "runner", "experiment=smoke", "checkpoint.every=2",
+                          cwd=tmp_path / "restarted", module="torch.distributed.run",
+                          env={"RUNNER_FAULT": "kill:1:3:0"})
+    run_cli(*common, "-m", "runner", "experiment=smoke", cwd=tmp_path, module="torch.distributed.run", timeout=110,
+            check=True)
+    [run_dir] = list(tmp_path.glob("outputs/*/*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    finish(restarted, timeout=200, check=True)
+    [again] = list((tmp_path / "restarted").glob("outputs/*/*"))
+    resumed = json.loads((again / "summary.json").read_text())
+    assert resumed["first_step"] == 3 and resumed["losses"] == summary["losses"] and len(summary["losses"]) == 4
+    assert "resumed from " + str(again / "checkpoints" / "step-2") in (again / "runner.log").read_text()
+    assert not (again / "error.txt").exists()  # the first attempt's failure: not this run's outcome
+
+
 def _cores_given(log: str) -> list[str]:
     """The cores the launcher gave the two ranks."""
     return list(re.search(r"ranks pinned to cores (\S+) \| (\S+)\)", log).groups())

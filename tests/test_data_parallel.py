@@ -62,6 +62,12 @@ def dp(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
                               "train.steps=6", "checkpoint.every=3", "train.no_decay=[]")
     for name, overrides in RESUMES.items():
         cases[name] = _resolved(*overrides, "train.steps=6", "train.no_decay=[]", f"checkpoint.resume={saved}")
+    # The same save in the background (checkpoint.async_save), and the same resume from it.
+    cases["save-async"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
+                                    "train.steps=6", "checkpoint.every=3", "train.no_decay=[]",
+                                    "checkpoint.async_save=true")
+    cases["resume-from-async"] = _resolved(*RESUMES["resume-same"], "train.steps=6", "train.no_decay=[]",
+                                           f"checkpoint.resume={out / 'save-async' / 'checkpoints' / 'step-3'}")
     cases["keep"] = _resolved("schedule=gpipe", "parallel.pp=4", "train.steps=3", "checkpoint.every=1",
                               "checkpoint.keep=2")
     return out, run_cases(out, 4, cases)
@@ -127,6 +133,36 @@ def test_a_checkpoint_resumes_exactly_under_its_own_and_other_layouts(dp, case):
     if case == "resume-same":
         assert got["summary"]["first_step"] == 4  # resumed from step-3
     assert got["losses"] == pytest.approx(full[3:], rel=1e-6 if case == "resume-same" else 1e-4, abs=0), case
+
+
+def _checkpoint_state(step: Path, out: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step, out)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_asynchronous_saves_hold_what_synchronous_ones_do_and_resume_alike(dp, tmp_path):
+    out, results = dp
+    assert "error" not in results["save-async"], results["save-async"].get("traceback")
+    assert results["save-async"]["losses"] == results["save"]["losses"]
+    # Both saves committed (the last one by the run's end), nothing left partial; the final weights
+    # and optimizer state are the synchronous run's, and step-3 resumes as the synchronous one does.
+    assert sorted(p.name for p in (out / "save-async" / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    sync = _checkpoint_state(out / "save" / "checkpoints" / "step-6", tmp_path / "sync.pt")
+    done = _checkpoint_state(out / "save-async" / "checkpoints" / "step-6", tmp_path / "async.pt")
+    assert sync.keys() == done.keys() and sync["model"].keys() == done["model"].keys()
+    for group in sync:
+        for key, value in sync[group].items():
+            other = done[group][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (group, key)
+    assert (json.loads((out / "save" / "checkpoints" / "step-6" / "train_state.json").read_text())
+            == json.loads((out / "save-async" / "checkpoints" / "step-6" / "train_state.json").read_text()))
+    resumed = results["resume-from-async"]
+    assert "error" not in resumed, resumed.get("traceback")
+    assert resumed["summary"]["first_step"] == 4 and resumed["losses"] == results["resume-same"]["losses"]
 
 
 @pytest.mark.multiprocess

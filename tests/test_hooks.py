@@ -77,7 +77,11 @@ class Killed(BaseException):
     """Stands in for SIGKILL: ends the run where the fault fires."""
 
 
-def test_the_commit_fault_fires_on_rank_0_after_every_file_is_written_and_before_the_commit(tmp_path, monkeypatch):
+# checkpoint.async_save: the fault fires on the save's background thread, and the run ends at the
+# next save's wait for it (here the run's end), the previous checkpoint still the newest.
+@pytest.mark.parametrize("mode", [[], ["checkpoint.async_save=true"]], ids=["sync", "async"])
+def test_the_commit_fault_fires_on_rank_0_after_every_file_is_written_and_before_the_commit(tmp_path, monkeypatch,
+                                                                                             mode):
     monkeypatch.setenv("RUNNER_FAULT", "checkpoint-commit-step-2")
     assert fault_hooks() == []  # not a step fault
     on_disk: list[list[str]] = []
@@ -91,7 +95,7 @@ def test_the_commit_fault_fires_on_rank_0_after_every_file_is_written_and_before
 
     monkeypatch.setattr(runner.faults, "_kill", kill)
     with pytest.raises(Killed):
-        _trainer(tmp_path, "train.steps=3", "checkpoint.every=1").run()
+        _trainer(tmp_path, "train.steps=3", "checkpoint.every=1", *mode).run()
     names, partial = on_disk  # step 1 committed, step 2 written in full and not committed
     assert names[1:] == ["step-1"] and names[0].startswith(".partial-step-2-")
     assert {".metadata", "manifest-rank0.json", "train_state.json", "rng-rank0.pt"} <= set(partial)

@@ -402,3 +402,57 @@ def test_a_rank_that_aborts_in_native_code_prints_its_python_stack(tmp_path, cap
             ranks.join()
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "_abort_in_native_code" in err, err[-2000:]
+
+
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Three jobs at once (launch.max_restarts): an uninterrupted reference; the same with rank 1
+    killed as attempt 0 begins step 7 (checkpoints every 3 steps); one whose rank 1 raises at step
+    2 in every attempt. Each: its run directory and its finished process."""
+    root = tmp_path_factory.mktemp("restarts")
+    common = ("train.steps=12", "checkpoint.every=3")
+    started = {"reference": _start(*common, run_dir=root / "reference"),
+               "killed": _start(*common, "launch.max_restarts=1", run_dir=root / "killed", fault="kill:1:7:0"),
+               "raises": _start(*common, "launch.max_restarts=1", run_dir=root / "raises", fault="raise:1:2")}
+    done = {}
+    for name, proc in started.items():
+        out, err = proc.communicate(timeout=200)
+        done[name] = (root / name, subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        assert _no_rank_left(root / name, proc), name
+    return done
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_restart_after_a_killed_rank_ends_with_the_uninterrupted_runs_losses_and_weights(restarts):
+    from runner._torch.dcp import read_model_tensors
+
+    (ref_dir, ref), (run_dir, run) = restarts["reference"], restarts["killed"]
+    assert ref.returncode == 0 and run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    shown = run.stdout + run.stderr
+    assert re.search(rf"restart 1 of 1 \(launch\.max_restarts\): new rank processes, from "
+                     rf"{re.escape(str(run_dir / 'checkpoints' / 'step-6'))}, after this failure:\n"
+                     r"rank 1: process terminated with signal SIGKILL", shown), shown[-3000:]
+    # The same run directory: steps 1-6 from the first attempt, 7-12 trained again, every number the same.
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 13))
+    numbers = [{k: m[k] for k in ("step", "loss", "lr", "grad_norm")} for m in _metrics(run_dir)]
+    assert numbers == [{k: m[k] for k in ("step", "loss", "lr", "grad_norm")} for m in _metrics(ref_dir)]
+    summary, ref_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, ref_dir))
+    assert summary["first_step"] == 7 and summary["losses"] == ref_summary["losses"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-12", "step-9"]  # no partial left
+    final, ref_final = (read_model_tensors(d / "checkpoints" / "step-12") for d in (run_dir, ref_dir))
+    assert final.keys() == ref_final.keys() and len(final) > 5
+    assert all(torch.equal(final[k], ref_final[k]) for k in final)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_deterministic_failure_stops_after_max_restarts_with_its_traceback(restarts):
+    run_dir, run = restarts["raises"]
+    assert run.returncode == 3
+    shown = run.stdout + run.stderr
+    assert shown.count("restart 1 of 1 (launch.max_restarts): new rank processes, from step 1 (the run saved no "
+                       "checkpoint yet)") == 1 and "restart 2" not in shown
+    assert shown.count("RuntimeError: injected fault on rank 1 at step 2") == 2  # once per attempt
+    assert "Traceback" in run.stderr and "injected fault on rank 1 at step 2" in run.stderr.split("restart 1 of 1")[-1]
+    assert [m["step"] for m in _metrics(run_dir)] == [1]  # the second attempt's, from step 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bench.section import Section
 from bench.sections import (
+    checkpointing,
     device,
     efficiency,
     hf,
@@ -27,6 +28,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     overhead.SECTION,
     startup.SECTION,
     profiling.SECTION,
+    checkpointing.SECTION,
     planner.SECTION,
     synthesis.SECTION,
     target.SECTION,

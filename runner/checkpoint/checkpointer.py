@@ -13,6 +13,13 @@ checks them and names the file that does not match. This detects damage,
 not forgery: whoever can write the checkpoint can rewrite its manifests. Loading runs no code from
 the checkpoint either way (``runner._torch.dcp``): ``.metadata`` and the non-tensor entries are
 unpickled by allowlist. A checkpoint never holds a non-finite value: the save refuses them.
+
+``checkpoint.async_save``: DCP's ``async_save`` copies the rank's state into CPU memory (the step
+waits for that copy only) and writes it on a thread of its own; the save's end (the manifest, the
+agreement, the commit) runs on another, after the writes, with its collectives (DCP's and ours) on
+a gloo group made for them (``runner.ranks.dist.new_cpu_group``): never among the training's. The
+rules above hold as they do for a save in the foreground: a crash before the commit leaves the
+previous checkpoint the newest. The next save first waits for this one, and so does the run's end.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import errno
 import json
 import logging
 import shutil
+import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -58,7 +67,7 @@ from runner.checkpoint.resume_check import copy_tokenizer, tokenizer_record
 from runner.errors import CheckpointError, NonFiniteLossError
 from runner.models.split import StageModule
 from runner.parallel.tied import TiedWeights
-from runner.ranks.dist import DistEnv
+from runner.ranks.dist import DistEnv, new_cpu_group
 from runner.ranks.watchdog import busy
 
 __all__ = ["verify_checkpoint", "Checkpointer"]
@@ -69,11 +78,11 @@ log = logging.getLogger("runner.checkpoint")  # named as before runner/ became p
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _gather(obj, env: DistEnv) -> list:
+def _gather(obj, env: DistEnv, group=None) -> list:
     if env.world_size == 1:
         return [obj]
     out = [None] * env.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -207,6 +216,14 @@ class Checkpointer:
         self.stored, self.equal = tied.renames() if tied else ({}, {})
         self.equal.update({n: f for n, f in _shared_names(self.model).items() if n not in self.stored})
         self.last_good: Path | None = None  # the newest checkpoint this run saved or resumed from
+        # checkpoint.async_save: DCP's background save, whose end (manifest, commit) runs on a thread
+        # of ours and whose collectives on a gloo group of their own, made here on every rank.
+        self.async_save = bool(cfg.async_save and cfg.every)
+        self.group = new_cpu_group(env) if self.async_save else None
+        self.executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+                         if self.async_save else None)
+        self.pending: tuple[int, Future] | None = None  # (step, its commit) of the save in flight
+        self.blocked_s: list[float] = []  # per save: how long its caller waited (in save, or in wait after it)
         if env.is_main:
             self._remove_partials()
 
@@ -230,9 +247,9 @@ class Checkpointer:
         if self.every and steps_done % self.every == 0:
             self.save(steps_done)
 
-    def _agree(self, problem: tuple[str, str] | None, partial: Path, steps_done: int) -> None:
+    def _agree(self, problem: tuple[str, str] | None, partial: Path, steps_done: int, group=None) -> None:
         """Every rank learns whether any rank failed, and all raise the same error."""
-        failed = next((p for p in _gather(problem, self.env) if p is not None), None)
+        failed = next((p for p in _gather(problem, self.env, group) if p is not None), None)
         if failed is None:
             return
         if self.env.is_main:
@@ -247,8 +264,9 @@ class Checkpointer:
         raise CheckpointError(f"checkpoint step-{steps_done} was not saved in {self.dir}: {text}. The partial "
                               f"checkpoint was removed; {last}. Fix: {fix}.")
 
-    def save(self, steps_done: int) -> None:
-        busy(f"saving checkpoint step-{steps_done}")
+    def _begin(self, steps_done: int) -> tuple[Path, dict]:
+        """A fresh partial directory (its name from rank 0) and this rank's state, checked finite
+        on every rank before anything is written."""
         name = [f".partial-step-{steps_done}-{uuid.uuid4().hex[:8]}"]
         if self.env.world_size > 1:
             dist.broadcast_object_list(name, src=0)
@@ -265,33 +283,106 @@ class Checkpointer:
             except OSError as e:
                 problem = ("save", _save_failure(e, self.env.rank))
         self._agree(problem, partial, steps_done)
-        try:  # DCP gathers a failure on any rank and raises it on every rank
-            dcp.save(state, checkpoint_id=str(partial))
-            if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
-                self.model.spec.save_metadata(partial / "hf")
-            torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
-            if self.env.is_main:
-                copy_tokenizer(self.tokenizer, partial)
-                (partial / "train_state.json").write_text(json.dumps(
-                    {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict(),
-                     "tokenizer": self.tokenizer, "model_path": self.model_path}))
-            write_manifest(partial, self.env.rank, files_of(partial, self.env.rank, self.env.is_main))
-        except (Exception, CheckpointException) as e:  # the latter is a BaseException
-            problem = ("save", _save_failure(e, self.env.rank))
-        self._agree(problem, partial, steps_done)  # also: every rank's files are on disk
+        return partial, state
+
+    def _write_small_files(self, partial: Path, steps_done: int) -> None:
+        """What a checkpoint holds beside DCP's files, as of now: this rank's RNG state and, on
+        rank 0, the train state (step, LR schedule), a Hugging Face model's metadata, the tokenizer."""
+        if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
+            self.model.spec.save_metadata(partial / "hf")
+        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
+        if self.env.is_main:
+            copy_tokenizer(self.tokenizer, partial)
+            (partial / "train_state.json").write_text(json.dumps(
+                {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict(),
+                 "tokenizer": self.tokenizer, "model_path": self.model_path}))
+
+    def _commit(self, partial: Path, steps_done: int, group=None) -> None:
+        """Once every rank's files are on disk: rank 0 renames the partial directory to ``step-N``
+        (atomic on one filesystem) and drops the checkpoints past ``keep``; then every rank knows it."""
         final = self.dir / f"step-{steps_done}"
         if self.env.is_main:
             if self.before_commit is not None:
                 self.before_commit(steps_done)
             if final.exists():
                 shutil.rmtree(final)
-            partial.rename(final)  # the commit: atomic on one filesystem
+            partial.rename(final)  # the commit
             for old in complete_steps(self.dir, log_skipped=False)[:-self.keep]:
                 shutil.rmtree(old)
             log.info("checkpoint saved: %s", final)
         if self.env.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=group)
         self.last_good = final
+
+    def save(self, steps_done: int) -> None:
+        """Checkpoint ``step-N``: written and committed before this returns or, with
+        ``checkpoint.async_save``, in the background (``wait`` for it) once the previous save is done."""
+        start = time.perf_counter()
+        try:
+            self._save(steps_done)
+        finally:
+            self.blocked_s.append(time.perf_counter() - start)
+
+    def _save(self, steps_done: int) -> None:
+        self._wait()
+        busy(f"saving checkpoint step-{steps_done}")
+        partial, state = self._begin(steps_done)
+        problem = None
+        upload = None
+        try:  # DCP gathers a failure on any rank and raises it on every rank
+            self._write_small_files(partial, steps_done)
+            if self.async_save:
+                upload = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
+                write_manifest(partial, self.env.rank, files_of(partial, self.env.rank, self.env.is_main))
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            problem = ("save", _save_failure(e, self.env.rank))
+        self._agree(problem, partial, steps_done)  # also: every rank's files are on disk (a sync save)
+        if upload is None:
+            self._commit(partial, steps_done)
+            return
+        assert self.executor is not None
+        self.pending = (steps_done, self.executor.submit(self._finish_in_background, upload, partial, steps_done))
+
+    def _finish_in_background(self, upload, partial: Path, steps_done: int) -> None:
+        """An asynchronous save's end, on its own thread and its own group (``new_cpu_group``): wait
+        for DCP's writes, write the manifest, agree, commit. Its errors reach ``wait``."""
+        problem = None
+        try:
+            upload.result()
+            write_manifest(partial, self.env.rank, files_of(partial, self.env.rank, self.env.is_main))
+        except (Exception, CheckpointException) as e:
+            problem = ("save", _save_failure(e, self.env.rank))
+        self._agree(problem, partial, steps_done, self.group)
+        self._commit(partial, steps_done, self.group)
+
+    def wait(self) -> None:
+        """Until the asynchronous save in flight, if any, is committed; its error, if it failed
+        (the same on every rank)."""
+        if self.pending is None:
+            return
+        start = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            self.blocked_s[-1] += time.perf_counter() - start  # the last save's, which it waited for
+
+    def _wait(self) -> None:
+        if self.pending is None:
+            return
+        steps_done, future = self.pending
+        self.pending = None
+        busy(f"waiting for checkpoint step-{steps_done} to be written")
+        future.result()
+
+    def close(self) -> None:
+        """After the last ``wait``: the background thread and group go."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     def load(self, path: Path) -> int:
         """Restore model, optimizer, LR schedule and (same world size) RNG; returns steps done.

@@ -13,6 +13,11 @@ __all__ = ["CheckpointConfig"]
 class CheckpointConfig:
     every: int = 0  # save every K optimizer steps into <run dir>/checkpoints/step-N; 0 = never
     keep: int = 2  # complete checkpoints kept (the newest)
+    # Save in the background (DCP's async_save): the step waits only for a copy of the rank's state
+    # in CPU memory (twice the model and optimizer state while a save runs), not for the writes;
+    # the commit follows once every rank's files are written. A save first waits for the previous
+    # one, and the run's end for the last.
+    async_save: bool = False
     # Continue from: a checkpoint directory, a run directory (its newest complete checkpoint), or
     # "latest": the newest complete checkpoint of the runs under latest_root that are not in progress.
     resume: Optional[str] = None

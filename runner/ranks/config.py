@@ -30,6 +30,10 @@ class LaunchConfig:
     port: Optional[int] = None
     # After SIGINT/SIGTERM, a stall or a failed rank: how long ranks get to exit before SIGKILL (>= 0).
     grace_s: float = 10.0
+    # Restart the whole job when a rank fails (an error, a kill, a stall past timeout_s), up to this
+    # many times, each from the run's newest complete checkpoint (from its start if it saved none),
+    # in the same run directory; 0 = a failed rank ends the job. Under torchrun: its --max-restarts.
+    max_restarts: int = 0
     # How rank processes start: fork (children inherit the launcher's imports: startup in
     # milliseconds instead of seconds), spawn (fresh interpreters), or auto: fork for CPU runs
     # on Linux, spawn where fork is unsafe (CUDA, macOS, OpenMP threads: runner.ranks.processes).

@@ -134,6 +134,9 @@ def console_listener(queue, stream: TextIO | None = None) -> Iterator[Console]:
     finally:
         listener.stop()  # prints what is still queued
         console.close()
+        if hasattr(queue, "join_thread"):  # its feeder thread (the stop's sentinel) ends: a restart may fork
+            queue.close()
+            queue.join_thread()
 
 
 @contextmanager

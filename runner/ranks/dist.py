@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistEnv", "resolve_device", "pick_device", "synchronize", "init_distributed", "cleanup",
-           "release_at_cleanup", "live_group_threads", "all_reduce_sum", "start_all_reduce_sum",
+           "new_cpu_group", "release_at_cleanup", "live_group_threads", "all_reduce_sum", "start_all_reduce_sum",
            "gather_to_main"]
 
 log = logging.getLogger("runner.dist")  # named as before runner/ became packages (runner.log)
@@ -26,6 +26,7 @@ class DistEnv:
     rank: int
     world_size: int
     device: torch.device
+    timeout_s: float = 300.0  # the collectives' timeout (launch.timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -67,11 +68,13 @@ def _gloo_on_loopback() -> None:
 
 
 def init_distributed(
-    *, rank: int, world_size: int, device: torch.device, timeout_s: float, store: dist.Store | None = None
+    *, rank: int, world_size: int, device: torch.device, timeout_s: float, store: dist.Store | None = None,
+    loopback: bool | None = None,
 ) -> DistEnv:
-    """Join the process group: ``store`` for ranks spawned on this host, else torchrun's env://."""
+    """Join the process group: ``store`` for ranks spawned on this host (``loopback``, by default
+    where a store is given: gloo on loopback) or a restarted torchrun worker's, else torchrun's env://."""
     if world_size > 1:
-        if store is not None:
+        if store is not None if loopback is None else loopback:
             _gloo_on_loopback()
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
@@ -81,7 +84,17 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return DistEnv(rank=rank, world_size=world_size, device=device)
+    return DistEnv(rank=rank, world_size=world_size, device=device, timeout_s=timeout_s)
+
+
+def new_cpu_group(env: DistEnv) -> dist.ProcessGroup | None:
+    """A gloo group of every rank, for collectives issued off the training's thread (a background
+    checkpoint save): on a group of its own they cannot interleave with the training's, and gloo
+    runs on CPU tensors whatever the device. A collective: every rank calls it, in the same order.
+    None for one rank (nothing to meet)."""
+    if env.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=env.timeout_s))
 
 
 # What keeps references to process groups (the cached meshes, DTensor's caches): dropped by ``cleanup``.
