@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -160,7 +161,8 @@ def _refuse_logging_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"logging.{key}={shown} is no longer read: the loggers are the logger group. Fix: {fix}.")
 
 
-def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> Layout:
+def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
+            progress: Callable[[str], None]) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
     from runner.data.datasets import check_batches, check_vocab
     from runner.losses import check_loss
@@ -180,6 +182,7 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     stages = plan_split(meta, num_stages, p.split_points if pipelined else None,
                         stage_modules if pipelined else None)
     check_init(meta)
+    progress("config checked")
     data, kwargs = check_batches(cfg.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len,
                                  splits=("train", "val") if cfg.eval.every else ("train",), microbatch=microbatch)
     check_loss(cfg.loss, cfg.data.get("vocab_size") or 8)
@@ -188,6 +191,7 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     if verify:  # the unsplit reference, on rank 0's host beside the run
         check_reference_fits(meta, microbatch=microbatch, dp=p.dp, seq_len=t.seq_len, device=device, kwargs=kwargs)
     check_vocab(data, cfg.data.get("vocab_size"), vocab)  # every id of a token file, read once
+    progress("data ready")
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (units per stage): %s", sizes)
@@ -204,11 +208,13 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     return layout
 
 
-def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
+def validate(cfg: DictConfig, run_dir: Path | None = None, *,
+             progress: Callable[[str], None] = lambda what: None) -> ResolvedRun:
     """Check a composed config (raising ``ConfigError`` naming key, value and fix) and resolve it
     into the ``ResolvedRun``: its layout, the device ``auto`` picks here, threads per rank and, for a
     run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
-    run (the planner's candidates); no checkpoint is looked for."""
+    run (the planner's candidates); no checkpoint is looked for. ``progress``: told when the config
+    is checked and the data ready (a run's startup lines)."""
     from runner.models.hf import resolve_verify
     from runner.ranks.dist import resolve_device
 
@@ -220,7 +226,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
     device = resolve_device(cfg.device, ranks_on_host)
     check_host(cfg, device, ranks_on_host)
     verify = resolve_verify(cfg)
-    layout = _layout(cfg, csv, verify=verify, device=device)
+    layout = _layout(cfg, csv, verify=verify, device=device, progress=progress)
     resume = resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
     threads = threads_per_rank(cfg, ranks_on_host)
     return ResolvedRun(layout=layout, dims=dims, batch_size=cfg.train.batch_size,

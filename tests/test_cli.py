@@ -34,6 +34,16 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         # Not a terminal: a plain line per step (numbered from 1), printed by the launcher.
         assert [line.split(" - step ")[1].split()[0] for line in err.splitlines() if " - step " in line] == [
             "1/4", "2/4", "3/4", "4/4"]
+        # While it starts, a line per phase (with the seconds since the launch); at the end, where things are.
+        assert [re.sub(r" \([0-9.]+ s\)$", "", line.split("[runner.startup][INFO] - ")[1])
+                for line in (out + err).splitlines() if "[runner.startup]" in line] == [  # launcher's, rank 0's
+            "config checked", "data ready", "ranks started: 2 processes", "model built", "first step done"]
+        run_dir = Path(re.search(r"^run dir +(\S+)$", out, re.M).group(1))
+        for row in [f"summary      {run_dir}/summary.json, metrics.jsonl",
+                    f"traces       {run_dir}/timeline.json, traces/",
+                    f"pictures     {run_dir}/timeline.png, schedule.png"]:
+            assert row in out.splitlines(), out
+        assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"  # drawn by the run itself
     run_dirs = sorted(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 2  # same second, distinct directories, no port to collide on
     for run_dir in run_dirs:
