@@ -41,6 +41,7 @@ from runner.plan.given import is_costs_file, read_costs
 from runner.plan.planner import Candidate, plan
 from runner.plan.report import fit_line, label, search_report, table, within_error
 from runner.plan.target_report import run_target
+from runner.ranks.console import quiet_libraries
 
 _STARTED: list[bool] = []
 
@@ -180,6 +181,7 @@ def cli() -> None:
     # whatever it runs (calibration ranks, probe runs), with the shell's 143.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(interrupted_exit_code(signum)))
     sys.argv[1:] = expand_home(sys.argv[1:])
+    quiet_libraries()  # the probe runs' libraries: progress bars and INFO lines off
     run_entry(main, started=lambda: bool(_STARTED))
 
 
