@@ -32,6 +32,7 @@ from runner.config import parse_bytes
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
 from runner.models.hf_dirs import remote_code_problem
 from runner.models.units import tied_groups
+from runner.ranks.console import quiet_libraries
 from runner.ranks.dist import DistEnv
 from runner.rundir import LOCK_FILE
 
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                              "or tokenizer)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
+    quiet_libraries()  # transformers' "Writing model shards" bar: the line at the end says what was written
     try:
         checkpoint = checkpoint_of(args.source.expanduser().resolve())
         dtype = args.dtype or source_dtype(checkpoint)

@@ -17,6 +17,7 @@ import enum
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,11 @@ def read_model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
                               "loaded. Fix: another checkpoint of that run.")
     model = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in entries.items()}
     try:
-        dcp.load({"model": model}, checkpoint_id=str(checkpoint), storage_reader=reader, planner=SafePlanner(),
-                 no_dist=True)
+        with warnings.catch_warnings():  # torch's "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                    category=UserWarning)
+            dcp.load({"model": model}, checkpoint_id=str(checkpoint), storage_reader=reader, planner=SafePlanner(),
+                     no_dist=True)
     except (Exception, CheckpointException) as e:  # the latter is a BaseException
         rank, exc = root_causes(e)[0]
         if isinstance(exc, UnsafeCheckpointError):
