@@ -119,7 +119,8 @@ def workdir(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("readme")
     home, work = root / "home", root / "work"
-    write_tokenizer(write_model(home / "models" / "llama-1b", "llama", weights=True))
+    # As a real Llama takes the README's train.seq_len=1024 (checked against config.json before launch).
+    write_tokenizer(write_model(home / "models" / "llama-1b", "llama", weights=True, max_position_embeddings=2048))
     work.mkdir()
     # Nothing of the checkout (no examples/, no README.md): shipped examples resolve by name.
     (work / "corpus.jsonl").write_text("\n".join(
