@@ -21,6 +21,7 @@ import logging
 import logging.handlers
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, TextIO
@@ -182,11 +183,12 @@ def console_for_run() -> Iterator[None]:
         new.addFilter(_not_a_library_warning)
         root.removeHandler(old)
         root.addHandler(new)
+    captured = getattr(warnings.showwarning, "__module__", None) == "logging"  # the caller's own choice
     logging.captureWarnings(True)  # the libraries' warnings into the run's log file (Hydra's), not the console
     try:
         yield
     finally:
-        logging.captureWarnings(False)
+        logging.captureWarnings(captured)
         for old, new in zip(consoles, replacements):
             root.removeHandler(new)
             new.close()
