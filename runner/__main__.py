@@ -32,6 +32,7 @@ from runner.outputs.metrics import format_table
 from runner.outputs.provenance import versions
 from runner.outputs.sweep_report import ERROR_FILE, write_report
 from runner.ranks.clock import StartupClock
+from runner.ranks.console import quiet_libraries
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.ranks.restarts import first_run_dir
 from runner.rundir import RunDirInUseError
@@ -135,6 +136,7 @@ def cli() -> None:
         print(_version())
         return
     sys.argv[1:] = expand_home(sys.argv[1:])
+    quiet_libraries()  # before any library is imported: their progress bars and INFO lines off
     adopt_slurm_ranks()  # `srun python -m runner`: one task per rank
     if under_torchrun() and os.environ["RANK"] != "0":
         # Every torchrun rank composes the config, but only rank 0 keeps a run directory.

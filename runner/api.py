@@ -1,5 +1,6 @@
 """The Python API: ``runner.run(["parallel.pp=2", ...])`` does what ``python -m runner parallel.pp=2 ...``
-does, from a plain Python process (a notebook, a script), and returns the summary.
+does, from a plain Python process (a notebook, a script), and returns the summary;
+``runner.plan([...])`` does what ``python -m runner.plan ...`` does and returns the plan.
 
 The config is composed with Hydra's compose API from the same tree (``runner.compose.config_dir``)
 and the same overrides (``~`` expanded as on the command line), checked by the same checks before
@@ -28,7 +29,7 @@ from runner.exits import expand_home, outcome
 from runner.rundir import in_use_error, run_in_progress
 from runner.validate import check_config
 
-__all__ = ["run", "compose_run"]
+__all__ = ["run", "plan", "compose_run"]
 
 
 def compose_run(overrides: Sequence[str] | None = None, *, config_name: str = "config",
@@ -108,3 +109,23 @@ def run(overrides: Sequence[str] | None = None, *, config_name: str = "config",
     if summary is None:  # a torchrun rank other than 0
         return {"run_dir": str(directory)}
     return {**summary, "run_dir": str(directory)}
+
+
+def plan(overrides: Sequence[str] | None = None, *, config_name: str = "config",
+         plan_dir: str | os.PathLike | None = None) -> dict:
+    """Plan the config that ``python -m runner.plan <overrides>`` would (the same table and lines
+    printed, the same files written into ``plan_dir``, else ``outputs/<date>/<time>``) and return
+    ``plan_dir`` (absolute), ``candidates`` (``plan.json``'s, fastest first), ``recommended`` (the
+    chosen candidate) and ``command`` (the ``python -m runner ...`` line that runs it; its overrides
+    are ``recommended["overrides"]`` after the ones given here). Raises ``ConfigError`` when the
+    configuration (or every candidate) cannot run, another ``RunnerError`` when none fits the memory
+    limit."""
+    cfg, directory = compose_run(overrides, config_name=config_name, run_dir=plan_dir)
+    check_config(cfg)  # before torch is imported: a wrong value fails at once
+    directory.mkdir(parents=True, exist_ok=True)
+    args = expand_home(list(overrides or []))
+    _save_hydra_files(cfg, directory, args)
+    from runner.plan.__main__ import plan_in  # torch, the launcher (the probe runs)
+
+    with _run_log(directory):
+        return plan_in(cfg, directory, args)

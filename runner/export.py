@@ -29,6 +29,7 @@ from runner.checkpoint.files import TOKENIZER_DIR, find_checkpoint, read_train_s
 from runner.checkpoint.model import hf_model
 from runner.config import parse_bytes
 from runner.errors import ConfigError, RunnerError, exit_code, interrupted_exit_code
+from runner.ranks.console import quiet_libraries
 from runner.rundir import LOCK_FILE
 
 __all__ = ["DTYPES", "export", "checkpoint_of", "source_dtype", "main"]
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                              "or tokenizer)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
+    quiet_libraries()  # transformers' "Writing model shards" bar: the line at the end says what was written
     try:
         checkpoint = checkpoint_of(args.source.expanduser().resolve())
         dtype = args.dtype or source_dtype(checkpoint)

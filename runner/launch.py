@@ -94,6 +94,7 @@ def _join_torchrun(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) 
     env = init_distributed(rank=rank, world_size=world, device=device, timeout_s=cfg.launch.timeout_s,
                            store=attempt_store(cfg.launch.timeout_s), loopback=False)
     clock.mark("process_group")
+    clock.say(f"ranks started: {world} processes (torchrun)")
     done = False
     try:
         # Each torchrun rank composed its own config; rank 0's Hydra run directory is the run's, and
@@ -117,6 +118,7 @@ def _train_here(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> 
     torch.set_num_threads(resolved.threads_per_rank)
     note_threads()  # a later launch from this process (a sweep's next job) must not fork then
     env = init_distributed(rank=0, world_size=1, device=pick_device(resolved.device, 0), timeout_s=cfg.launch.timeout_s)
+    clock.say("ranks started: one, in this process")
     with console_for_run(), forward_signals([], cfg.launch.grace_s):
         return train(resolved, cfg, env, clock=clock).summary
 
@@ -183,7 +185,7 @@ def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO
     if under_torchrun() and os.environ["RANK"] == "0" and restart_count() > 0:
         cfg = _own_checkpoint(cfg, run_dir)  # restarted by torchrun: from its newest checkpoint
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # the failed attempt's: this one may succeed
-    resolved = validate(cfg, run_dir)
+    resolved = validate(cfg, run_dir, progress=clock.say)
     log.info("run directory: %s (device: %s%s)\n%s", run_dir, resolved.device,
              f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in resolved.rank_cpus)}"
              if resolved.rank_cpus else "", resolved.layout.describe())

@@ -201,6 +201,7 @@ class Trainer:
                    if self.static_stages else None)
         self.step_fn, self.tied = build_step(resolved, cfg, env, self.mesh, example=example)
         self.clock.mark("build")
+        self.clock.say("model built")
         self.modules = _stage_modules(self.step_fn.modules)
         named = {n: p for m in self.modules for n, p in m.named_parameters(remove_duplicate=False)}
         self.params = list({id(p): p for p in named.values()}.values())  # a weight two local stages share: once
@@ -261,6 +262,7 @@ class Trainer:
         self.step_times.append(step_time)
         if state.first:
             self.clock.mark("first_step")  # with shape inference (and compilation)
+            self.clock.say("first step done")
         assert state.loss is not None  # reduced by the update
         self.losses.append(state.loss)
         return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm,

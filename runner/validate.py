@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -26,13 +27,14 @@ from runner.compose import check_schema, rank_options
 from runner.config import parse_bytes
 from runner.errors import ConfigError
 from runner.layout import Layout, ResolvedRun, microbatch_size
+from runner.models.sizes import ModelSizes, model_sizes
 from runner.options import OptimizerSync
 from runner.outputs.config import LOGGING_MOVED
 from runner.outputs.loggers import check_loggers
-from runner.parallel.dims import ParallelDims
+from runner.parallel.dims import ParallelDims, check_tp_options
 from runner.parallel.dp import DP_MODES
 from runner.pipeline.csv_file import resolve_schedule_file
-from runner.pipeline.registry import CSV
+from runner.pipeline.registry import CSV, SCHEDULES
 from runner.ranks.host import check_host, rank_cpus, threads_per_rank
 
 __all__ = ["check_config", "validate"]
@@ -109,13 +111,52 @@ def _schedule_file(cfg: DictConfig) -> str | None:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """The checks that need no torch: missing values, unknown keys, option values, numbers,
-    loggers."""
+    """The checks that need no torch: missing values, unknown keys, option values, numbers, the
+    model's sizes (its group's keys, or model=hf's config.json) against the layout, loggers."""
     _refuse_logging_keys(cfg)
     check_schema(cfg)
     _check_numbers(cfg)
     _schedule_file(cfg)
+    check_tp_options(cfg.parallel, cfg.train.seq_len, cfg.loss)
+    sizes = model_sizes(cfg.model)
+    if sizes is not None:
+        _check_model_sizes(cfg, sizes)
     check_loggers(cfg.get("logger"))  # enabled loggers' packages are importable, options known
+
+
+def _num_stages(cfg: DictConfig) -> tuple[int, str] | None:
+    """The stages the layout needs and why, as far as the config says without torch (None: a
+    schedule file's, or parallel.stage_modules's lists, decide; checked when the model is built)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1, "parallel.pp=1"
+    if cfg.schedule.name == CSV or p.get("stage_modules") is not None:
+        return None
+    spr = p.stages_per_rank or SCHEDULES[cfg.schedule.name].stages_per_rank
+    given = "parallel.stages_per_rank" if p.stages_per_rank else f"schedule={cfg.schedule.name}'s default"
+    return p.pp * spr, f"parallel.pp={p.pp} x {spr} stages per rank ({given})"
+
+
+def _check_model_sizes(cfg: DictConfig, sizes: ModelSizes) -> None:
+    """The model's layers against the stages, its heads against parallel.tp, its longest sequence
+    against train.seq_len: from its sizes alone, before the data or the model is built."""
+    stages, tp, seq_len = _num_stages(cfg), cfg.parallel.get("tp", 1), cfg.train.seq_len
+    if sizes.layers is not None and stages is not None and sizes.layers.value + sizes.other_units < stages[0]:
+        need, key = stages[0] - sizes.other_units, sizes.layers.key
+        raise ConfigError(
+            f"The model has {sizes.layers.value + sizes.other_units} pipeline units (one per layer, {sizes.layers}, "
+            f"and the embedding, the final norm and the head) but the layout needs {stages[0]} stages ({stages[1]}). "
+            f"Fix: {key}={need} or more, or lower parallel.pp or parallel.stages_per_rank.")
+    for heads in sizes.heads:
+        if heads.value % tp:
+            fits = [d for d in range(2, heads.value + 1) if all(h.value % d == 0 for h in sizes.heads)]
+            raise ConfigError(f"parallel.tp={tp} does not divide {heads}: each tensor-parallel shard holds whole "
+                              f"heads. Fix: parallel.tp={' or '.join(map(str, fits[:4])) or 1}.")
+    if sizes.positions is not None and seq_len > sizes.positions.value:
+        raise ConfigError(
+            f"train.seq_len={seq_len} is longer than the model takes: {sizes.positions}. Positions past it have "
+            f"no embedding, or one it never trained on. Fix: train.seq_len={sizes.positions.value} or less, or "
+            f"{sizes.positions.key}={seq_len} to raise the limit (a model without learned position embeddings).")
 
 
 def _refuse_logging_keys(cfg: DictConfig) -> None:
@@ -135,7 +176,8 @@ def _refuse_logging_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"logging.{key}={shown} is no longer read: the loggers are the logger group. Fix: {fix}.")
 
 
-def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> Layout:
+def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
+            progress: Callable[[str], None]) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
     from runner.data.datasets import check_batches, check_vocab
     from runner.losses import check_loss
@@ -148,21 +190,23 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str) -> L
     p, t = cfg.parallel, cfg.train
     num_stages, stage_to_rank = stage_layout(cfg.schedule.name, p, csv, compiled=t.compile)
     microbatch = microbatch_size(t.batch_size, dp=p.dp, microbatches=p.microbatches)
-    data, kwargs = check_batches(cfg.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len,
-                                 splits=("train", "val") if cfg.eval.every else ("train",), microbatch=microbatch)
-    check_loss(cfg.loss, cfg.data.get("vocab_size") or 8)
     stage_modules = p.get("stage_modules")
-    meta = build_meta_model(cfg.model, stage_modules)
-    check_tp(meta, p, cfg.train.seq_len, cfg.loss)
+    meta = build_meta_model(cfg.model, stage_modules)  # the model's checks first: the data's may tokenize
+    check_tp(meta, p)
     pipelined = p.pp > 1
     stages = plan_split(meta, num_stages, p.split_points if pipelined else None,
                         stage_modules if pipelined else None)
     check_init(meta)
+    progress("config checked")
+    data, kwargs = check_batches(cfg.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len,
+                                 splits=("train", "val") if cfg.eval.every else ("train",), microbatch=microbatch)
+    check_loss(cfg.loss, cfg.data.get("vocab_size") or 8)
     check_keyword_inputs(meta, kwargs)
     vocab = check_shapes(meta, stages, microbatch=microbatch, seq_len=t.seq_len, kwargs=kwargs)
     if verify:  # the unsplit reference, on rank 0's host beside the run
         check_reference_fits(meta, microbatch=microbatch, dp=p.dp, seq_len=t.seq_len, device=device, kwargs=kwargs)
     check_vocab(data, cfg.data.get("vocab_size"), vocab)  # every id of a token file, read once
+    progress("data ready")
     sizes = [len(s) for s in stages]
     if len(set(sizes)) > 1:
         log.info("Uneven split (units per stage): %s", sizes)
@@ -190,11 +234,13 @@ def _check_optimizer_sync(cfg: DictConfig, *, verify: bool, resume: Path | None)
                           "to it), or verify=false.")
 
 
-def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
+def validate(cfg: DictConfig, run_dir: Path | None = None, *,
+             progress: Callable[[str], None] = lambda what: None) -> ResolvedRun:
     """Check a composed config (raising ``ConfigError`` naming key, value and fix) and resolve it
     into the ``ResolvedRun``: its layout, the device ``auto`` picks here, threads per rank and, for a
     run in ``run_dir``, the checkpoint ``checkpoint.resume`` names. ``run_dir`` None: nothing will
-    run (the planner's candidates); no checkpoint is looked for."""
+    run (the planner's candidates); no checkpoint is looked for. ``progress``: told when the config
+    is checked and the data ready (a run's startup lines)."""
     from runner.models.hf import resolve_verify
     from runner.ranks.dist import resolve_device
 
@@ -206,7 +252,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> ResolvedRun:
     device = resolve_device(cfg.device, ranks_on_host)
     check_host(cfg, device, ranks_on_host)
     verify = resolve_verify(cfg)
-    layout = _layout(cfg, csv, verify=verify, device=device)
+    layout = _layout(cfg, csv, verify=verify, device=device, progress=progress)
     resume = resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
     _check_optimizer_sync(cfg, verify=verify, resume=resume)
     threads = threads_per_rank(cfg, ranks_on_host)

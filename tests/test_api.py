@@ -27,9 +27,31 @@ RECORDER = "+callbacks.seen._target_=helpers.hooks.step_recorder"
 @pytest.mark.timeout(90)
 def test_import_runner_stays_light_until_run_is_called():
     code = ("import sys, runner; assert 'torch' not in sys.modules and 'hydra' not in sys.modules; "
-            "run = runner.run; assert 'torch' not in sys.modules; print(run.__module__)")
+            "run, plan = runner.run, runner.plan; assert 'torch' not in sys.modules and callable(plan); "
+            "print(run.__module__, plan.__name__)")
     done = run_cli(program=[sys.executable, "-c", code], cwd=ROOT, timeout=60, check=True)
-    assert done.stdout.strip() == "runner.api" and runner.run is runner.api.run
+    assert done.stdout.strip() == "runner.api runner.plan" and runner.run is runner.api.run
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_plan_from_a_plain_python_process_returns_the_plan_and_prints_where_it_is(tmp_path):
+    costs = tmp_path / "costs.yaml"  # a plan from a user's costs: no probe runs
+    costs.write_text(yaml.safe_dump({"pp": 2, "microbatches": 4, "F": 1.0e-3, "B": 2.0e-3, "W": 1.0e-3,
+                                     "comm_s": 1.0e-4, "weight_grad_fraction": 0.4, "memory_limit": "1f1b"}))
+    code = ("import json, sys, runner; "
+            f"result = runner.plan(['plan.costs={costs}', 'plan.search_budget=50'], plan_dir='planned'); "
+            "print(json.dumps(result), file=sys.stderr)")
+    done = run_cli(program=[sys.executable, "-c", code], cwd=tmp_path, timeout=100, check=True)
+    result = json.loads(done.stderr.strip().splitlines()[-1])
+    plan_dir = tmp_path / "planned"
+    assert result["plan_dir"] == str(plan_dir) and result["candidates"] == json.loads(
+        (plan_dir / "plan.json").read_text())
+    [recommended] = [c for c in result["candidates"] if c["recommended"]]
+    assert result["recommended"] == recommended and result["command"].startswith("python -m runner ")
+    lines = done.stdout.splitlines()  # what python -m runner.plan prints, then where it is
+    assert f"best: {result['command']}" in lines or f"best (tied): {result['command']}" in lines
+    assert lines[-2:] == [f"plan dir  {plan_dir}", "files     plan.json, plan_timeline.json"]
 
 
 def test_a_one_rank_run_in_process_returns_its_summary_run_dir_and_the_callbacks_steps(tmp_path, monkeypatch):

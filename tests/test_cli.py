@@ -19,6 +19,8 @@ from helpers.cli import finish, run_cli, start_cli
 from helpers.config import ROOT, TINY, compose
 from helpers.profiled import check_profiled_run
 
+WARNS = "+callbacks.warns._target_=helpers.hooks.LibraryWarning"  # a library's warnings.warn in every rank
+
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
@@ -26,7 +28,7 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     # One forks its ranks (the default on CPU), one spawns fresh interpreters: the same run.
     # The spawned one also logs to MLflow: from rank 0 only, one run.
     procs = [start_cli("experiment=smoke", "verify=true", "launch.pin_cpus=true", *extra, cwd=tmp_path)
-             for extra in ([], ["launch.start_method=spawn", "logger=mlflow"])]
+             for extra in ([], ["launch.start_method=spawn", "logger=mlflow", WARNS])]
     for done in [finish(p) for p in procs]:
         out, err = done.stdout, done.stderr
         assert done.returncode == 0, err
@@ -34,6 +36,19 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         # Not a terminal: a plain line per step (numbered from 1), printed by the launcher.
         assert [line.split(" - step ")[1].split()[0] for line in err.splitlines() if " - step " in line] == [
             "1/4", "2/4", "3/4", "4/4"]
+        # While it starts, a line per phase (with the seconds since the launch); at the end, where things are.
+        assert [re.sub(r" \([0-9.]+ s\)$", "", line.split("[runner.startup][INFO] - ")[1])
+                for line in (out + err).splitlines() if "[runner.startup]" in line] == [  # launcher's, rank 0's
+            "config checked", "data ready", "ranks started: 2 processes", "model built", "first step done"]
+        run_dir = Path(re.search(r"^run dir +(\S+)$", out, re.M).group(1))
+        for row in [f"summary      {run_dir}/summary.json, metrics.jsonl",
+                    f"traces       {run_dir}/timeline.json, traces/",
+                    f"pictures     {run_dir}/timeline.png, schedule.png"]:
+            assert row in out.splitlines(), out
+        assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"  # drawn by the run itself
+        # Quiet: no library's INFO lines (MLflow's), progress bars or warnings on the console.
+        for noise in ("INFO mlflow", "INFO alembic", "UserWarning", "font cache", "it/s]"):
+            assert noise not in out + err, (noise, out, err)
     run_dirs = sorted(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 2  # same second, distinct directories, no port to collide on
     for run_dir in run_dirs:
@@ -66,6 +81,8 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
         assert sum(phases.values()) - phases["first_step"] == pytest.approx(summary["startup_s"], abs=1e-3)
     methods = {re.search(r"starting 2 rank processes \((\w+)\)", (d / "runner.log").read_text()).group(1)
                for d in run_dirs}
+    warned = [d for d in run_dirs if "UserWarning: a library's UserWarning on rank 0" in (d / "runner.log").read_text()]
+    assert len(warned) == 1  # the library's warning is in the run's log file (it was not on the console)
     assert methods == {"fork", "spawn"}
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
     assert summaries[0]["losses"] == summaries[1]["losses"]

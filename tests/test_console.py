@@ -6,12 +6,13 @@ from __future__ import annotations
 import io
 import logging
 import multiprocessing
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-from runner.ranks.console import Console, console_listener, rank_logging, step_record
+from runner.ranks.console import Console, console_for_run, console_listener, rank_logging, step_record
 
 
 def _logger(console: Console) -> logging.Logger:
@@ -78,8 +79,33 @@ def test_other_ranks_reach_the_console_through_the_launcher_and_runner_log_holds
     assert rank.exitcode == 0
     console = stream.getvalue()
     assert "[rank 1][runner.some_module][WARNING] - a warning of rank 1" in console
-    assert "[rank 1][py.warnings][WARNING]" in console and "a Python warning in rank 1" in console
     assert "an info line" not in console  # other ranks' INFO lines stay off the console...
+    assert "a Python warning in rank 1" not in console  # and so do the libraries' Python warnings...
     log = (tmp_path / "runner.log").read_text()
-    assert "[rank 1][runner.some_module][INFO] - an info line of rank 1" in log  # ...and go to runner.log
-    assert "a warning of rank 1" in log and "a Python warning in rank 1" in log
+    assert "[rank 1][runner.some_module][INFO] - an info line of rank 1" in log  # ...which go to runner.log
+    assert "a warning of rank 1" in log
+    assert "[rank 1][py.warnings][WARNING]" in log and "a Python warning in rank 1" in log
+
+
+def test_a_run_in_this_process_keeps_python_warnings_off_the_console_and_in_its_log(tmp_path, capsys):
+    root = logging.getLogger()
+    console, file = logging.StreamHandler(sys.stderr), logging.FileHandler(tmp_path / "runner.log")
+    for handler in (console, file):
+        root.addHandler(handler)
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with console_for_run():
+            logging.getLogger("runner.some_module").warning("the runner's own warning")
+            warnings.warn("a library's warning during the run", UserWarning, stacklevel=1)
+        with pytest.warns(UserWarning, match="after the run"):  # the caller's warnings are its own again
+            warnings.warn("a warning after the run", UserWarning, stacklevel=1)
+    finally:
+        for handler in (console, file):
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "the runner's own warning" in err and "a library's warning" not in err
+    log = (tmp_path / "runner.log").read_text()
+    assert "the runner's own warning" in log and "UserWarning: a library's warning during the run" in log

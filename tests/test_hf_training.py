@@ -208,10 +208,10 @@ def test_the_command_line_trains_a_pretrained_model_on_a_local_dataset_and_expor
                                                      for i in range(200)))
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     run = tmp_path / "run"
-    run_cli("model=hf", f"model.path={model_dir}", "data=hf", f"data.path={tmp_path / 'corpus.jsonl'}",
-            f"data.tokenizer={model_dir}", "train.seq_len=16", "train.batch_size=8", "train.steps=4", "eval.every=2",
-            "checkpoint.every=4", "verify=true", "profile.enabled=false", f"hydra.run.dir={run}", cwd=tmp_path,
-            env=env, timeout=150, check=True)
+    done = run_cli("model=hf", f"model.path={model_dir}", "data=hf", f"data.path={tmp_path / 'corpus.jsonl'}",
+                   f"data.tokenizer={model_dir}", "train.seq_len=16", "train.batch_size=8", "train.steps=4",
+                   "eval.every=2", "checkpoint.every=4", "verify=true", "profile.enabled=false",
+                   f"hydra.run.dir={run}", cwd=tmp_path, env=env, timeout=150, check=True)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["verify"]["passed"] and summary["val_loss"] > 0
     assert summary["stages"]["0"][0] == "model.embed_tokens" and summary["stages"]["1"][-1] == "lm_head"
@@ -221,7 +221,11 @@ def test_the_command_line_trains_a_pretrained_model_on_a_local_dataset_and_expor
     read = summary["weights_read_bytes"]
     assert len(read) == 2 and sum(read) == size and min(read) > 0.2 * size
     assert list((tmp_path / "cache" / "runner" / "tokens").glob("*.uint16"))  # tokenized once, cached
-    run_cli(str(run), str(tmp_path / "out"), module="runner.export", cwd=tmp_path, env=env, timeout=60, check=True)
+    exported = run_cli(str(run), str(tmp_path / "out"), module="runner.export", cwd=tmp_path, env=env, timeout=60,
+                       check=True)
+    for output in (done.stdout + done.stderr, exported.stdout + exported.stderr):  # quiet: no library's bars
+        for noise in ("Generating train split", "examples/s]", "it/s]", "Writing model shards", "UserWarning"):
+            assert noise not in output, (noise, output)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == 19
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -97,6 +97,7 @@ def test_the_installed_example_schedules_resolve_by_name_from_any_directory(inst
     assert done.returncode == 0, done.stderr
     assert done.stdout == (shipped.parent / "gpipe_pp2_m4.csv").read_text()
     assert (bin_dir / "runner-timeline").is_file() and (bin_dir / "runner-generate").is_file()
+    assert (shipped.parent / "example_corpus.txt").is_file()  # data.path=example_corpus.txt, by name
 
 
 @pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
 """Plans for hardware this host does not have (``plan.target``), the whole-rank memory estimate of
-every resolved row, and the planner's own error: what it says about candidates closer than it."""
+every plan row, and the planner's own error: what it says about candidates closer than it."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def llama(tmp_path_factory) -> Path:
 
 
 def test_target_memory_per_rank_is_parameters_gradients_adamw_and_the_schedules_activations(llama):
-    cfg = _target(llama, "resolved.world_size=4", "plan.microbatches=[4]")
+    cfg = _target(llama, "plan.world_size=4", "plan.microbatches=[4]")
     candidates = plan_target(cfg).candidates
     total = EMBED + 6 * LAYER_PARAMS + HIDDEN + HEAD  # embedding, 6 layers, final norm, head
     ddp = next(c for c in candidates if (c.schedule, c.pp, c.dp, c.dp_mode) == ("1f1b", 2, 2, "ddp"))
@@ -87,20 +87,20 @@ def test_target_costs_come_from_flop_counts_and_scale_with_the_model(llama, tmp_
 
     assert blocks_f(doubled) == pytest.approx(2 * blocks_f(counts))
     # Twice the layers on one stage each side: each stage's forward about twice as long.
-    one = plan_target(_target(llama, "resolved.world_size=2", "plan.microbatches=[4]", "train.precision=bf16"))
-    two = plan_target(_target(deeper, "resolved.world_size=2", "plan.microbatches=[4]", "train.precision=bf16"))
+    one = plan_target(_target(llama, "plan.world_size=2", "plan.microbatches=[4]", "train.precision=bf16"))
+    two = plan_target(_target(deeper, "plan.world_size=2", "plan.microbatches=[4]", "train.precision=bf16"))
     [a] = [c for c in one.candidates if (c.schedule, c.pp) == ("gpipe", 2)]
     [b] = [c for c in two.candidates if (c.schedule, c.pp) == ("gpipe", 2)]
     assert 1.6 < b.stage_costs_s["1F"] / a.stage_costs_s["1F"] < 2.1
     # Halving the efficiency doubles every action.
-    half = plan_target(_target(llama, "resolved.world_size=2", "plan.microbatches=[4]", "train.precision=bf16",
+    half = plan_target(_target(llama, "plan.world_size=2", "plan.microbatches=[4]", "train.precision=bf16",
                                "plan.efficiency=0.25"))
     [h] = [c for c in half.candidates if (c.schedule, c.pp) == ("gpipe", 2)]
     assert h.stage_costs_s["0F"] == pytest.approx(2 * a.stage_costs_s["0F"])
 
 
 def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():
-    cfg = compose(*TINY, "plan.target=nvidia a100", "resolved.world_size=2", "plan.microbatches=[2,4]")
+    cfg = compose(*TINY, "plan.target=nvidia a100", "plan.world_size=2", "plan.microbatches=[2,4]")
     result = plan_target(cfg)
     assert result.peaks.name == "NVIDIA A100" and result.peaks.flops["torch.float32"] == 19.5e12
     assert any(c.valid and c.pp == 2 for c in result.candidates) and any(c.recommended for c in result.candidates)
@@ -114,7 +114,7 @@ def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():
 
 
 def test_probed_plan_rows_carry_the_whole_rank_memory():
-    cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[2]", "resolved.repeats=1")
+    cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[2]", "plan.repeats=1")
     candidates, _, _, _ = plan(cfg)
     gpipe = next(c for c in candidates if c.valid and c.schedule == "gpipe")
     # The built-in transformer of TINY: 6 blocks of width 32 (MLP x4), embedding and head over 48 tokens.
@@ -166,12 +166,14 @@ def test_single_plan_accuracy_from_a_planner_json():
 @pytest.mark.multiprocess
 def test_target_plan_cli_prints_seconds_and_memory_per_rank(llama, tmp_path):
     done = run_cli("model=hf", f"model.path={llama}", f"data.vocab_size={VOCAB}", "train.seq_len=16",
-                   "train.batch_size=8", "plan.target=NVIDIA H100", "resolved.world_size=4", "plan.microbatches=[2,4]",
+                   "train.batch_size=8", "plan.target=NVIDIA H100", "plan.world_size=4", "plan.microbatches=[2,4]",
                    "hydra.run.dir=plan", module="runner.plan", cwd=tmp_path, check=True)
     assert "x NVIDIA H100" in done.stdout and "each op at 50% (plan.efficiency)" in done.stdout
     assert re.search(r"step \(s\).*memory/rank \(GiB\)", done.stdout)
-    records = json.loads((tmp_path / "plan" / "resolved.json").read_text())
+    records = json.loads((tmp_path / "plan" / "plan.json").read_text())
     best = next(r for r in records if r["recommended"])
     assert best["step_time_s"] > 0 and best["memory_per_rank"][0]["total"] > 0
-    assert "best" in done.stdout and f"parallel.pp={best['pp']}" in done.stdout.splitlines()[-1]
+    [best_line] = [line for line in done.stdout.splitlines() if line.startswith(("best: ", "best (tied): "))]
+    assert f"parallel.pp={best['pp']}" in best_line
+    assert done.stdout.splitlines()[-2:] == [f"plan dir  {(tmp_path / 'plan').resolve()}", "files     plan.json"]
     assert not (tmp_path / "plan" / "calibration.json").exists()  # nothing ran on this host

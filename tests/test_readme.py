@@ -3,9 +3,9 @@ drift from the code. Commands are taken from the pages themselves (code blocks a
 `python -m runner`, `runner`, `python -m runner.plan` and `python -m runner.export`. A `...` the
 page leaves for the reader is filled with a small config (``FILL``); `<...>` placeholders with a
 stand-in. The commands' relative paths and `~` resolve as a user's would: from a working directory
-holding what the pages assume (the checkout's README.md, a corpus.jsonl, a finished run under
-outputs/; no examples/: the pages name the shipped example schedules, which resolve from any
-directory), with a home directory holding the Hugging Face model ~/models/llama-1b.
+holding what the pages assume (a corpus.jsonl, a finished run under outputs/; no examples/: the
+pages name the shipped example schedules and text, which resolve from any directory), with a home
+directory holding the Hugging Face model ~/models/llama-1b.
 
 Each command composes, and passes the pre-launch checks (sweeps expanded as Hydra's basic sweeper
 expands them; the planner's own keys as the planner checks them); nothing is spawned there. The
@@ -119,9 +119,10 @@ def workdir(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("readme")
     home, work = root / "home", root / "work"
-    write_tokenizer(write_model(home / "models" / "llama-1b", "llama", weights=True))
+    # As a real Llama takes the README's train.seq_len=1024 (checked against config.json before launch).
+    write_tokenizer(write_model(home / "models" / "llama-1b", "llama", weights=True, max_position_embeddings=2048))
     work.mkdir()
-    (work / "README.md").symlink_to(ROOT / "README.md")  # no examples/: shipped examples resolve by name
+    # Nothing of the checkout (no examples/, no README.md): shipped examples resolve by name.
     (work / "corpus.jsonl").write_text("\n".join(
         json.dumps({"text": "the pipeline stage runs forward and backward " * 40}) for _ in range(20)))
     # A finished run (one rank, in this process) for `plan.costs=outputs/<date>/<time>`.

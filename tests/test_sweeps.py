@@ -98,6 +98,9 @@ def test_every_experiment_config_runs(tmp_path):
     rows = _rows(tmp_path / "sweep")
     assert sorted(r["overrides"].split("=")[1].split()[0] for r in rows) == experiments
     assert all(r["status"] == "ok" for r in rows)
+    sweep = (tmp_path / "sweep").resolve()  # where it is, said at the end
+    assert done.stdout.splitlines()[-2:] == [f"sweep report  {sweep}/sweep.md (and sweep.csv, sweep.png)",
+                                             f"job run dirs  {sweep}/<job number>/"], done.stdout
 
 
 @pytest.mark.multiprocess

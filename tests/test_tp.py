@@ -180,7 +180,7 @@ def test_bad_tensor_parallel_input_is_refused_before_launch(overrides, expected)
 
 @pytest.mark.parametrize("family,tp,expected", [
     ("gpt2", 2, ["a 'gpt2' model declares no tensor-parallel plan"]),
-    ("llama", 4, ["parallel.tp=4 does not divide model.path's config.json num_key_value_heads=2",
+    ("llama", 4, ["parallel.tp=4 does not divide num_key_value_heads=2 in model.path's config.json",
                   "Fix: parallel.tp=2"]),
 ])
 def test_hugging_face_models_without_a_plan_or_with_too_few_heads_are_refused(tmp_path, family, tp, expected):

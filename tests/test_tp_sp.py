@@ -20,7 +20,7 @@ from torch import nn
 from runner.errors import ConfigError
 from runner.models.split import build_meta_model
 from runner.parallel.tp import TPPlan, _torch_styles, check_tp, model_plan
-from runner.validate import validate
+from runner.validate import check_config
 
 from helpers.config import EXAMPLES, TINY, compose, resolved
 from helpers.hf import hf_training, write_model
@@ -250,14 +250,14 @@ def test_a_sequence_shards_context_has_the_whole_sequences_positions_and_masks(t
      "not loss._target_=helpers.models.z_loss_cross_entropy with label_smoothing=0.0. Fix: "),
 ])
 def test_sequence_and_loss_parallelism_are_refused_before_launch(overrides, message):
-    with pytest.raises(ConfigError) as info:
-        validate(compose(*TINY, "parallel.pp=2", *overrides))
+    with pytest.raises(ConfigError) as info:  # by the checks the command line runs before importing torch
+        check_config(compose(*TINY, "parallel.pp=2", *overrides))
     assert message in str(info.value)
 
 
 def _check(meta, *options: str) -> None:
     cfg = compose(*TINY, "parallel.tp=2", *(f"parallel.{o}=true" for o in options))
-    check_tp(meta, cfg.parallel, cfg.train.seq_len, cfg.loss)
+    check_tp(meta, cfg.parallel)
 
 
 def test_a_plan_that_leaves_a_weight_on_the_sharded_sequence_is_refused_with_sequence_parallelism():

@@ -343,3 +343,80 @@ def test_verify_is_refused_before_launch_where_its_unsplit_reference_would_not_f
     monkeypatch.setattr("runner.verify.memory.available_bytes", lambda: estimate // 2)
     with pytest.raises(ConfigError, match="unsplit reference needs about"):
         validate(compose(*PP2, "verify=true"))
+
+
+def _hf_run(model_dir, *overrides: str):
+    return compose("device=cpu", "model=hf", f"model.path={model_dir}", "model.pretrained=false",
+                   "data.vocab_size=64", "train.seq_len=16", "train.batch_size=8", "parallel.microbatches=4",
+                   *overrides)
+
+
+def test_a_hf_model_too_shallow_for_the_layout_is_refused_before_its_corpus_is_tokenized(tmp_path, monkeypatch):
+    from runner.validate import check_config
+
+    from helpers.hf import write_model, write_tokenizer
+
+    model_dir = write_model(tmp_path / "llama", "llama", weights=False, num_hidden_layers=2)  # 5 units
+    write_tokenizer(model_dir)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the pipeline stage runs every microbatch forward . " * 50)
+
+    def tokenized(*args, **kwargs):
+        raise AssertionError("the corpus was tokenized before the layout was checked")
+
+    monkeypatch.setattr("runner.data.datasets.tokenize_to_cache", tokenized)
+    monkeypatch.setattr("runner.data.datasets.check_batches", tokenized)
+    cfg = _hf_run(model_dir, "data=text", f"data.path={corpus}", f"data.tokenizer={model_dir}",
+                  "schedule=interleaved_1f1b", "parallel.pp=4", "parallel.microbatches=4")
+    for check in (check_config, validate):  # the command line's check before torch; the launcher's
+        with pytest.raises(ConfigError) as info:
+            check(cfg)
+        assert str(info.value) == (
+            "The model has 5 pipeline units (one per layer, num_hidden_layers=2 in model.path's config.json, and "
+            "the embedding, the final norm and the head) but the layout needs 8 stages (parallel.pp=4 x 2 stages "
+            "per rank (schedule=interleaved_1f1b's default)). Fix: model.config_overrides.num_hidden_layers=5 or "
+            "more, or lower parallel.pp or parallel.stages_per_rank.")
+    # The user's own value is the one checked (and named).
+    with pytest.raises(ConfigError, match=r"one per layer, model.config_overrides.num_hidden_layers=3, .*Fix: "
+                                          r"model.config_overrides.num_hidden_layers=5 or more"):
+        check_config(_hf_run(model_dir, "schedule=interleaved_1f1b", "parallel.pp=4",
+                             "+model.config_overrides.num_hidden_layers=3"))
+
+
+def test_a_hf_models_heads_and_positions_are_checked_from_its_config_json_by_its_own_names(tmp_path):
+    from runner.validate import check_config
+
+    from helpers.hf import write_model
+
+    llama = write_model(tmp_path / "llama", "llama", weights=False)  # 4 heads, 2 kv heads, 64 positions
+    gpt2 = write_model(tmp_path / "gpt2", "gpt2", weights=False)  # n_head=4, n_positions=64, n_layer=6
+    with pytest.raises(ConfigError) as info:
+        check_config(_hf_run(llama, "parallel.pp=1", "parallel.tp=4"))
+    assert str(info.value) == ("parallel.tp=4 does not divide num_key_value_heads=2 in model.path's config.json: "
+                               "each tensor-parallel shard holds whole heads. Fix: parallel.tp=2.")
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide n_head=4 in model.path's config.json.* "
+                                          r"Fix: parallel.tp=2 or 4"):
+        check_config(_hf_run(gpt2, "parallel.pp=1", "parallel.tp=3"))
+    with pytest.raises(ConfigError) as info:
+        check_config(_hf_run(llama, "train.seq_len=128"))
+    assert str(info.value) == (
+        "train.seq_len=128 is longer than the model takes: max_position_embeddings=64 in model.path's config.json. "
+        "Positions past it have no embedding, or one it never trained on. Fix: train.seq_len=64 or less, or "
+        "model.config_overrides.max_position_embeddings=128 to raise the limit (a model without learned position "
+        "embeddings).")
+    with pytest.raises(ConfigError, match=r"n_positions=64 in model.path's config.json.*"
+                                          r"model.config_overrides.n_positions=128"):
+        check_config(_hf_run(gpt2, "train.seq_len=128"))
+    with pytest.raises(ConfigError, match=r"n_layer=6 in model.path's config.json.*model.config_overrides.n_layer=7"):
+        check_config(_hf_run(gpt2, "schedule=interleaved_1f1b", "parallel.pp=5", "parallel.microbatches=5",
+                             "train.batch_size=10"))
+    # Raised by the user: the run goes ahead (validated with the model built, as a rank builds it).
+    validate(_hf_run(llama, "train.seq_len=128", "+model.config_overrides.max_position_embeddings=128",
+                     "parallel.pp=2"))
+
+
+def test_the_registrys_stages_per_rank_is_torchs():
+    from runner.pipeline.registry import SCHEDULES
+    from runner.pipeline.schedule import default_stages_per_rank
+
+    assert {n: k.stages_per_rank for n, k in SCHEDULES.items()} == {n: default_stages_per_rank(n) for n in SCHEDULES}

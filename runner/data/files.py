@@ -3,7 +3,8 @@ out) or a glob (``*``, ``?``, ``[...]``, ``**``; relative or absolute), ``~`` ex
 For text, which of them are text: a directory takes the files whose suffix is a text suffix
 (``TEXT_SUFFIXES``; none, as ``README``, also counts), a glob whatever it matches, and both only
 files whose first ``HEAD_BYTES`` are UTF-8 without a NUL byte. What is taken and what is skipped,
-with why, is logged by file type. And when such a file has changed (``file_identity``), and where the
+with why, is logged by file type. A bare name of a shipped example (``example_corpus.txt``) that
+is no file here is that example, from any directory. And when such a file has changed (``file_identity``), and where the
 runner caches what it derives from a user's files (``default_cache_dir``)."""
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Iterable
 
 from runner.errors import ConfigError
 
-__all__ = ["TEXT_SUFFIXES", "HEAD_BYTES", "find_files", "text_files", "not_text", "by_type", "default_cache_dir",
-           "file_identity"]
+__all__ = ["TEXT_SUFFIXES", "HEAD_BYTES", "examples_dir", "find_files", "text_files", "not_text", "by_type",
+           "default_cache_dir", "file_identity"]
 
 log = logging.getLogger("runner.data_files")  # named as before runner/ became packages (runner.log)
 
@@ -40,9 +41,21 @@ def _walk(directory: Path) -> list[Path]:
                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(directory).parts))
 
 
+def examples_dir() -> Path:
+    """The shipped examples (schedule files, a text corpus): ``runner/examples`` in an installed
+    wheel (the build ships the repository's top-level ``examples/`` there), ``examples/`` next to the
+    package in a checkout."""
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "examples"
+    return shipped if shipped.is_dir() else package.parent / "examples"
+
+
 def find_files(path: str, key: str = "data.path") -> tuple[list[Path], str]:
-    """The files ``path`` names, and how it named them: ``file``, ``directory`` or ``glob``."""
+    """The files ``path`` names, and how it named them: ``file``, ``directory`` or ``glob``. A bare
+    name that names nothing here but a shipped example (``example_corpus.txt``) is that example."""
     p = Path(path).expanduser()
+    if not p.exists() and p.name == path and (examples_dir() / path).is_file():
+        p = examples_dir() / path
     if p.is_file():
         return [p], "file"
     if p.is_dir():

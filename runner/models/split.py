@@ -161,7 +161,8 @@ def plan_split(meta: MetaModel, num_stages: int, split_points: Sequence[str] | N
     if len(names) < num_stages:
         raise ConfigError(
             f"The model has {len(names)} pipeline units ({describe_names(names)}) but the layout needs "
-            f"{num_stages} stages. Fix: a deeper model (model.n_layers), or lower parallel.pp or "
+            f"{num_stages} stages. Fix: a deeper model (the built-in models' model.n_layers, model=hf's "
+            "model.config_overrides.num_hidden_layers), or lower parallel.pp or "
             "parallel.stages_per_rank."
         )
     if split_points is None:

@@ -196,5 +196,23 @@ def format_table(summary: dict) -> str:
         after = f"; weights after {len(updates)} updates at most {max(updates):.2g} lr apart" if updates else ""
         rows.append(("verify", f"{'passed' if v['passed'] else 'FAILED'} (max abs grad diff "
                                f"{v['max_abs_diff']:.2g}, max rel {v['max_rel_diff']:.2g}{after})"))
+    if summary.get("config"):
+        rows += where_outputs(Path(summary["config"]).parent)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# What a finished run leaves, by what a user looks for: (row, its files in the run directory).
+_OUTPUTS = (("summary", ("summary.json", "metrics.jsonl")), ("traces", ("timeline.json", "traces/")),
+            ("pictures", ("timeline.png", "schedule.png")))
+
+
+def where_outputs(run_dir: Path) -> list[tuple[str, str]]:
+    """Rows of where a run's outputs are: its directory, then the first of each kind in full and
+    the others by name (those present)."""
+    rows = [("run dir", str(run_dir))]
+    for label, names in _OUTPUTS:
+        found = [n for n in names if (run_dir / n).exists()]
+        if found:
+            rows.append((label, ", ".join([str(run_dir / found[0]), *found[1:]])))
+    return rows

@@ -3,7 +3,8 @@ as a picture: compute per rank, arrows for the activations and gradients sent be
 
     runner-timeline outputs/<date>/<time> [--step N] [--first K] [--actions N] [-o timeline.png]
 
-(installed with the package; ``python -m runner.outputs.plot_timeline`` is the same).
+(installed with the package; ``python -m runner.outputs.plot_timeline`` is the same). A run with
+profiling on draws its last step's first 32 actions as ``timeline.png`` itself; this draws others.
 
 A long step (many stages and microbatches) is drawn as a window: from the busiest rank's K-th
 action (0 = the step's start) over its next N actions (default 32), every rank's actions in that
@@ -32,8 +33,10 @@ def window(actions: list[SimAction], first: int, count: int) -> tuple[float, flo
 
 
 def draw(run_dir: Path, output: Path, *, step: int | None = None, first: int = 0,
-         count: int = 32) -> tuple[int, int]:
-    """Draw the window; returns (actions drawn, how many carry their full label)."""
+         count: int = 32, about: dict | None = None) -> tuple[int, int]:
+    """Draw the window; returns (actions drawn, how many carry their full label). ``about``: the
+    run's ``schedule``, ``pp`` and ``microbatches`` for the title (else read from its summary.json:
+    a run draws its own picture before the summary is written)."""
     events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
     computes = [e for e in events if e["ph"] == "X" and e["name"].startswith("compute:")]
     step = step if step is not None else max(e["args"]["step"] for e in computes)
@@ -47,7 +50,7 @@ def draw(run_dir: Path, output: Path, *, step: int | None = None, first: int = 0
     starts = {e["id"]: e for e in events if e["ph"] == "s" and span[0] <= e["ts"] <= span[1]}
     arrows = [((starts[e["id"]]["ts"] - origin) / 1e3, starts[e["id"]]["pid"], (e["ts"] - origin) / 1e3, e["pid"])
               for e in events if e["ph"] == "f" and e["id"] in starts and span[0] <= e["ts"] <= span[1]]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = about or json.loads((run_dir / "summary.json").read_text())
     part = "" if len(shown) == len(every) else f", {len(shown)} of its {len(every)} actions"
     labelled = plot_schedule(output, shown, xlabel="time (ms), measured", arrows=arrows,
                          title=f"{summary['schedule']}: step {step} as measured{part}, pp={summary['pp']}, "

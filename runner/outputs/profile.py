@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity
 
 from runner.layout import Layout
 from runner.outputs.collectives import Collective, tp_collectives
+from runner.outputs.plot_timeline import draw as draw_timeline
 from runner.outputs.timeline import (
     clock_offsets,
     executed_order,
@@ -200,6 +201,9 @@ class RunProfiler:
             plot_schedule(self.run_dir / "schedule.png", simulate(order, UNIT_COSTS, num_stages=layout.num_stages),
                           title=f"{layout.schedule}: pp={layout.pp}, {layout.num_stages} stages, "
                                 f"{layout.microbatches} microbatches (order as run)")
+            # The measured step as a picture, what runner-timeline draws (matplotlib is loaded already).
+            draw_timeline(self.run_dir, self.run_dir / "timeline.png", about={
+                "schedule": layout.schedule, "pp": layout.pp, "microbatches": layout.microbatches})
         sim_mean = sum(sim_bubble.values()) / len(sim_bubble)
         return {
             "per_rank": per_rank,

@@ -127,7 +127,16 @@ class SweepReport(Callback):
             write_report(_sweep_dir(config))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        write_report(_sweep_dir(config))
+        sweep_dir = _sweep_dir(config)
+        write_report(sweep_dir)
+        print(where_report(sweep_dir))
+
+
+def where_report(sweep_dir: Path) -> str:
+    """Where a sweep's outputs are: its report (and the files beside it), each job's run directory."""
+    beside = [n for n in ("sweep.csv", "sweep.png") if (sweep_dir / n).is_file()]
+    return (f"sweep report  {sweep_dir / 'sweep.md'}{' (and ' + ', '.join(beside) + ')' if beside else ''}\n"
+            f"job run dirs  {sweep_dir}/<job number>/")
 
 
 def main(argv: list[str] | None = None) -> int:

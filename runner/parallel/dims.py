@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from runner.errors import ConfigError
 
-__all__ = ["Coords", "ParallelDims"]
+__all__ = ["Coords", "ParallelDims", "check_tp_options"]
 
 
 class Coords:
@@ -161,3 +161,22 @@ class ParallelDims:
         start = restart or f"start {self.world_size} ranks"
         raise ConfigError(f"{started_by} started {world_size} ranks but {self.describe()} = {self.world_size}. "
                           f"Fix: {start}, or {keys}.")
+
+
+def check_tp_options(parallel: Any, seq_len: int, loss: Any) -> None:
+    """The checks of ``parallel.sequence_parallel`` and ``parallel.loss_parallel`` that need only the
+    config (those that need the model: ``runner.parallel.tp.check_tp``)."""
+    tp = int(parallel.get("tp", 1))
+    for key in ("sequence_parallel", "loss_parallel"):
+        if tp == 1 and parallel.get(key):
+            raise ConfigError(f"parallel.{key}=true shards over the tensor-parallel group, but parallel.tp=1. "
+                              f"Fix: parallel.tp=2 or more, or parallel.{key}=false.")
+    if parallel.get("sequence_parallel") and seq_len % tp:
+        raise ConfigError(f"parallel.sequence_parallel=true shards the sequence over parallel.tp={tp}, but "
+                          f"train.seq_len={seq_len} does not divide. Fix: train.seq_len a multiple of {tp}.")
+    if parallel.get("loss_parallel"):
+        target, smoothing = loss.get("_target_"), loss.get("label_smoothing", 0.0)
+        if target != "runner.losses.cross_entropy" or smoothing:
+            raise ConfigError(f"parallel.loss_parallel=true computes torch's vocabulary-parallel cross-entropy, not "
+                              f"loss._target_={target} with label_smoothing={smoothing}. Fix: "
+                              "parallel.loss_parallel=false, or the built-in cross-entropy without label smoothing.")

@@ -27,7 +27,8 @@ whole sequence: it is told how many slices the sequence is in (``TPPlan.seq_shar
 Loss parallelism (``parallel.loss_parallel``) leaves the head's logits sharded on the vocabulary
 (a DTensor) into ``runner.losses.cross_entropy``, computed by torch's ``loss_parallel()``, which
 the pipeline enters around the last stage's whole step (the backward runs inside it). Both
-options' own checks (``_option_problem``) run before launch with the others (``check_tp``).
+options' own checks (``_option_problem``) run before launch with the others (``check_tp``; those that need
+only the config before torch is imported: ``runner.parallel.dims.check_tp_options``).
 
 Randomly initialised stage modules are built whole and then distributed (``distribute_tensor``
 keeps each rank's slice of the whole tensor): every tp gives the unsplit model's initial values,
@@ -192,10 +193,9 @@ def _heads(meta: MetaModel) -> list[tuple[str, int]]:
     """What each shard must hold whole numbers of: attention heads and key/value heads, by key."""
     config = getattr(meta.module, "config", None)
     if config is not None and hasattr(config, "num_attention_heads"):  # Hugging Face
-        where = "model.path's config.json"
-        heads = [(f"{where} num_attention_heads", int(config.num_attention_heads))]
+        heads = [("num_attention_heads", int(config.num_attention_heads))]
         kv = getattr(config, "num_key_value_heads", None)
-        return heads + ([(f"{where} num_key_value_heads", int(kv))] if kv else [])
+        return heads + ([("num_key_value_heads", int(kv))] if kv else [])
     counts = {n for m in meta.module.modules() if isinstance(n := getattr(m, "n_heads", None), int)}
     return [("model.n_heads", n) for n in sorted(counts)]
 
@@ -227,14 +227,11 @@ def _option_problem(meta: MetaModel, plan: Mapping[str, str], key: str) -> str |
     return None
 
 
-def check_tp(meta: MetaModel, parallel: Any, seq_len: int, loss: Any) -> None:
-    """The checks of ``parallel.tp`` and its options that need the model, before launch."""
+def check_tp(meta: MetaModel, parallel: Any) -> None:
+    """The checks of ``parallel.tp`` and its options that need the model, before launch (those that
+    need only the config: ``runner.parallel.dims.check_tp_options``, earlier)."""
     tp = int(parallel.get("tp", 1))
     if tp == 1:
-        for key in ("sequence_parallel", "loss_parallel"):
-            if parallel.get(key):
-                raise ConfigError(f"parallel.{key}=true shards over the tensor-parallel group, but parallel.tp=1. "
-                                  f"Fix: parallel.tp=2 or more, or parallel.{key}=false.")
         return
     plan = model_plan(meta.module)
     if not plan:
@@ -263,18 +260,9 @@ def check_tp(meta: MetaModel, parallel: Any, seq_len: int, loss: Any) -> None:
             fits = [d for d in range(2, n + 1) if n % d == 0 and all(m % d == 0 for _, m in _heads(meta))]
             raise ConfigError(f"parallel.tp={tp} does not divide {key}={n}: each shard holds whole heads. "
                               f"Fix: parallel.tp={' or '.join(map(str, fits[:4])) or 1}.")
-    if parallel.get("sequence_parallel") and seq_len % tp:
-        raise ConfigError(f"parallel.sequence_parallel=true shards the sequence over parallel.tp={tp}, but "
-                          f"train.seq_len={seq_len} does not divide. Fix: train.seq_len a multiple of {tp}.")
     for key in ("sequence_parallel", "loss_parallel"):
         if parallel.get(key) and (problem := _option_problem(meta, plan, key)):
             raise ConfigError(f"parallel.{key}=true with parallel.tp={tp}: {problem} Fix: parallel.{key}=false.")
-    if parallel.get("loss_parallel"):
-        target, smoothing = loss.get("_target_"), loss.get("label_smoothing", 0.0)
-        if target != "runner.losses.cross_entropy" or smoothing:
-            raise ConfigError(f"parallel.loss_parallel=true computes torch's vocabulary-parallel cross-entropy, not "
-                              f"loss._target_={target} with label_smoothing={smoothing}. Fix: "
-                              "parallel.loss_parallel=false, or the built-in cross-entropy without label smoothing.")
 
 
 def apply_tp(module: StageModule, mesh: Mesh, plan: TPPlan) -> tuple[str, ...]:

@@ -28,19 +28,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.data.files import examples_dir
 from runner.pipeline.ops import Op
 
 __all__ = ["ScheduleFile", "ScheduleFileError", "read_schedule_file", "examples_dir", "example_names",
            "resolve_schedule_file"]
 
-
-
-def examples_dir() -> Path:
-    """The example schedules: ``runner/examples`` in an installed wheel (the build ships the
-    repository's top-level ``examples/`` there), ``examples/`` next to the package in a checkout."""
-    package = Path(__file__).resolve().parent.parent
-    shipped = package / "examples"
-    return shipped if shipped.is_dir() else package.parent / "examples"
 
 
 def example_names() -> list[str]:

@@ -43,6 +43,9 @@ class ScheduleKind:
     # a schedule file is; and the fewest microbatches its shape takes, pp -> microbatches.
     order: str | None = None
     min_microbatches: Callable[[int], int] | None = None
+    # Stages per rank unless parallel.stages_per_rank says: 1 for torch's single-stage schedules and
+    # the generated orders, 2 for the multi-stage ones (tests/test_validate.py holds it to torch's).
+    stages_per_rank: int = 1
 
 
 def _fill_drain(pp: int, m: int, v: int) -> float:
@@ -72,11 +75,11 @@ def _zbh2_microbatches(pp: int) -> int:
 SCHEDULES: dict[str, ScheduleKind] = {kind.name: kind for kind in (
     ScheduleKind("gpipe", "GPipe", bubble=_fill_drain),
     ScheduleKind("1f1b", "1F1B", bubble=_fill_drain),
-    ScheduleKind("interleaved_1f1b", "Interleaved1F1B", bubble=_interleaved),
-    ScheduleKind("looped_bfs", "LoopedBFS", bubble=_interleaved),
-    ScheduleKind("interleaved_zb", "InterleavedZeroBubble", splits_backward=True),
-    ScheduleKind("zbv", "ZBVZeroBubble", v_shape=True, splits_backward=True),
-    ScheduleKind("dualpipev", "DualPipeV", v_shape=True, splits_backward=True),
+    ScheduleKind("interleaved_1f1b", "Interleaved1F1B", bubble=_interleaved, stages_per_rank=2),
+    ScheduleKind("looped_bfs", "LoopedBFS", bubble=_interleaved, stages_per_rank=2),
+    ScheduleKind("interleaved_zb", "InterleavedZeroBubble", splits_backward=True, stages_per_rank=2),
+    ScheduleKind("zbv", "ZBVZeroBubble", v_shape=True, splits_backward=True, stages_per_rank=2),
+    ScheduleKind("dualpipev", "DualPipeV", v_shape=True, splits_backward=True, stages_per_rank=2),
     ScheduleKind("zbh1", None, splits_backward=True, order="zbh1_order", min_microbatches=_zbh1_microbatches),
     ScheduleKind("zbh2", None, splits_backward=True, order="zbh2_order", min_microbatches=_zbh2_microbatches),
 )}

@@ -24,6 +24,7 @@ import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 import hydra
 import torch
@@ -40,6 +41,7 @@ from runner.plan.given import is_costs_file, read_costs
 from runner.plan.planner import Candidate, plan
 from runner.plan.report import fit_line, label, search_report, table, within_error
 from runner.plan.target_report import run_target
+from runner.ranks.console import quiet_libraries
 
 _STARTED: list[bool] = []
 
@@ -47,14 +49,47 @@ _STARTED: list[bool] = []
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     _STARTED.append(True)  # past Hydra's run directory: an OSError from here on is no config error
+    plan_in(cfg, Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task))
+
+
+def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
+    """Plan the composed config ``cfg`` (given as ``overrides``), printing what the command line
+    prints and writing its files into ``out``; returns ``plan_dir`` (``out``), ``candidates`` (as
+    ``plan.json`` holds them, fastest first), ``recommended`` (the chosen one, of those) and
+    ``command`` (the ``python -m runner ...`` line that runs it). Raises ``ConfigError`` when no
+    candidate can run, ``RunnerError`` when none fits the memory limit."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
-    for name in ("runner.validate", "runner.parallel.tied"):  # one line per candidate otherwise
-        logging.getLogger(name).setLevel(logging.WARNING)
-    out = Path(HydraConfig.get().runtime.output_dir)
-    if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
-        return run_target(cfg, out, HydraConfig.get().overrides.task)
-    if cfg.plan.costs and is_costs_file(cfg.plan.costs):  # costs a user measured: no model, no ranks
-        return main_from_costs(cfg, out)
+    quiet = [logging.getLogger(name) for name in ("runner.validate", "runner.parallel.tied", "runner.startup")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:  # one line per candidate otherwise
+        logger.setLevel(logging.WARNING)
+    try:
+        if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
+            command = run_target(cfg, out, overrides)
+        elif cfg.plan.costs and is_costs_file(cfg.plan.costs):  # costs a user measured: no model, no ranks
+            command = main_from_costs(cfg, out)
+        else:
+            command = _plan_here(cfg, out, overrides)
+    finally:
+        torch.set_num_threads(threads)
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    candidates = json.loads((out / "plan.json").read_text())
+    print(where_plan(out))
+    return {"plan_dir": str(out), "candidates": candidates,
+            "recommended": next((c for c in candidates if c.get("recommended")), None), "command": command}
+
+
+def where_plan(out: Path) -> str:
+    """Where the planner's outputs are: its directory, then its files present (the probes' runs)."""
+    names = [n for n in ("plan.json", "plan_timeline.json", "calibration.json", "fit.json", "probes/")
+             if (out / n).exists()]
+    return f"\nplan dir  {out}\nfiles     {', '.join(names)}"
+
+
+def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
+    """Plan with this host's measured costs (probe runs); returns the best candidate's command."""
     candidates, timelines, calibration, model = plan(cfg, out, launch)
     if not any(c.valid for c in candidates):
         raise ConfigError(_no_valid_candidate(candidates))
@@ -91,19 +126,21 @@ def main(cfg: DictConfig) -> None:
         print(line)
     # The user's overrides, less the planner's own and the ones each candidate sets itself.
     chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(chosen)]
+    kept = [o for o in overrides if not o.startswith(chosen)]
     searched = next((c for c in candidates if c.schedule == "synthesized" and c.valid and c.fits_memory), None)
     if searched is not None:
-        print(f"\nfastest synthesized: python -m runner {shlex.join(overrides + searched.overrides)}")
+        print(f"\nfastest synthesized: python -m runner {shlex.join(kept + searched.overrides)}")
     # Quoted: a split is a [list].
-    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(overrides + best.overrides)}")
+    command = f"python -m runner {shlex.join(kept + best.overrides)}"
+    print(f"\n{'best (tied)' if best.tie else 'best'}: {command}")
+    return command
 
 
-def main_from_costs(cfg: DictConfig, out: Path) -> None:
+def main_from_costs(cfg: DictConfig, out: Path) -> str:
     """``python -m runner.plan plan.costs=<file>``: read and check the file (``ConfigError``:
     exit 2), plan it, print the table and the search, write ``plan.json``, the synthesized CSV
     and ``plan_timeline.json`` (the recommended candidate's) into ``out``; ``RunnerError`` (exit
-    3) when nothing fits the file's memory_limit."""
+    3) when nothing fits the file's memory_limit. Returns the best candidate's command."""
     given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
                                             tie_tolerance=cfg.plan.tie_tolerance)
@@ -120,7 +157,9 @@ def main_from_costs(cfg: DictConfig, out: Path) -> None:
                           "microbatches of fewer samples each.")
     timeline = timelines[id(best)]
     write_chrome_trace(out / "plan_timeline.json", simulated_slices(timeline), ranks=sorted({a.rank for a in timeline}))
-    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(best.overrides)}")
+    command = f"python -m runner {shlex.join(best.overrides)}"
+    print(f"\n{'best (tied)' if best.tie else 'best'}: {command}")
+    return command
 
 
 def _no_valid_candidate(candidates: list[Candidate]) -> str:
@@ -142,6 +181,7 @@ def cli() -> None:
     # whatever it runs (calibration ranks, probe runs), with the shell's 143.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(interrupted_exit_code(signum)))
     sys.argv[1:] = expand_home(sys.argv[1:])
+    quiet_libraries()  # the probe runs' libraries: progress bars and INFO lines off
     run_entry(main, started=lambda: bool(_STARTED))
 
 

@@ -66,9 +66,10 @@ def tie_line(tied: Sequence[str], tolerance: float, error: str) -> str:
             f"{error}: {', '.join(tied)}. Recommended of those: the least memory.")
 
 
-def run_target(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> None:
-    """Plan for ``plan.target``, print it, write ``plan.json`` into ``out``; a RunnerError (exit 3)
-    when no valid candidate fits the device's memory (after the table and plan.json)."""
+def run_target(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
+    """Plan for ``plan.target``, print it, write ``plan.json`` into ``out``, return the best
+    candidate's command; a RunnerError (exit 3) when no valid candidate fits the device's memory
+    (after the table and plan.json)."""
     p = plan_target(cfg)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in p.candidates], indent=2) + "\n")
     for line in header(p, cfg):
@@ -88,4 +89,6 @@ def run_target(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> None:
                           "train.activation_checkpointing=full.")
     chosen = ("plan.", "schedule", "parallel.")
     kept = [o for o in overrides if not o.startswith(chosen)]
-    print(f"\n{'best (tied)' if best.tie else 'best'}: python -m runner {shlex.join(kept + best.overrides)}")
+    command = f"python -m runner {shlex.join(kept + best.overrides)}"
+    print(f"\n{'best (tied)' if best.tie else 'best'}: {command}")
+    return command

@@ -5,10 +5,13 @@ end of setup (``startup_s``)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 __all__ = ["StartupClock"]
+
+log = logging.getLogger("runner.startup")
 
 
 @dataclass
@@ -23,6 +26,12 @@ class StartupClock:
 
     def mark(self, phase: str, at: float | None = None) -> None:
         self.marks[phase] = time.time() if at is None else at
+
+    def say(self, what: str) -> None:
+        """One line of the startup's progress, with the seconds since the launch: what a user
+        watches while nothing else shows (``config checked``, ``data ready``, ``ranks started``,
+        ``model built``, ``first step``)."""
+        log.info("%s (%.1f s)", what, time.time() - self.launched_at)
 
     def since_launch(self, phase: str) -> float:
         return self.marks[phase] - self.launched_at

@@ -1,20 +1,27 @@
 """The terminal during a run: one process writes it.
 
 Spawned ranks do not write the console themselves: every rank sends its console records (rank 0's
-INFO and up, the others' WARNING and up, Python warnings included) through a queue to the
-launcher, whose ``Console`` handler prints them. On a terminal, rank 0's per-step records drive
-one progress bar instead, and other lines print above it (tqdm's ``write``), so nothing breaks the
-bar; elsewhere (a file, a pipe, CI) each step is a plain line. Each rank also writes all of its
-own INFO lines to ``runner.log``. A run in the launcher's own process (pp=1, torchrun's rank 0)
-swaps the console handler for a ``Console`` for the duration of the run; torchrun's other ranks
-keep their own consoles and write their INFO lines to rank 0's ``runner.log``. Imports no torch.
+INFO and up, the others' WARNING and up) through a queue to the launcher, whose ``Console`` handler
+prints them. On a terminal, rank 0's per-step records drive one progress bar instead, and other
+lines print above it (tqdm's ``write``), so nothing breaks the bar; elsewhere (a file, a pipe, CI)
+each step is a plain line. Each rank also writes all of its own INFO lines to ``runner.log``. A run
+in the launcher's own process (pp=1, torchrun's rank 0) swaps the console handler for a ``Console``
+for the duration of the run; torchrun's other ranks keep their own consoles and write their INFO
+lines to rank 0's ``runner.log``.
+
+Quiet by default: Python warnings (the libraries': torch's, transformers'; the runner logs its own)
+go to ``runner.log`` only, and the libraries' progress bars and INFO chatter (datasets', the Hugging
+Face hub's, MLflow's, matplotlib's font cache line) are turned off (``quiet_libraries``). Imports no
+torch.
 """
 
 from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, TextIO
@@ -23,10 +30,35 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 __all__ = ["Console", "step_record", "rank_logging", "console_listener", "console_for_run", "torchrun_rank_log",
-           "RANK_FORMAT"]
+           "RANK_FORMAT", "quiet_libraries"]
 
 RANK_FORMAT = "[%(asctime)s][rank %(rank)s][%(name)s][%(levelname)s] - %(message)s"
 STEP_LOGGER = "runner.steps"  # rank 0's record of each finished step
+
+
+# The libraries' progress bars and INFO lines, off unless the user's environment sets these: read
+# when each library is imported, so set before (the ranks inherit them).
+_QUIET_ENV = {
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # datasets: "Generating train split", "Map"
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # huggingface_hub's, which transformers' bars follow
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # "INFO mlflow.store.db.utils: Creating initial MLflow database tables"
+}
+WARNINGS_LOGGER = "py.warnings"  # where logging.captureWarnings sends warnings.warn
+
+
+def quiet_libraries() -> None:
+    """Turn off what the libraries print that says nothing to a user of the runner: their progress
+    bars and INFO lines (a setting in the user's environment wins), matplotlib's "building the font
+    cache" line."""
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+
+
+def _not_a_library_warning(record: logging.LogRecord) -> bool:
+    """A console filter: Python warnings (the libraries'; the runner logs its own) go to the log file only."""
+    return record.name != WARNINGS_LOGGER
 
 
 class _RankFilter(logging.Filter):
@@ -116,11 +148,13 @@ def rank_logging(rank: int, run_dir: Path, console_queue) -> None:
     file.setFormatter(logging.Formatter(RANK_FORMAT))
     console = logging.handlers.QueueHandler(console_queue)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    console.addFilter(_not_a_library_warning)
     for handler in (file, console):
         handler.addFilter(_RankFilter(rank))
         root.addHandler(handler)
     root.setLevel(logging.INFO)
-    logging.captureWarnings(True)  # warnings.warn in a rank reaches the console as a record, not raw stderr
+    quiet_libraries()  # a spawned rank starts afresh
+    logging.captureWarnings(True)  # warnings.warn in a rank becomes a record in runner.log, not raw stderr
 
 
 @contextmanager
@@ -142,18 +176,22 @@ def console_listener(queue, stream: TextIO | None = None) -> Iterator[Console]:
 @contextmanager
 def console_for_run() -> Iterator[None]:
     """A run in this process: the root logger's console handlers (Hydra's, on stdout) become a
-    ``Console`` on the same stream for the run, then come back."""
+    ``Console`` on the same stream for the run (Python warnings to the log file only), then come back."""
     root = logging.getLogger()
     consoles = [h for h in root.handlers if type(h) is logging.StreamHandler
                 and getattr(h, "stream", None) in (sys.stdout, sys.stderr)]
     replacements = [Console(h.stream) for h in consoles]
     for old, new in zip(consoles, replacements):
         new.setLevel(old.level)
+        new.addFilter(_not_a_library_warning)
         root.removeHandler(old)
         root.addHandler(new)
+    captured = getattr(warnings.showwarning, "__module__", None) == "logging"  # the caller's own choice
+    logging.captureWarnings(True)  # the libraries' warnings into the run's log file (Hydra's), not the console
     try:
         yield
     finally:
+        logging.captureWarnings(captured)
         for old, new in zip(consoles, replacements):
             root.removeHandler(new)
             new.close()

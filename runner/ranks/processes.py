@@ -227,6 +227,7 @@ def _rank_main(rank: int, setup: _RankSetup, fn: Callable[..., None], args: tupl
                                timeout_s=setup.timeout_s, store=connect(setup.where, setup.world, setup.timeout_s))
         if setup.clock is not None:
             setup.clock.mark("process_group")
+            setup.clock.say(f"ranks started: {setup.world} processes")
             fn(env, *args, clock=setup.clock)
         else:
             fn(env, *args)

@@ -20,7 +20,10 @@ from helpers.config import ROOT, TESTS
 # A command as a user types it in a shell: not inside torchrun or a SLURM task (a test that wants
 # ranks from them passes their variables itself).
 CLEARED = ("PYTHONPATH", "HYDRA_FULL_ERROR", "RUNNER_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-           "MASTER_ADDR", "MASTER_PORT")
+           "MASTER_ADDR", "MASTER_PORT",
+           # what runner.ranks.console.quiet_libraries sets unless the user did: the runner's own default is tested
+           "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "MLFLOW_LOGGING_LEVEL",
+           "TRANSFORMERS_NO_ADVISORY_WARNINGS")
 SHOWN = 4000  # characters of each stream an assertion shows
 
 

@@ -26,3 +26,14 @@ class StepRecorder(Hook):
 
 def step_recorder(key: str = "seen_steps") -> StepRecorder:
     return StepRecorder(key)
+
+
+class LibraryWarning(Hook):
+    """Warns on each rank's first step as a library does (``warnings.warn``): what the console
+    leaves to ``runner.log``."""
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        if state.first:
+            import warnings
+
+            warnings.warn(f"a library's UserWarning on rank {ctx.env.rank}", UserWarning, stacklevel=1)
