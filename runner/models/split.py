@@ -1,5 +1,8 @@
 """Model → stages: build the model without memory, choose which pipeline units each stage holds,
-and materialise only the stage modules a rank owns, initialised exactly as the unsplit model is.
+and materialise only what a rank owns of them, initialised exactly as the unsplit model is: its
+stage modules are copied out of the meta model (``stage_skeleton``), laid out on the meta device
+by tp and dp (``runner.parallel``), then ``fill`` allocates only the rank's shards and fills them
+one module at a time (``materialize``: both at once, for a whole stage).
 
 A stage module holds its units under their full names (a skeleton of the model with only those
 modules), so every parameter keeps its full name (``model.layers.3.self_attn.q_proj.weight``) in
@@ -21,8 +24,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from runner.errors import ConfigError
 from runner._torch.dist import local_region
+from runner.errors import ConfigError
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
@@ -368,7 +371,7 @@ def _tie(stage: StageModule, tied: list[list[str]]) -> None:
 
 def _state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """``module``'s parameters and buffers by full name (``prefix``: the module's), every name of a tied one."""
-    out = dict(module.named_parameters(prefix=prefix, remove_duplicate=False))
+    out: dict[str, torch.Tensor] = dict(module.named_parameters(prefix=prefix, remove_duplicate=False))
     out.update(module.named_buffers(prefix=prefix, remove_duplicate=False))
     return out
 

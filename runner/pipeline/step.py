@@ -153,7 +153,8 @@ class PipelinedStep:
 def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
                example: Batch | None = None) -> tuple[UnsplitStep | PipelinedStep, TiedWeights]:
     """Lay out this rank's stage modules on the meta device (tp, checkpointing, compile, precision,
-    dp), allocate and fill only their shards, and wrap them for the schedule. Also returns what keeps weights tied across stages equal.
+    dp), allocate and fill only their shards, and wrap them for the schedule. Also returns what
+    keeps weights tied across stages equal.
 
     ``example`` (this replica's share of a batch) builds every stage with static metadata (its
     input and output shapes, from the meta model): torch's schedules then vote static and never
