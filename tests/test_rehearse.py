@@ -4,6 +4,7 @@ by the rehearsal process group; what a rank measures, composed into the whole st
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -109,3 +110,99 @@ def test_the_default_ranks_are_one_per_pipeline_rank_at_dp0_tp0():
     from runner.rehearse.launch import default_ranks
 
     assert default_ranks(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8)) == [0, 32, 64, 96, 128, 160, 192, 224]
+
+
+# fp32 weights of SHARDED: 8 blocks of 12 x 128^2 x 4 bytes (786 KB each), embedding and head of
+# 1024 x 128 x 4 (524 KB each): 7.4 MB.
+SHARDED = ["device=cpu", "model.dim=128", "model.n_layers=8", "model.n_heads=4", "data.vocab_size=1024",
+           "train.seq_len=16", "train.batch_size=16", "profile.enabled=false", "verify=false"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case, overrides, shards", [
+    ("pp1-tp4", ["parallel.pp=1", "parallel.tp=4"], 4),
+    ("pp2-fsdp2-over-tp4-tied", ["parallel.pp=2", "parallel.tp=4", "parallel.dp=2", "parallel.dp_mode=fsdp",
+                                 "model.tie_embeddings=true"], 8),
+    ("pp2-fsdp4", ["parallel.pp=2", "parallel.dp=4", "parallel.dp_mode=fsdp", "schedule=1f1b"], 4),
+])
+def test_a_rank_allocates_only_its_shards_and_each_is_the_unsplit_models_part(case, overrides, shards, tmp_path):
+    """The last rank of each layout, alone over the rehearsal group: its stages are laid out on the
+    meta device and filled one module at a time (``runner.models.split.fill``). Every local shard
+    equals its region of the unsplit model's tensor, bit for bit (tp's rows or columns, FSDP's rows
+    of them, a tied head's copy of the embedding), and the peak of tracked allocations while the
+    stages are built is this rank's shards plus one module whole: under half the whole stage."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from runner._torch.dist import drop_dtensor_caches, local_region
+    from runner.models.split import build_meta_model, materialize
+    from runner.parallel.mesh import build_mesh
+    from runner.pipeline.step import build_step
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import compose
+
+    cfg = compose(*SHARDED, *overrides, "rehearse=on")
+    resolved, _, _ = check_rehearsal(cfg, tmp_path)
+    rank = resolved.world_size - 1
+    reset_collectives()
+    env = init_rehearsal(rank, resolved.world_size, torch.device("cpu"))
+    try:
+        tracker = MemTracker()
+        with tracker:
+            step, _ = build_step(resolved, cfg, env, build_mesh(env, resolved.dims))
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        built = {name: p for m in step.modules for name, p in m.named_parameters(remove_duplicate=False)}
+        assert collectives_by_dim(resolved.dims) == {}  # nothing was scattered or broadcast: each rank cut its own
+        meta = build_meta_model(cfg.model)
+        whole = dict(materialize(meta, meta.unit_names, seed=resolved.train.seed,
+                                 device=torch.device("cpu")).named_parameters(remove_duplicate=False))
+        assert built and set(built) <= set(whole)
+        for name, p in built.items():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            assert torch.equal(local, whole[name][local_region(p)]), name
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                   for p in {id(p): p for p in built.values()}.values()) * 4
+        stage_bytes = sum(p.numel() for p in {id(p): p for p in built.values()}.values()) * 4
+        largest_module = 12 * 128 * (128 + 1) * 4 + 4 * 128 * 4  # a block (its weights, biases and norms)
+        assert held * shards == pytest.approx(stage_bytes, rel=0.02)  # this rank's share (norms kept whole)
+        assert peak <= held + largest_module + 64 * 1024, (peak, held, stage_bytes)
+        assert peak < stage_bytes / 2
+    finally:
+        dist.destroy_process_group()
+        drop_dtensor_caches()
+        reset_collectives()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS, /proc and glibc's mallopt are Linux's")
+def test_a_rank_of_a_model_too_big_for_the_process_rehearses_within_its_memory_limit(tmp_path):
+    """A model of 252 MB of fp32 weights (756 MB with AdamW's state) at tp=16: rank 15 is rehearsed
+    (its stage built, one step of forward, backward and AdamW) in a process whose address space is
+    limited to its baseline + 160 MB (``RLIMIT_AS``), which its shards fit; building the whole
+    model there fails (as the whole stage a rank allocated before shard-first materialisation did)."""
+    import json
+    import multiprocessing
+
+    from helpers.config import resolved
+    from helpers.rehearsal import rehearse_under_a_memory_limit
+
+    budget = 160 * 10**6
+    cfg = resolved("device=cpu", "model.dim=768", "model.n_layers=8", "model.n_heads=16", "data.vocab_size=4096",
+                   "train.seq_len=16", "train.batch_size=2", "parallel.microbatches=1", "parallel.pp=1",
+                   "parallel.tp=16", "profile.enabled=false", "verify=false", "rehearse=on")
+    out = tmp_path / "limited.json"
+    # Forked: the test process has imported torch and the runner already (seconds a spawn would import again).
+    child = multiprocessing.get_context("fork").Process(target=rehearse_under_a_memory_limit,
+                                                        args=(cfg, 15, budget, str(out)))
+    child.start()
+    child.join(100)
+    assert child.exitcode == 0 and out.is_file(), child.exitcode
+    report = json.loads(out.read_text())
+    whole_weights = (8 * 12 * 768 * 769 + 8 * 4 * 768 + 2 * 4096 * 768 + 16 * 768 + 2 * 768) * 4
+    assert whole_weights > 1.5 * budget  # the whole model's weights alone exceed the limit ...
+    held = report["held_bytes"]
+    assert held["params"] * 16 == pytest.approx(whole_weights, rel=0.02)  # ... this rank holds a 16th of them
+    assert held["optimizer_state"] >= 2 * held["params"] and math.isfinite(report["losses"][0])
+    assert report["rank_peak"] < budget, report  # the rank's whole rehearsal, AdamW step included
+    assert report["whole"].startswith("RuntimeError") and "can't allocate memory" in report["whole"], report

@@ -1,5 +1,6 @@
 """Every use of torch's private distributed internals outside pipelining (``_torch_pp``) and DCP
-(``_torch_dcp``): the caches of DTensor and the meshes' registries that keep process groups alive.
+(``_torch_dcp``): the caches of DTensor and the meshes' registries that keep process groups alive,
+and the region of the whole tensor a DTensor's local shard holds (``local_region``).
 When a torch release moves them, this file is the one to change (a group left alive is then named
 by ``runner.ranks.dist.cleanup``'s warning, and the tests' spawns fail on it). Tested with torch 2.13.
 """
@@ -11,7 +12,7 @@ import importlib
 import os
 import sys
 
-__all__ = ["drop_dtensor_caches", "drop_mesh_groups", "own_compile_cache"]
+__all__ = ["drop_dtensor_caches", "drop_mesh_groups", "own_compile_cache", "local_region"]
 
 # (module, what to call): each empties a cache whose keys or values hold DTensor specs or meshes,
 # and so the process groups, of every op a DTensor (FSDP's parameters, replicate's) went through.
@@ -67,3 +68,16 @@ def own_compile_cache(name: str) -> str:
     if os.path.basename(current) != name:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(current, name)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def local_region(tensor) -> tuple[slice, ...]:
+    """The part of the whole tensor that ``tensor``'s local data holds, one slice per dimension:
+    all of it for a plain tensor; for a DTensor (tp's shards, FSDP's, both at once), its chunk as
+    DCP records it when saving (``__create_chunk_list__``: offsets and sizes from the placements,
+    FSDP's strided sharding over tp included)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    (chunk,) = tensor.__create_chunk_list__()  # one local chunk per rank
+    return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))

@@ -1,6 +1,6 @@
 """Models: the built-in factories (``builtin``), Hugging Face families (``hf``, ``hf_weights``,
 ``hf_dirs``), a model's pipeline units (``units.ModelSpec``), the meta model cut into stages and
-materialised (``split``), and weights read as tensor-parallel shards (``shards``).
+materialised shard-first (``split``), and where a tp plan shards each weight (``shards``).
 Schema: ``config.ModelConfig`` and one per factory (``model=...``). Nothing is imported here."""
 
 # relayout: keep-file (the names below are the paths of runner/models.py before issue #34)

@@ -317,8 +317,8 @@ class HFSpec(ModelSpec):
         return self._weights is not None
 
     def load_pretrained(self, stage: nn.Module) -> set[str] | None:
-        """Each tensor of the stage from its file; a DTensor's local shard (``runner.parallel.tp``) reads its
-        own rows or columns alone (``get_slice``), never the whole tensor. ``bytes_read`` counts
+        """Each tensor of the stage from its file; a DTensor's local shard (tp's, FSDP's) reads its
+        own part alone (``get_slice``), never the whole tensor. ``bytes_read`` counts
         what this process read, a tied copy once."""
         if self._weights is None:
             return None
@@ -341,16 +341,14 @@ class HFSpec(ModelSpec):
         return set(wanted)
 
     def _read_into(self, f: Any, file: str, source: Stored, target: torch.Tensor) -> None:
-        """``target``'s part of ``source`` (all of it, or a tp shard's), cast to the model's fp32."""
-        from runner.models.shards import local_part
+        """``target``'s part of ``source`` (all of it, or a tp or FSDP shard's: its region of
+        the whole, ``local_region``), cast to the model's fp32."""
+        from runner._torch.dist import local_region
 
-        part = local_part(target)
-        if part is None:
-            tensor = f.get_tensor(source.key)
-        else:
-            dim, start, stop = part
-            tensor = f.get_slice(source.key)[(slice(None),) * dim + (slice(start, stop),)]
         local = target.to_local() if hasattr(target, "to_local") else target  # a DTensor: its shard
+        region = local_region(target)
+        part = tuple((r.start, r.stop) for r in region)
+        tensor = f.get_tensor(source.key) if local is target else f.get_slice(source.key)[region]
         local.copy_(tensor)
         _check_finite(local, source, self.path)
         if (file, source.key, part) not in self._counted:

@@ -1,5 +1,8 @@
 """Model → stages: build the model without memory, choose which pipeline units each stage holds,
-and materialise only the stage modules a rank owns, initialised exactly as the unsplit model is.
+and materialise only what a rank owns of them, initialised exactly as the unsplit model is: its
+stage modules are copied out of the meta model (``stage_skeleton``), laid out on the meta device
+by tp and dp (``runner.parallel``), then ``fill`` allocates only the rank's shards and fills them
+one module at a time (``materialize``: both at once, for a whole stage).
 
 A stage module holds its units under their full names (a skeleton of the model with only those
 modules), so every parameter keeps its full name (``model.layers.3.self_attn.q_proj.weight``) in
@@ -21,12 +24,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from runner._torch.dist import local_region
 from runner.errors import ConfigError
-from runner.models.shards import place_shards
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
-           "check_init", "check_keyword_inputs", "materialize", "tied_groups"]
+           "check_init", "check_keyword_inputs", "stage_skeleton", "fill", "materialize", "tied_groups"]
 
 log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
 
@@ -315,35 +318,106 @@ def _init(spec: ModelSpec, root: nn.Module, names: Sequence[str], seed: int) -> 
                 spec.init_module(name, module)
 
 
-def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: torch.device,
-                tp_mesh: Any = None, tp_plan: Mapping[str, str] | None = None, seq_shards: int = 1) -> StageModule:
-    """A stage module holding ``units`` of the meta model, allocated and initialised on CPU (so
-    every device gets the same numbers) or read from the model's pretrained weights, then moved
-    to ``device``. With a ``tp_mesh`` (a DeviceMesh) and pretrained weights, the planned
-    parameters are DTensors holding this rank's shard, read alone (``runner.parallel.tp.place_shards``);
-    random initialisation stays whole (``parallelize`` distributes it). ``seq_shards``: the
-    ``StageModule``'s (sequence parallelism).
+def stage_skeleton(meta: MetaModel, units: Sequence[str], *, seq_shards: int = 1) -> StageModule:
+    """A stage module holding copies of ``units`` of the meta model (and its shared modules), still
+    on the meta device: what tensor and data parallelism lay out (``runner.parallel``) before
+    ``fill`` allocates anything. The meta model itself is left as it is (the units ``fill`` builds
+    are copied from it). Weights tied within the stage are one parameter. ``seq_shards``: the
+    ``StageModule``'s (sequence parallelism)."""
+    spec = meta.spec
+    names = [n for u in units for n in spec.unit(u).modules] + list(spec.shared)
+    stage = StageModule(spec, units, {n: copy.deepcopy(meta.module.get_submodule(n)) for n in names},
+                        seq_shards=seq_shards)
+    _tie(stage, meta.tied)  # copied one module at a time: tie them again
+    return stage
+
+
+def fill(meta: MetaModel, stage: StageModule, *, seed: int, device: torch.device) -> StageModule:
+    """Allocate ``stage``'s tensors on ``device`` and give them the unsplit model's values, never
+    holding more than one of its modules whole: a parameter that tp or FSDP laid out (a DTensor)
+    gets only this rank's shard. Pretrained tensors are read by slice, each its own part alone
+    (``ModelSpec.load_pretrained``); the rest are initialised one top-level module (a unit's
+    module, a shared one) at a time: built whole on CPU (so every device gets the same numbers),
+    initialised under seeds from the run seed and the module names (``_init``), this rank's part
+    of each tensor copied out, the whole freed. In place; returns ``stage``.
 
     A parameter tied to one outside the stage (a head tied to the embedding of the first stage)
     gets the value the unsplit model gives it: that of its first owner in model order."""
-    spec = meta.spec
-    modules = {n: meta.module.get_submodule(n) for u in units for n in spec.unit(u).modules}
-    modules.update({n: copy.deepcopy(meta.module.get_submodule(n)) for n in spec.shared})
-    stage = StageModule(spec, units, modules, seq_shards=seq_shards)
+    stage.to_empty(device=device)
+    _tie(stage, meta.tied)  # allocation gives each name its own tensor
+    loaded = meta.spec.load_pretrained(stage)
+    local = set(_state(stage, ""))
+    for name in [n for u in stage.units for n in meta.spec.unit(u).modules] + list(meta.spec.shared):
+        _fill_module(meta, stage, name, seed, loaded, local)
+    return stage
+
+
+def materialize(meta: MetaModel, units: Sequence[str], *, seed: int, device: torch.device,
+                seq_shards: int = 1) -> StageModule:
+    """A stage module holding ``units`` of the meta model, whole (no tp or dp), with the unsplit
+    model's values on ``device``: ``stage_skeleton`` then ``fill``. A rank's stages are laid out
+    on the meta device before ``fill`` instead (``runner.pipeline.step``), so that it allocates
+    only its shards; the unsplit references (``verify``, the planner's probes) take this."""
+    return fill(meta, stage_skeleton(meta, units, seq_shards=seq_shards), seed=seed, device=device)
+
+
+def _tie(stage: StageModule, tied: list[list[str]]) -> None:
+    """The stage's names of each tied weight made one parameter, its first local name's."""
     local = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-    local_groups = [[n for n in names if n in local] for names in meta.tied]
-    stage.to_empty(device="cpu")
-    # Allocation gives each name its own tensor: tie them again.
-    for first, *others in (g for g in local_groups if len(g) > 1):
-        for other in others:
-            _set_param(stage, other, stage.get_parameter(first))
-    if tp_mesh is not None and tp_plan and spec.pretrained:
-        place_shards(stage, tp_mesh, tp_plan)
-    loaded = spec.load_pretrained(stage)
-    _init(spec, stage, [n for n, m in stage.named_modules() if not _fully_loaded(m, n, loaded)], seed)
-    if loaded is None:
-        _init_tied(meta, stage, seed)
-    return stage.to(device)
+    for names in tied:
+        here = [n for n in names if n in local]
+        for other in here[1:]:
+            _set_param(stage, other, stage.get_parameter(here[0]))
+
+
+def _state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers by full name (``prefix``: the module's), every name of a tied one."""
+    out: dict[str, torch.Tensor] = dict(module.named_parameters(prefix=prefix, remove_duplicate=False))
+    out.update(module.named_buffers(prefix=prefix, remove_duplicate=False))
+    return out
+
+
+@torch.no_grad()
+def _copy_part(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """This rank's part of ``whole`` into ``target`` (its local shard where it is a DTensor)."""
+    local = target.to_local() if hasattr(target, "to_local") else target
+    local.copy_(whole[local_region(target)])
+
+
+def _fill_module(meta: MetaModel, stage: StageModule, name: str, seed: int, loaded: set[str] | None,
+                 local: set[str]) -> None:
+    """Initialise the top-level module ``name`` of ``stage`` (what pretrained weights left out of
+    it) whole on CPU, alone, and copy this rank's part of each tensor into the stage. A weight tied
+    to an earlier module of the stage was filled with it; one whose first owner is elsewhere takes
+    that owner's initialisation, built alone once this module's whole is freed. ``local``: the
+    stage's tensor names."""
+    spec = meta.spec
+    targets = _state(stage.get_submodule(name), name)
+    owner_of = {n: names[0] for names in meta.tied for n in names}
+    todo = {n for n in targets if loaded is None or n not in loaded}
+    todo -= {n for n in todo if n in owner_of and owner_of[n] != n and owner_of[n] in local}
+    if not todo:
+        return
+    elsewhere = {n for n in todo if n in owner_of and owner_of[n] != n}
+    whole = StageModule(spec, (), {name: copy.deepcopy(meta.module.get_submodule(name))})
+    whole.to_empty(device="cpu")
+    _tie(whole, meta.tied)
+    modules = [n for n, m in whole.named_modules() if (n == name or n.startswith(f"{name}."))
+               and not _fully_loaded(m, n, loaded)]
+    _init(spec, whole, modules, seed)
+    firsts = {owner_of[n].rpartition(".")[0] for n in todo if owner_of.get(n) == n}
+    _init(spec, whole, sorted(firsts), seed)  # a tied weight: its first owner initialises it last
+    values = _state(whole, "")
+    for n in sorted(todo - elsewhere):
+        _copy_part(targets[n], values[n])
+    del whole, values
+    for n in sorted(elsewhere):  # the first owner lives in another stage: build just that module
+        owner, _, leaf = owner_of[n].rpartition(".")
+        first = copy.deepcopy(meta.module.get_submodule(owner)).to_empty(device="cpu")
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed_for(seed, owner))
+            spec.init_module(owner, first)
+        _copy_part(targets[n], getattr(first, leaf))
 
 
 def _fully_loaded(module: nn.Module, name: str, loaded: set[str] | None) -> bool:
@@ -352,24 +426,3 @@ def _fully_loaded(module: nn.Module, name: str, loaded: set[str] | None) -> bool
     own = [f"{name}.{t}" for t, _ in module.named_parameters(recurse=False)]
     own += [f"{name}.{t}" for t, _ in module.named_buffers(recurse=False)]
     return all(n in loaded for n in own)
-
-
-def _init_tied(meta: MetaModel, stage: StageModule, seed: int) -> None:
-    """Tied parameters take the value their first owner's initialisation gives, wherever the
-    owners are (in the unsplit model each owner initialises the one tensor in turn)."""
-    local = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-    for names in meta.tied:
-        here = [n for n in names if n in local]
-        if not here:
-            continue
-        first, _, leaf = names[0].rpartition(".")
-        if names[0] in local:  # the stage's copies are one tensor: its first owner initialises it last
-            _init(meta.spec, stage, [first], seed)
-            continue
-        # The first owner lives in another stage: build just that module, as that stage does.
-        owner = copy.deepcopy(meta.module.get_submodule(first)).to_empty(device="cpu")
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed_for(seed, first))
-            meta.spec.init_module(first, owner)
-            for n in here:
-                stage.get_parameter(n).copy_(getattr(owner, leaf))

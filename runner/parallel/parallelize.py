@@ -1,6 +1,7 @@
-"""What is applied to each stage module after it is materialised and before it becomes a
-``PipelineStage``, in torchtitan's order: tensor parallelism (``runner.parallel.tp``, applied by
-``runner.pipeline`` to all of a rank's stage modules before it shares their tied weights), activation
+"""What is applied to each stage module before it becomes a ``PipelineStage``, on the meta device
+before anything is allocated (``runner.models.split.fill`` then allocates only this rank's shards),
+in torchtitan's order: tensor parallelism (``runner.parallel.tp``, applied by ``runner.pipeline``
+before this), activation
 checkpointing, then ``torch.compile``, then precision and data parallelism (FSDP's
 mixed-precision policy needs the unsharded module; over tp it shards the tp shards: 2-D).
 Nothing here renames a parameter: checkpoints and ``verify`` keep the unsplit model's names."""

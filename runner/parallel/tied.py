@@ -2,7 +2,7 @@
 
 In the unsplit model one tensor serves both ends and collects both gradients. Pipelined, the first
 and the last stage may sit on different ranks: each holds a copy, the copies start equal
-(``split.materialize``), their gradients are summed between the ranks that hold them after every
+(``split.fill``), their gradients are summed between the ranks that hold them after every
 backward, so the same update keeps them equal. Where both ends are on one rank (V placements) the
 two stage modules share one parameter, unless data parallelism wraps each stage on its own (FSDP
 cannot share a parameter between two ``fully_shard`` roots): then the copies are summed locally.

@@ -22,7 +22,7 @@ unit's output is scattered and the head gathers its input. The messages between 
 each tp rank's slice of the sequence, a plain ``(batch, seq / tp, dim)`` tensor sent to the same
 tp rank of the next stage; a stage's spec builds positions, rotary embeddings and masks for the
 whole sequence: it is told how many slices the sequence is in (``TPPlan.seq_shards``, given to
-``materialize`` and so to the spec's ``run``).
+``stage_skeleton`` and so to the spec's ``run``).
 
 Loss parallelism (``parallel.loss_parallel``) leaves the head's logits sharded on the vocabulary
 (a DTensor) into ``runner.losses.cross_entropy``, computed by torch's ``loss_parallel()``, which
@@ -30,10 +30,11 @@ the pipeline enters around the last stage's whole step (the backward runs inside
 options' own checks (``_option_problem``) run before launch with the others (``check_tp``; those that need
 only the config before torch is imported: ``runner.parallel.dims.check_tp_options``).
 
-Randomly initialised stage modules are built whole and then distributed (``distribute_tensor``
-keeps each rank's slice of the whole tensor): every tp gives the unsplit model's initial values,
-which a seeded ``normal_`` on a sharded tensor would not. Pretrained ones never hold a sharded
-weight whole (``runner.models.shards``). Weights replicated
+The plan is applied to a stage still on the meta device (``runner.pipeline.step``): no memory, no
+message. ``runner.models.split.fill`` then allocates each rank's shards and fills them with its
+part of each module built whole on CPU, one module at a time, or read by slice from pretrained
+weights: every tp gives the unsplit model's initial values, which a seeded ``normal_`` on a
+sharded tensor would not, and no rank holds a stage whole. Weights replicated
 as DTensors (the norms under sequence parallelism) get partial gradients, summed over the group
 after the backward (``sum_partial_grads``), with the weights ``apply_tp`` names: it returns them
 to its caller, which hands them to the step (nothing is left on the module to be read back)."""

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 from runner._torch import pp as _torch_pp
 from runner.layout import Layout, ResolvedRun
 from runner.losses import build_loss
-from runner.models.split import StageModule, build_meta_model, materialize, stage_io
+from runner.models.split import StageModule, build_meta_model, fill, stage_io, stage_skeleton
 from runner.models.units import describe_names
 from runner.parallel.dp import DP_MODES
 from runner.parallel.mesh import Mesh
@@ -152,8 +152,9 @@ class PipelinedStep:
 
 def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
                example: Batch | None = None) -> tuple[UnsplitStep | PipelinedStep, TiedWeights]:
-    """Materialise only this rank's stage modules, checkpoint/compile/cast/replicate them, and wrap
-    them for the schedule. Also returns what keeps weights tied across stages equal.
+    """Lay out this rank's stage modules on the meta device (tp, checkpointing, compile, precision,
+    dp), allocate and fill only their shards, and wrap them for the schedule. Also returns what
+    keeps weights tied across stages equal.
 
     ``example`` (this replica's share of a batch) builds every stage with static metadata (its
     input and output shapes, from the meta model): torch's schedules then vote static and never
@@ -163,35 +164,34 @@ def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh,
     layout, dp_mode = resolved.layout, resolved.dp_mode
     tp = tp_plan(meta.module, resolved.dims)
     loss_parallel = tp is not None and tp.loss_parallel
-    styles = tp.styles if tp is not None else None  # pretrained weights: each rank reads its shards alone
     seq_shards = tp.seq_shards if tp is not None else 1
 
-    def sharded(units: Sequence[str]) -> tuple[StageModule, tuple[str, ...]]:
-        """This rank's part of ``units``: materialised, then sharded over its tp group; and the
-        weights whose gradients that group sums."""
-        module = materialize(meta, units, seed=seed, device=env.device, tp_mesh=mesh.tp_mesh, tp_plan=styles,
-                             seq_shards=seq_shards)
-        if tp is not None and mesh.tp_mesh is not None:
-            return module, apply_tp(module, mesh, tp)
-        return module, ()
+    def laid_out(units: Sequence[str]) -> tuple[StageModule, tuple[str, ...]]:
+        """This rank's part of ``units``, still on the meta device: sharded over its tp group,
+        checkpointed, compiled, cast and replicated or sharded over its dp group; then filled
+        (``fill``: only its shards are ever allocated). And the weights whose gradients the tp
+        group sums."""
+        module = stage_skeleton(meta, units, seq_shards=seq_shards)
+        grad_sum = apply_tp(module, mesh, tp) if tp is not None and mesh.tp_mesh is not None else ()
+        module = parallelize(module, resolved.train, dp_mode, mesh)
+        return fill(meta, module, seed=seed, device=env.device), grad_sum
 
     if layout.pp == 1:
-        whole, grad_sum = sharded(meta.unit_names)
-        unsplit = UnsplitStep(parallelize(whole, resolved.train, dp_mode, mesh), layout.microbatches,
-                              loss_fn, mesh=mesh, loss_parallel=loss_parallel, grad_sum=grad_sum)
+        whole, grad_sum = laid_out(meta.unit_names)
+        unsplit = UnsplitStep(whole, layout.microbatches, loss_fn, mesh=mesh, loss_parallel=loss_parallel,
+                              grad_sum=grad_sum)
         return unsplit, TiedWeights([], {}, unsplit.modules, mesh)
-    # Before materialising: a stage takes the meta model's modules (and allocates them).
     io = _static_io(meta, resolved, example, seq_shards) if example is not None else None
     indices = layout.stages_on(mesh.pp_rank)
-    modules, grad_sums = zip(*(sharded(layout.stages[i]) for i in indices))
+    modules, grad_sums = zip(*(laid_out(layout.stages[i]) for i in indices))
     # After tp, which wraps each module's weights in parameters of its own (a pretrained tied weight,
-    # already a DTensor, would become two parameters over one storage, each stepped by the optimizer).
-    # A mode wrapping each stage on its own cannot share a parameter: its copies are summed instead.
+    # already a DTensor, would become two parameters over one storage, each stepped by the optimizer),
+    # and after fill, which allocates each stage's on its own. A mode wrapping each stage on its own
+    # cannot share a parameter: its copies are summed instead.
     if not DP_MODES[dp_mode].per_stage:
         share_local_copies(modules, meta.tied)
     stages = []
     for index, module in zip(indices, modules):
-        module = parallelize(module, resolved.train, dp_mode, mesh)
         n_params = sum(p.numel() for p in module.parameters())
         log.info("stage %d: %s (%d parameters)", index, describe_names(layout.stages[index]), n_params)
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group,

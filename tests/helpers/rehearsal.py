@@ -26,3 +26,63 @@ class HeldBytes(Hook):
 
 def held_bytes_hooks() -> list[Hook]:
     return [HeldBytes()]
+
+
+def _vm_bytes(field: str) -> int:
+    """This process's ``VmSize`` or ``VmPeak``: its address space, what ``RLIMIT_AS`` counts."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) * 1024
+
+
+def _map_large_allocations() -> None:
+    """glibc maps every allocation of 64 KiB or more on its own (and unmaps it when freed) and
+    keeps one arena: the address space then follows the tensors alive, not glibc's reuse policy
+    (by default freed chunks under 32 MiB may stay reserved)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.mallopt(-8, 1)  # M_ARENA_MAX
+
+
+def rehearse_under_a_memory_limit(cfg_dict: dict, rank: int, budget: int | None, out: str) -> None:
+    """A forked process's target: rehearse ``rank`` of the run for one step with this process's
+    address space limited to what it holds now plus ``budget`` bytes (``RLIMIT_AS``; None:
+    unlimited, to calibrate), then build the whole model with its AdamW state under the same
+    limit. Writes what happened (JSON) to ``out``."""
+    import json
+    import resource
+    from pathlib import Path
+
+    import torch
+    from omegaconf import OmegaConf
+
+    import runner.train  # noqa: F401  (what the rank imports, before the baseline)
+    from runner.models.split import build_meta_model, materialize
+    from runner.rehearse.launch import check_rehearsal
+    from runner.rehearse.rank import run_rank
+
+    torch.set_num_threads(1)  # no thread pool to start under the limit
+    _map_large_allocations()
+    cfg = OmegaConf.create(cfg_dict)
+    run_dir = Path(out).parent / "run"
+    resolved, _, _ = check_rehearsal(cfg, run_dir)
+    baseline = _vm_bytes("VmSize")
+    if budget is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (baseline + budget, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    report: dict[str, Any] = {"baseline": baseline, "budget": budget}
+    result = run_rank(resolved, cfg, rank, 1, run_dir / f"rank{rank}")
+    report.update(held_bytes=result["held_bytes"], losses=result["losses"], rank_peak=_vm_bytes("VmPeak") - baseline)
+    del result
+    try:
+        meta = build_meta_model(cfg.model)
+        whole = materialize(meta, meta.unit_names, seed=0, device=torch.device("cpu"))
+        optimizer = torch.optim.AdamW(whole.parameters())
+        for p in whole.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        report["whole"] = "fits"
+    except (MemoryError, RuntimeError) as e:
+        report["whole"] = f"{type(e).__name__}: {str(e)[:300]}"
+    report["peak"] = _vm_bytes("VmPeak") - baseline
+    Path(out).write_text(json.dumps(report))
