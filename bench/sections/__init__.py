@@ -12,6 +12,7 @@ from bench.sections import (
     overhead,
     planner,
     profiling,
+    rehearsal,
     scaling,
     startup,
     synthesis,
@@ -34,6 +35,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     device.SECTION,
     hf.SECTION,
     tp.SECTION,
+    rehearsal.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]
