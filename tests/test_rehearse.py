@@ -170,7 +170,10 @@ def test_rehearsed_fsdp_ranks_at_pp4_dp2_hold_what_the_real_8_rank_run_holds_and
     layout = ["parallel.pp=4", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.microbatches=4",
               "train.batch_size=16"]
     case = "builtin-pp4-dp2-fsdp"
-    real = run_cases(tmp_path / "real", 8, {case: resolved(*TINY, *layout)}, more_hooks=held_bytes_hooks)[case]
+    # torch's MemTracker, around the real run's step 4, leaves its FSDP modules referenced after the
+    # run (found, not yet explained): their process-group threads outlive destroy_process_group.
+    real = run_cases(tmp_path / "real", 8, {case: resolved(*TINY, *layout)}, more_hooks=held_bytes_hooks,
+                     threads_left_because="MemTracker keeps the real run's FSDP modules")[case]
     assert "error" not in real, real.get("error")
     report = rehearse(compose(*TINY, *layout, "rehearse=on"), tmp_path / "rehearsal")
     assert [r["rank"] for r in report["ranks"]] == [0, 2, 4, 6]  # pp-major: dp=0 of each pipeline rank
