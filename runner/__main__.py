@@ -51,10 +51,12 @@ def main(cfg: DictConfig) -> float | None:
         import torch
 
         if cfg.rehearse.enabled:  # each rank's step rehearsed alone, not run
-            from runner.rehearse.launch import format_rehearsal, rehearse
+            from runner.rehearse.launch import format_rehearsal, raise_if_over_capacity, rehearse
 
             torch.set_num_threads(1)
-            print(format_rehearsal(rehearse(cfg, run_dir)))
+            report = rehearse(cfg, run_dir)
+            print(format_rehearsal(report))
+            raise_if_over_capacity(report)  # exit 3: a rank's peak over rehearse.capacity
             return None
         from runner.launch import launch  # torch, the pipelining runtime, DCP: what a run needs
 

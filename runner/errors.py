@@ -5,7 +5,7 @@ import reprlib
 import signal
 
 __all__ = ["RunnerError", "ConfigError", "RankFailedError", "StalledRankError", "VerifyError",
-           "NonFiniteLossError", "CheckpointError", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED",
+           "NonFiniteLossError", "CheckpointError", "DoesNotFitError", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED",
            "Rejected", "exit_code", "interrupted_exit_code", "shown"]
 
 # Exit codes: distinct from each other and from 1, Python's own status for an uncaught exception
@@ -57,6 +57,11 @@ class NonFiniteLossError(RunnerError):
 
 class CheckpointError(RunnerError):
     """A checkpoint cannot be saved or loaded; the message names the file and the reason."""
+
+
+class DoesNotFitError(RunnerError):
+    """A rehearsal (``rehearse=on``) ran, and a rank's peak exceeds ``rehearse.capacity``: the
+    message names each such rank, its peak, the capacity and what to try."""
 
 
 class Rejected(BaseException):

@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("validate",),  # the checks before launch -> ResolvedRun
     ("train",),  # the Trainer
     ("launch", "exits"),  # the ranks started; how a command line ends (a typo's nearest keys: compose's)
-    ("plan", "rehearse", "export", "study", "generate"),  # applications of the run: nothing below imports them
+    ("plan", "export", "study", "generate"),  # applications of the run: nothing below imports them
+    ("rehearse",),  # the run rehearsed rank by rank: the planner's device table and FLOP counts
     # the command line and the Python API (runner.run); shims at old paths (issue #34)
     ("__main__", "api", "loggers", "report", "hf"),
 ]

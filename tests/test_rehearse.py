@@ -206,3 +206,78 @@ def test_a_rank_of_a_model_too_big_for_the_process_rehearses_within_its_memory_l
     assert held["optimizer_state"] >= 2 * held["params"] and math.isfinite(report["losses"][0])
     assert report["rank_peak"] < budget, report  # the rank's whole rehearsal, AdamW step included
     assert report["whole"].startswith("RuntimeError") and "can't allocate memory" in report["whole"], report
+
+
+def test_the_composed_steps_mfu_counts_the_models_flops_as_the_planner_does_on_a_known_gpu():
+    from runner.models.split import build_meta_model
+    from runner.rehearse.compose import step_mfu
+    from runner.validate import validate
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8")
+    resolved = validate(cfg, None)
+    got = step_mfu(cfg, resolved, 0.5, "NVIDIA H100 80GB HBM3")  # torch.cuda.get_device_name's spelling
+    assert got["peak_of"] == "NVIDIA H100" and got["peak_flops"] == 67e12  # fp32, dense
+    n = sum(p.numel() for p in build_meta_model(cfg.model).module.parameters())
+    # F, I and W of every unit: 6 N per token, and the attention's
+    assert 1.0 < got["model_flops"] / (6 * n * resolved.tokens_per_step) < 1.1
+    assert got["mfu"] == got["model_flops"] / (0.5 * 2 * 67e12)
+    assert step_mfu(cfg, resolved, 0.5, None) == {
+        "mfu": None, "mfu_unknown": "the CPU's peak FLOP/s are not known (torch's datasheet table holds GPUs)"}
+    assert step_mfu(cfg, resolved, 0.5, "Tesla T4")["mfu_unknown"] == "'Tesla T4' is not in torch's datasheet table"
+
+
+def test_a_gpus_name_finds_its_peaks_by_the_longest_table_name_it_begins_with():
+    from runner.plan.roofline import lookup_peaks
+
+    assert lookup_peaks("NVIDIA A100-SXM4-80GB") is None  # not "NVIDIA A100 ...": no guess
+    assert lookup_peaks("NVIDIA A100").name == "NVIDIA A100"
+    assert lookup_peaks("nvidia h100 pcie").name == "NVIDIA H100"
+    assert lookup_peaks("NVIDIA H1000") is None
+
+
+def test_memory_verdicts_fit_or_name_the_rank_and_advise_fsdp_where_dp_replicates():
+    from runner.rehearse.compose import memory_verdicts
+
+    ranks = [{"rank": 0, "peak_bytes": {"total": 3 * 2**30}}, {"rank": 8, "peak_bytes": {"total": 2**30}}]
+    ddp = ParallelDims(pp=2, dp=2, dp_mode="ddp", tp=4)
+    assert memory_verdicts(ranks, 4 * 2**30, ddp) == ["fits"]
+    assert memory_verdicts(ranks, None, ddp) == ["no capacity: rehearse.capacity=<bytes> (e.g. 80GiB) for a verdict"]
+    assert memory_verdicts(ranks, 2 * 2**30, ddp) == [
+        "rank 0 needs 1.00 GiB more: its peak is 3.00 GiB, the capacity 2.00 GiB (rehearse.capacity). Fix: try "
+        "parallel.dp_mode=fsdp, more parallel.pp, more parallel.tp, train.activation_checkpointing=full, fewer "
+        "microbatches in flight (a smaller train.batch_size)"]
+    fsdp = ParallelDims(pp=2, dp=2, dp_mode="fsdp", tp=4)
+    assert "dp_mode" not in memory_verdicts(ranks, 2 * 2**30, fsdp)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+def test_rehearsed_fsdp_ranks_at_pp4_dp2_hold_what_the_real_8_rank_run_holds_and_peak_within_10_percent(tmp_path):
+    """pp=4 x dp=2 FSDP of the built-in transformer: the real run is 8 gloo ranks (slow tier); its
+    dp=0 ranks against their rehearsals, as tests/test_tp.py holds pp=2 x tp=2 in CI."""
+    from runner.rehearse.launch import rehearse
+
+    from helpers.config import TINY, compose, resolved
+    from helpers.ranks import run_cases
+    from helpers.rehearsal import held_bytes_hooks
+
+    layout = ["parallel.pp=4", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.microbatches=4",
+              "train.batch_size=16"]
+    case = "builtin-pp4-dp2-fsdp"
+    # torch's MemTracker, around the real run's step 4, leaves its FSDP modules referenced after the
+    # run (found, not yet explained): their process-group threads outlive destroy_process_group.
+    real = run_cases(tmp_path / "real", 8, {case: resolved(*TINY, *layout)}, more_hooks=held_bytes_hooks,
+                     threads_left_because="MemTracker keeps the real run's FSDP modules")[case]
+    assert "error" not in real, real.get("error")
+    report = rehearse(compose(*TINY, *layout, "rehearse=on"), tmp_path / "rehearsal")
+    assert [r["rank"] for r in report["ranks"]] == [0, 2, 4, 6]  # pp-major: dp=0 of each pipeline rank
+    for r in report["ranks"]:
+        want_held = real["summary"]["held_bytes"][r["rank"]]
+        assert r["held_bytes"] == want_held, r["rank"]
+        got, want = r["peak_bytes"], real["summary"]["tracked_peak_bytes"][r["rank"]]
+        for kind in ("activations_and_rest", "total"):
+            assert abs(got[kind] - want[kind]) <= 0.10 * want[kind], (r["rank"], kind, got, want)
+    assert report["step"]["step_s"] > 0 and report["step"]["collectives_s"] > 0  # FSDP's gathers and scatters

@@ -7,6 +7,7 @@ One 4-rank spawn (module-scoped) runs every case; the references run once each, 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -120,6 +121,54 @@ def test_compile_at_pp2_tp2_matches_the_unsplit_model_cold_and_from_the_cache(tm
         assert_matches(got["compile"], builtin_reference, f"compile ({run})")
     caches = sorted(p.name for p in (tmp_path / "inductor").iterdir())
     assert caches == [f"runner-pp2-dp1-tp2-rank{r}" for r in range(4)]
+
+
+# -- the rehearsal of the same layout (docs/rehearsal.md) -------------------------------------------
+@pytest.fixture(scope="module")
+def llama_rehearsal(models, tmp_path_factory) -> tuple[Path, dict, object]:
+    """The Llama case of the 4-rank spawn (``llama-1f1b``) rehearsed by the command line: ranks 0
+    and 2, each alone, against a capacity neither fits in (100 KiB)."""
+    from helpers.cli import run_cli
+
+    run_dir = tmp_path_factory.mktemp("llama-rehearsal") / "run"
+    done = run_cli(*_hf_base(models["llama"]), *TP2, "schedule=1f1b", "rehearse=on", "rehearse.capacity=100KiB",
+                   f"hydra.run.dir={run_dir}", cwd=run_dir.parent, timeout=300)
+    assert (run_dir / "rehearsal.json").is_file(), done.stderr[-3000:]
+    return run_dir, json.loads((run_dir / "rehearsal.json").read_text()), done
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_rehearsed_llama_rank_holds_what_the_real_rank_holds_and_peaks_within_10_percent(tp4, llama_rehearsal):
+    """Parameters, gradients and AdamW state to the byte; the peak (activations and the rest, and
+    the total), by the same tracker, within 10% of the real rank's in a steady step."""
+    real = tp4["llama-1f1b"]["summary"]
+    _, report, _ = llama_rehearsal
+    assert [r["rank"] for r in report["ranks"]] == [0, 2]
+    for r in report["ranks"]:
+        assert r["held_bytes"] == real["held_bytes"][r["rank"]], r["rank"]
+        got, want = r["peak_bytes"], real["tracked_peak_bytes"][r["rank"]]
+        for kind in ("activations_and_rest", "total"):
+            assert abs(got[kind] - want[kind]) <= 0.10 * want[kind], (r["rank"], kind, got, want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_rehearsal_writes_each_ranks_chrome_trace_and_the_composed_timeline(llama_rehearsal):
+    run_dir, report, _ = llama_rehearsal
+    for r in report["ranks"]:
+        assert r["trace"] == f"rehearsal/rank{r['rank']}/traces/rank{r['rank']}.json"
+        events = json.loads((run_dir / r["trace"]).read_text())["traceEvents"]
+        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")} == {"ProfilerStep#3"}
+    assert report["timeline"] == ["rehearsal_timeline.json", "rehearsal_timeline.png"]
+    events = json.loads((run_dir / "rehearsal_timeline.json").read_text())["traceEvents"]
+    computes = sorted((e["pid"], e["name"]) for e in events if e["ph"] == "X")
+    assert computes == sorted((s, f"compute:{s}{k}{m}") for s in (0, 1) for k in "FB" for m in range(4))
+    assert max((e["ts"] + e["dur"]) / 1e6 for e in events if e["ph"] == "X") == pytest.approx(
+        report["step"]["pipeline_s"])
+    assert (run_dir / "rehearsal_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    step = report["step"]
+    assert step["mfu"] is None and "CPU" in step["mfu_unknown"]  # no peak for a CPU
 
 
 # -- the plans, in process ---------------------------------------------------------------------------
@@ -255,25 +304,17 @@ def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_ve
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_rehearsal_of_pp2_tp2_holds_what_each_real_rank_holds_and_composes_a_simulated_step(tp4, tmp_path):
-    """``rehearse=on`` for the builtin-1f1b case: one rank per pipeline rank, each alone at world
-    size 4 over the rehearsal group; its parameter, gradient and optimizer-state bytes are the
-    real gloo rank's exactly, and the composed step is the simulator's replay of its costs."""
-    import json
-
+def test_a_rehearsal_of_pp2_tp2_composes_the_simulated_step_and_exits_3_over_the_capacity(llama_rehearsal):
+    """``rehearse=on`` for the llama-1f1b case: one rank per pipeline rank, each alone at world size
+    4 over the rehearsal group; the composed step is the simulator's replay of its costs, and 100 KiB
+    is too little: exit 3 after the table and the file, naming each rank, its peak, the capacity and a fix."""
     from runner.pipeline.schedule import schedule_order
     from runner.pipeline.simulate import simulate
 
-    from helpers.cli import run_cli
-
-    done = run_cli(*TINY, *CLIP, *TP2, "schedule=1f1b", "rehearse=on", "rehearse.capacity=100KiB",
-                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "rehearsal.json").read_text())
-    real = tp4["builtin-1f1b"]["summary"]["held_bytes"]
+    _, report, done = llama_rehearsal
+    assert done.returncode == 3, done.stderr[-3000:]
     assert [r["rank"] for r in report["ranks"]] == [0, 2]  # pp 0 and pp 1, each at dp=0, tp=0
     for r in report["ranks"]:
-        assert r["held_bytes"] == real[r["rank"]], r["rank"]
         assert all(v > 0 for v in r["peak_bytes"].values()), r["peak_bytes"]
         assert {(a["stage"], a["kind"]) for a in r["actions"]} == {(r["coords"]["pp"], "F"), (r["coords"]["pp"], "B")}
         assert r["collectives"]["tp"]["all_reduce"]["count"] > 0 and all(math.isfinite(x) for x in r["losses"])
@@ -283,5 +324,13 @@ def test_a_rehearsal_of_pp2_tp2_holds_what_each_real_rank_holds_and_composes_a_s
     assert step["pipeline_s"] == pytest.approx(max(a.end for a in timeline)) and step["pipeline_s"] > 0
     assert step["step_s"] == pytest.approx(step["pipeline_s"] + step["collectives_s"] + step["optimizer_s"])
     assert 0 < step["bubble"] < 1
-    assert report["memory"][0].startswith("rank 0 needs") and "try" in report["memory"][0]  # 100 KiB is too little
+    assert report["fits"] is False and len(report["memory"]) == 2
+    for line, r in zip(report["memory"], report["ranks"]):  # each rank, its peak, the capacity and a fix
+        peak = r["peak_bytes"]["total"]
+        assert line == (f"rank {r['rank']} needs {(peak - 102400) / 2**20:.2f} MiB more: its peak is "
+                        f"{peak / 2**20:.2f} MiB, the capacity 0.10 MiB (rehearse.capacity). Fix: try more "
+                        "parallel.pp, more parallel.tp, train.activation_checkpointing=full, fewer microbatches "
+                        "in flight (a smaller train.batch_size)")
+        assert line in done.stdout and line in done.stderr  # the table's verdict, and the error's
+    assert "does not fit rehearse.capacity: rank 0 needs" in done.stderr
     assert "composed step" in done.stdout and "assumed: tp shards and dp replicas" in done.stdout

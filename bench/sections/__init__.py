@@ -13,6 +13,7 @@ from bench.sections import (
     overhead,
     planner,
     profiling,
+    rehearsal,
     scaling,
     startup,
     synthesis,
@@ -36,6 +37,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     device.SECTION,
     hf.SECTION,
     tp.SECTION,
+    rehearsal.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]

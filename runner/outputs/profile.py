@@ -169,13 +169,18 @@ class RunProfiler:
         else:
             self.torch_profiler.step()
 
-    def finish(self, layout: Layout, pipeline_ranks: Sequence[int]) -> dict | None:
-        """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
-        the first data-parallel replica (``pipeline_ranks``: its ranks, by pipeline rank)."""
+    def stop(self) -> None:
+        """Stop the torch profiler (its window's trace is written by then); again, nothing."""
         if self.torch_profiler is not None:
             with self.native.routed():
                 self.torch_profiler.stop()
             self.native.close()
+            self.torch_profiler = None
+
+    def finish(self, layout: Layout, pipeline_ranks: Sequence[int]) -> dict | None:
+        """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
+        the first data-parallel replica (``pipeline_ranks``: its ranks, by pipeline rank)."""
+        self.stop()
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock, self.collectives), self.env)
         if gathered is None:  # not rank 0
             return None

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from runner.errors import ConfigError
 
-__all__ = ["DevicePeaks", "device_peaks", "known_devices", "OpCounter"]
+__all__ = ["DevicePeaks", "device_peaks", "lookup_peaks", "known_devices", "OpCounter"]
 
 # torch's datasheet figures for tensor-core dtypes include 2:4 structured sparsity on some devices
 # (tops_sparsity_factor: the H100's bf16 1979 TFLOPS are 989.5 dense); fp32 and fp64 figures are
@@ -73,6 +73,15 @@ def device_peaks(name: str) -> DevicePeaks:
     flops.update({k: v for k, v in fixes.items() if k != "bandwidth"})
     return DevicePeaks(name.upper(), flops, fixes.get("bandwidth", info.dram_bw_gbs * 1e9), int(info.dram_gb * 2**30),
                        tuple(fixes))
+
+
+def lookup_peaks(device_name: str) -> DevicePeaks | None:
+    """The peaks of a device by the name ``torch.cuda.get_device_name`` gives it: the table's entry
+    of that name, else of the longest table name it begins with ("NVIDIA H100 80GB HBM3": "NVIDIA
+    H100", whose figures are the SXM part's); None where the table has neither."""
+    upper = device_name.upper()
+    names = [n for n in known_devices() if upper == n or upper.startswith(n + " ")]
+    return device_peaks(max(names, key=len)) if names else None
 
 
 def _nbytes(tensors: list[Any]) -> int:

@@ -1,7 +1,9 @@
 """The rehearsed ranks composed into the whole step: their measured per-stage action times
 replayed by the planner's exact simulator (``runner.pipeline.simulate``) in the schedule's order, with
 a message cost between stages from ``plan.comm_latency_s`` / ``plan.comm_bandwidth`` (the planner's
-link; null: 10 us and 50 GB/s); and each rank's peak memory against a capacity."""
+link; null: 10 us and 50 GB/s); the step's MFU where the device's peak is known (torch's datasheet
+table, as ``plan.target`` reads it; the model's FLOPs counted as the planner counts them); and each
+rank's peak memory against a capacity."""
 
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ from typing import Any, Sequence
 from runner.layout import ResolvedRun
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
-from runner.pipeline.simulate import simulate
+from runner.pipeline.simulate import SimAction, simulate
 
-__all__ = ["compose_step", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH"]
+__all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH"]
 
 DEFAULT_LATENCY_S = 10e-6
 DEFAULT_BANDWIDTH = 50e9  # bytes/s: a 400 Gbit/s link per device
 GiB = 2**30
+MiB = 2**20
 
 
 def _order(resolved: ResolvedRun) -> dict[int, list[Op]]:
@@ -47,8 +50,9 @@ def _collective_s(r: dict, latency: float, bandwidth: float) -> float:
 
 
 def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: float | None = None,
-                 bandwidth: float | None = None) -> dict[str, Any]:
-    """The predicted step of the whole job from its rehearsed ranks (one per pipeline rank)."""
+                 bandwidth: float | None = None) -> tuple[dict[str, Any], list[SimAction]]:
+    """The predicted step of the whole job from its rehearsed ranks (one per pipeline rank), and
+    its simulated pipeline (seconds, by pipeline rank)."""
     latency = DEFAULT_LATENCY_S if latency_s is None else latency_s
     bw = DEFAULT_BANDWIDTH if bandwidth is None else bandwidth
     costs = _stage_costs(ranks)
@@ -67,11 +71,40 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     return {"step_s": step_s, "pipeline_s": pipeline_s, "collectives_s": collectives_s, "optimizer_s": optimizer_s,
             "bubble": bubble, "tokens_per_s": resolved.tokens_per_step / step_s, "message_s": comm_s,
             "stage_costs_s": {f"{s}{k}": v for (s, k), v in sorted(costs.items())},
-            "link": {"latency_s": latency, "bandwidth": bw}}
+            "link": {"latency_s": latency, "bandwidth": bw}}, timeline
+
+
+def step_mfu(cfg, resolved: ResolvedRun, step_s: float, device_name: str | None) -> dict[str, Any]:
+    """The composed step's model FLOPs utilisation on ``device_name`` (the local GPU's name; None on
+    CPU): the model's F, I and W FLOPs for the step's batch (``runner.plan.target.count_units``, as
+    the planner counts them: the whole model, not a shard) over ``step_s`` x world size x the
+    device's dense peak in the run's precision. Unknown, and said why, where torch's table has no
+    peak for the device."""
+    import torch
+
+    from runner.plan.roofline import lookup_peaks
+    from runner.plan.target import count_units
+
+    peaks = lookup_peaks(device_name) if device_name else None
+    if peaks is None:
+        why = (f"{device_name!r} is not in torch's datasheet table" if device_name
+               else "the CPU's peak FLOP/s are not known (torch's datasheet table holds GPUs)")
+        return {"mfu": None, "mfu_unknown": why}
+    counts = count_units(cfg, resolved.microbatch_size, peaks,
+                         cast_params=resolved.dp_mode == "fsdp" and resolved.train.precision == "bf16")
+    flops = resolved.dp * resolved.layout.microbatches * sum(sum(u.flops.values()) for u in counts.values())
+    dtype = torch.bfloat16 if resolved.train.precision == "bf16" else torch.float32
+    return {"mfu": flops / (step_s * resolved.world_size * peaks.peak(dtype)), "model_flops": flops,
+            "peak_flops": peaks.peak(dtype), "peak_of": peaks.name}
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.2f} MiB"
 
 
 def memory_verdicts(ranks: Sequence[dict], capacity: int | None, dims) -> list[str]:
-    """One line per rank over ``capacity`` (bytes), naming what to try; ``["fits"]`` otherwise."""
+    """One line per rank over ``capacity`` (bytes), naming its peak, the capacity and what to try;
+    ``["fits"]`` where none is over."""
     if capacity is None:
         return ["no capacity: rehearse.capacity=<bytes> (e.g. 80GiB) for a verdict"]
     lines = []
@@ -82,6 +115,6 @@ def memory_verdicts(ranks: Sequence[dict], capacity: int | None, dims) -> list[s
                      "fewer microbatches in flight (a smaller train.batch_size)"]
             if dims.dp > 1 and dims.dp_mode != "fsdp":
                 tries.insert(0, "parallel.dp_mode=fsdp")
-            lines.append(f"rank {r['rank']} needs {(peak - capacity) / GiB:.3f} GiB more (peak {peak / GiB:.3f} GiB "
-                         f"of {capacity / GiB:.3f} GiB): try {', '.join(tries)}")
+            lines.append(f"rank {r['rank']} needs {_size(peak - capacity)} more: its peak is {_size(peak)}, "
+                         f"the capacity {_size(capacity)} (rehearse.capacity). Fix: try {', '.join(tries)}")
     return lines or ["fits"]

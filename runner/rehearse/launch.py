@@ -5,11 +5,15 @@
    built;
 2. each rehearsed rank in a spawned process of its own, in turn (``runner.rehearse.rank``), at the
    run's full world size over the rehearsal process group;
-3. ``runner.rehearse.compose``: the whole step predicted from them, and each rank's memory against
-   ``rehearse.capacity``; ``rehearsal.json`` in the run directory and a table."""
+3. ``runner.rehearse.compose``: the whole step predicted from them (its MFU where the device's peak is
+   known), and each rank's memory against ``rehearse.capacity``; ``rehearsal.json`` in the run
+   directory, the composed step's simulated timeline beside it (``rehearsal_timeline.json``, a chrome
+   trace, and ``rehearsal_timeline.png``), each rank's chrome trace under ``rehearsal/rank<r>/``, and a
+   table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -20,11 +24,11 @@ from typing import Any, Iterator
 from omegaconf import DictConfig
 
 from runner.config import parse_bytes
-from runner.errors import ConfigError, RankFailedError
+from runner.errors import ConfigError, DoesNotFitError, RankFailedError
 from runner.layout import ResolvedRun
 from runner.parallel.dims import Coords, ParallelDims
 
-__all__ = ["check_rehearsal", "default_ranks", "rehearse", "format_rehearsal", "SYMMETRY"]
+__all__ = ["check_rehearsal", "default_ranks", "rehearse", "format_rehearsal", "raise_if_over_capacity", "SYMMETRY"]
 
 SYMMETRY = ("tp shards and dp replicas are assumed to do what the rehearsed rank of their pipeline rank does "
             "(same shapes, same collectives); only the ranks listed were run")
@@ -101,12 +105,33 @@ def _run_one(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_
     return json.loads(out.read_text())
 
 
+def _device_name(resolved: ResolvedRun) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if resolved.device == "cuda" else None
+
+
+def _write_timeline(run_dir: Path, resolved: ResolvedRun, timeline: list, step: dict[str, Any]) -> None:
+    """The composed step's simulated pipeline beside ``rehearsal.json``: a chrome trace and a picture."""
+    from runner.outputs.timeline import plot_schedule, simulated_slices, write_chrome_trace
+
+    ranks = sorted({a.rank for a in timeline})
+    write_chrome_trace(run_dir / "rehearsal_timeline.json", simulated_slices(timeline), ranks=ranks)
+    layout = resolved.layout
+    ms = [dataclasses.replace(a, start=a.start * 1e3, end=a.end * 1e3) for a in timeline]
+    plot_schedule(run_dir / "rehearsal_timeline.png", ms, xlabel="time (ms), rehearsed costs simulated",
+                  title=f"rehearsal, pp={resolved.pp} x dp={resolved.dp} x tp={resolved.dims.tp}: {layout.schedule}, "
+                        f"{layout.microbatches} microbatches, composed pipeline {step['pipeline_s'] * 1e3:.1f} ms")
+
+
 def rehearse(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Rehearse the run of ``cfg`` (see the module's docstring); returns what ``rehearsal.json`` holds."""
-    from runner.rehearse.compose import compose_step, memory_verdicts
+    from runner.rehearse.compose import compose_step, memory_verdicts, step_mfu
 
     resolved, ranks, capacity = check_rehearsal(cfg, run_dir)
     results = [_run_one(resolved, cfg, rank, cfg.rehearse.steps, run_dir) for rank in ranks]
+    for r in results:
+        r["trace"] = r["trace"] and os.path.relpath(r["trace"], run_dir)
     pipeline_ranks = {r["coords"]["pp"] for r in results}
     report: dict[str, Any] = {
         "layout": resolved.dims.describe(), "world_size": resolved.world_size, "device": resolved.device,
@@ -114,9 +139,13 @@ def rehearse(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "assumption": SYMMETRY, "capacity_bytes": capacity,
         "memory": memory_verdicts(results, capacity, resolved.dims),
     }
+    report["fits"] = None if capacity is None else report["memory"] == ["fits"]
     if pipeline_ranks == set(range(resolved.pp)):
-        report["step"] = compose_step(resolved, results, latency_s=cfg.plan.comm_latency_s,
+        step, timeline = compose_step(resolved, results, latency_s=cfg.plan.comm_latency_s,
                                       bandwidth=cfg.plan.comm_bandwidth)
+        step.update(step_mfu(cfg, resolved, step["step_s"], _device_name(resolved)))
+        _write_timeline(run_dir, resolved, timeline, step)
+        report["step"], report["timeline"] = step, ["rehearsal_timeline.json", "rehearsal_timeline.png"]
     else:
         report["step"] = None
         missing = sorted(set(range(resolved.pp)) - pipeline_ranks)
@@ -145,9 +174,19 @@ def format_rehearsal(report: dict[str, Any]) -> str:
     if step:
         lines.append(f"composed step: {step['step_s']:.3f} s (pipeline {step['pipeline_s']:.3f} s, collectives "
                      f"{step['collectives_s']:.3f} s, optimizer {step['optimizer_s']:.3f} s), bubble "
-                     f"{step['bubble']:.1%}, {step['tokens_per_s']:.0f} tokens/s")
+                     f"{step['bubble']:.1%}, {step['tokens_per_s']:.0f} tokens/s, "
+                     + (f"MFU {step['mfu']:.1%} of {step['peak_of']}" if step.get("mfu") is not None
+                        else f"MFU unknown ({step.get('mfu_unknown')})"))
     else:
         lines.append(f"composed step: none ({report.get('step_missing')})")
     lines.append("memory: " + "; ".join(report["memory"]))
     lines.append(f"assumed: {report['assumption']}")
     return "\n".join(lines)
+
+
+def raise_if_over_capacity(report: dict[str, Any]) -> None:
+    """A ``DoesNotFitError`` (exit 3) naming every rank over ``rehearse.capacity``, after the table
+    and ``rehearsal.json`` are written; nothing where every rank fits or no capacity was given."""
+    if report["fits"] is False:
+        raise DoesNotFitError(f"the layout {report['layout']} does not fit rehearse.capacity: "
+                              + "; ".join(report["memory"]) + " (rehearsal.json holds every rank's peak)")

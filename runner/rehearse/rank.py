@@ -10,7 +10,9 @@ it measures (``RankResult``, written as JSON for the launcher):
   (buffers, temporaries, other);
 * time: each compute action of the last step (F/B/I/W per stage and microbatch, from the runner's
   recorder), the optimizer step (after clipping to after AdamW and the LR schedule), the step;
-* collectives of the last step: count and bytes by kind and mesh dimension (tp, dp, pp, world)."""
+* collectives of the last step: count and bytes by kind and mesh dimension (tp, dp, pp, world);
+* the last step's chrome trace, by the run's own profiler (``traces/rank<r>.json`` in the rank's
+  directory)."""
 
 from __future__ import annotations
 
@@ -37,12 +39,12 @@ log = logging.getLogger(__name__)
 
 def rehearsal_run(resolved: ResolvedRun, steps: int, run_dir: Path) -> ResolvedRun:
     """The resolved run of a rehearsed rank: ``steps`` steps into ``run_dir``, no checkpoint, no
-    evaluation, no verify, no torch profiler; the recorder times the last step's actions."""
+    evaluation, no verify; the torch profiler and the recorder on the last step only."""
     return dataclasses.replace(
         resolved, steps=steps, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
         checkpoint=dataclasses.replace(resolved.checkpoint, every=0),
         eval=dataclasses.replace(resolved.eval, every=0),
-        profile=dataclasses.replace(resolved.profile, enabled=False, wait=steps - 1, warmup=0, active=1))
+        profile=dataclasses.replace(resolved.profile, enabled=True, wait=steps - 1, warmup=0, active=1))
 
 
 class _Measure(Hook):
@@ -89,6 +91,8 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_
                 trainer.step(index)
         for index in range(max(1, steps - 1), steps):
             trainer.step(index)
+        trainer.profiler.stop()
+        trace = run_dir / "traces" / f"rank{rank}.json"
         recorder = trainer.profiler.recorder
         actions = [{"stage": a.op.stage, "kind": a.op.kind, "microbatch": a.op.microbatch,
                     "seconds": (a.end_ns - a.start_ns) / 1e9} for a in recorder.actions if a.step == steps]
@@ -97,7 +101,8 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_
                 "stages": resolved.layout.stages_on(coords.pp), "steps": steps, "losses": trainer.losses,
                 "held_bytes": measure.held, "peak_bytes": peak_split(tracker),
                 "step_s": trainer.step_times[-1], "optimizer_s": measure.optimizer_s, "actions": actions,
-                "collectives": measure.collectives, "memory_tracker": "torch.distributed._tools.MemTracker"}
+                "collectives": measure.collectives, "memory_tracker": "torch.distributed._tools.MemTracker",
+                "trace": str(trace) if trace.is_file() else None}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
