@@ -32,7 +32,10 @@ def test_target_section_shows_published_and_planned_side_by_side(tmp_path):
     memory = {"model": ["model.dim=512"], "tiny_model": ["model.dim=32"], "baseline": [300 * MIB, 310 * MIB],
               "runs": [{"schedule": "1f1b", "measured": [850 * MIB, 760 * MIB], "estimate": estimate}]}
     figures = {"n": 10, "median": 0.082, "p90": 0.307, "signed_median": -0.01, "within_10": 6}
-    payload = {"published": rows, "memory": memory, "accuracy": {"all": {"not_probed": figures}},
+    probed = {"n": 4, "median": 0.106, "p90": 0.206, "signed_median": 0.01, "within_10": 2}
+    every = {"n": 14, "median": 0.086, "p90": 0.273, "signed_median": -0.005, "within_10": 8}
+    payload = {"published": rows, "memory": memory,
+               "accuracy": {"all": {"not_probed": figures, "probed": probed, "every": every}},
                "accuracy_source": {"file": "benchmarks/planner.json", "date": "2026-11-26 20:30"}}
     meta = {"date": "2026-01-01 00:00", "command": "python scripts/bench.py", "duration_s": 60.0, "waits": [],
             "load": {}, "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
@@ -50,4 +53,7 @@ def test_target_section_shows_published_and_planned_side_by_side(tmp_path):
     assert "| 1f1b | 0 | 500 | 100 | 850 | 550 | 1.10 |" in text
     assert "| 1f1b | 1 | 500 | 100 | 760 | 450 | 0.90 |" in text
     assert "| all | not probed | 10 | 8.2% | 30.7% | -1.0% | 6 of 10 |" in text
-    assert "the goal is not met" in text and "torchtitan `docs/performance.md` at commit eaea6f6a" in text
+    assert ("All sizes, by subset: not probed (the figure the planner marks candidates with): median 8.2%, 90th "
+            "percentile 30.7%; probed: median 10.6%, 90th percentile 20.6%; all plans: median 8.6%, 90th percentile "
+            "27.3%. The goal (on the not-probed) is not met") in text
+    assert "torchtitan `docs/performance.md` at commit eaea6f6a" in text
