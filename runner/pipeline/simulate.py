@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
-           "repeat_steps", "steady_step", "compute_floor"]
+           "repeat_steps", "steady_step", "compute_floor", "stage_spans"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -170,6 +170,18 @@ def bubble_fractions(actions: Sequence[SimAction]) -> dict[int, float]:
     for a in actions:
         busy[a.rank] = busy.get(a.rank, 0.0) + a.end - a.start
     return {rank: 1.0 - b / makespan for rank, b in sorted(busy.items())}
+
+
+def stage_spans(actions: Sequence[SimAction]) -> dict[int, float]:
+    """Per rank: its own first start to its own last end. The Zero Bubble paper's cost of a step is
+    the largest of these (its Table 5; the authors' ``efficiency.py``), not the makespan over all
+    ranks: a rank that starts late and ends late counts only its own span."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for a in actions:
+        first[a.rank] = min(first.get(a.rank, a.start), a.start)
+        last[a.rank] = max(last.get(a.rank, a.end), a.end)
+    return {rank: last[rank] - first[rank] for rank in sorted(first)}
 
 
 def repeat_steps(order: Mapping[int, Sequence[Op]], steps: int) -> dict[int, list[Op]]:
