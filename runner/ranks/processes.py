@@ -312,9 +312,10 @@ def spawn(world: int, fn: Callable[..., None], *args: Any, device: str = "cpu", 
     return Ranks(context, where, server, own_dir)
 
 
-def stop(processes: list, grace_s: float) -> None:
+def stop(processes: list, grace_s: float) -> set[int]:
     """SIGTERM to every live rank (each ends through Python); SIGKILL to those still alive after
-    ``grace_s`` (a rank inside a C++ collective runs no Python until it returns)."""
+    ``grace_s`` (a rank inside a C++ collective runs no Python until it returns). Returns the
+    ranks it killed so: any other rank's end by a signal was not this stop's."""
     for p in processes:
         if p.is_alive():
             try:
@@ -325,8 +326,11 @@ def stop(processes: list, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
+    killed = set()
+    for rank, p in enumerate(processes):
         if p.is_alive():
             p.kill()
             p.join()
+            killed.add(rank)
+    return killed
 
