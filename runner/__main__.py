@@ -34,6 +34,7 @@ from runner.outputs.sweep_report import ERROR_FILE, write_report
 from runner.ranks.clock import StartupClock
 from runner.ranks.console import quiet_libraries
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
+from runner.ranks.host import passive_threads
 from runner.ranks.restarts import first_run_dir
 from runner.rundir import RunDirInUseError
 from runner.validate import check_config
@@ -128,6 +129,7 @@ def _shadowed() -> str | None:
 
 
 def cli() -> None:
+    passive_threads()  # before torch loads OpenMP: its threads sleep, not spin, while they wait
     shadowed = _shadowed()
     if shadowed:  # before any work: the summary would need runner.__version__
         print(shadowed, file=sys.stderr)

@@ -17,6 +17,7 @@ from bench.sections import (
     startup,
     synthesis,
     target,
+    threads,
     tp,
     zb_paper,
 )
@@ -36,6 +37,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     device.SECTION,
     hf.SECTION,
     tp.SECTION,
+    threads.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]
