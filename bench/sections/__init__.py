@@ -8,6 +8,7 @@ from bench.sections import (
     checkpointing,
     device,
     efficiency,
+    ending,
     hf,
     options,
     overhead,
@@ -38,6 +39,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     hf.SECTION,
     tp.SECTION,
     threads.SECTION,
+    ending.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]
