@@ -78,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds to wait for a quiet machine before each long run (0: do not wait)")
     parser.add_argument("--rerun-loaded", action=argparse.BooleanOptionalAction, default=True,
                         help="re-run (once, after waiting) efficiency and options runs that shared the machine")
+    parser.add_argument("--baseline-root", type=Path, default=None,
+                        help="ending: also run the runner of this checkout (an earlier commit), alternating")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: every section whose ranks fit this host's GPUs (one GPU: only `device`)")

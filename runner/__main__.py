@@ -17,6 +17,8 @@ import time
 # a sweep in this process start their own clock.
 _FIRST_LAUNCH = [time.time()]
 
+import atexit
+import gc
 import os
 import sys
 from pathlib import Path
@@ -34,6 +36,7 @@ from runner.outputs.sweep_report import ERROR_FILE, write_report
 from runner.ranks.clock import StartupClock
 from runner.ranks.console import quiet_libraries
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
+from runner.ranks.host import passive_threads
 from runner.ranks.restarts import first_run_dir
 from runner.rundir import RunDirInUseError
 from runner.validate import check_config
@@ -130,6 +133,11 @@ def _shadowed() -> str | None:
 
 
 def cli() -> None:
+    passive_threads()  # before torch loads OpenMP: its threads sleep, not spin, while they wait
+    # As the interpreter exits, after the handlers registered later (torch's, the loggers'): its
+    # final collections would scan the whole heap of torch's modules for garbage, 0.7 CPU-s of every
+    # run's end. The run's files and loggers are closed by then; no __del__ of ours waits for it.
+    atexit.register(gc.freeze)
     shadowed = _shadowed()
     if shadowed:  # before any work: the summary would need runner.__version__
         print(shadowed, file=sys.stderr)

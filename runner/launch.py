@@ -30,6 +30,7 @@ from runner.ranks.clock import StartupClock
 from runner.ranks.console import console_for_run, console_listener, rank_logging, torchrun_rank_log
 from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
+from runner.ranks.host import say_if_overloaded
 from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
 from runner.ranks.restarts import RESTART_VARIABLE, attempt_store, publish_run_dir, restart_count
 from runner.ranks.supervise import forward_signals, wait_for_ranks
@@ -185,6 +186,8 @@ def _launch(cfg: DictConfig, run_dir: Path, clock: StartupClock, console: TextIO
     if under_torchrun() and os.environ["RANK"] == "0" and restart_count() > 0:
         cfg = _own_checkpoint(cfg, run_dir)  # restarted by torchrun: from its newest checkpoint
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # the failed attempt's: this one may succeed
+    if not under_torchrun() or os.environ["RANK"] == "0":
+        say_if_overloaded(log.warning)
     resolved = validate(cfg, run_dir, progress=clock.say)
     log.info("run directory: %s (device: %s%s)\n%s", run_dir, resolved.device,
              f", ranks pinned to cores {' | '.join(','.join(map(str, c)) for c in resolved.rank_cpus)}"

@@ -289,6 +289,48 @@ def test_a_rank_failure_is_reported_in_one_paragraph_from_its_root_cause(tmp_pat
     assert "Rank 0 timed out waiting for it" in message
 
 
+def _peer_gone_rank(error_file: str) -> None:
+    """A rank whose collective saw its peer's sockets close: its traceback, and exit code 1."""
+    Path(error_file).write_bytes(pickle.dumps("Traceback (most recent call last):\nRuntimeError: [pair.cc:534] "
+                                              "Read error [127.0.0.1]:4242: Connection reset by peer\n"))
+    os._exit(1)
+
+
+def _rank_ending_by_sigkill(after_s: float | None, ready) -> None:
+    """A rank that ignores the launcher's SIGTERM and is killed ``after_s`` later (None: never
+    ends, so the launcher's stop kills it after the grace)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(after_s if after_s is not None else 60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("killed_after_s,grace_s,named", [
+    (0.3, 5.0, r"^rank 1: process terminated with signal SIGKILL$"),  # its exit showed after its peer's
+    (None, 0.3, r"^rank 0 failed:\n.*Connection reset by peer"),  # the launcher's own kill names nobody
+])
+def test_a_rank_killed_by_a_signal_is_the_root_cause_even_when_its_peers_exit_first(tmp_path, killed_after_s,
+                                                                                   grace_s, named):
+    # Under load the killed rank's sockets close (its peer fails) a moment before its exit code
+    # shows: the launcher must not name the peer's "connection reset" as the cause.
+    from runner.ranks.supervise import wait_for_ranks
+
+    ctx = multiprocessing.get_context("fork")
+    files = [str(tmp_path / "error-0.pickle"), str(tmp_path / "error-1.pickle")]
+    processes = [ctx.Process(target=_peer_gone_rank, args=(files[0],)),
+                 ctx.Process(target=_rank_ending_by_sigkill, args=(killed_after_s, ready := ctx.Event()))]
+    processes[1].start()
+    assert ready.wait(10)
+    processes[0].start()
+    processes[0].join()  # rank 0 fails first, whatever the scheduler does
+    with pytest.raises(Exception) as failure:
+        wait_for_ranks(processes, files, _heartbeats(ParallelDims(pp=2, dp=1)), timeout_s=60, grace_s=grace_s)
+    assert re.search(named, str(failure.value), flags=re.S), str(failure.value)
+    assert all(p.exitcode == -signal.SIGKILL for p in processes[1:])
+
+
 def test_the_heartbeat_table_counts_each_ranks_beats_and_waits_and_leaves_busy_phases_unjudged():
     heartbeats = _heartbeats(ParallelDims(pp=3, dp=1))
     time.sleep(0.05)

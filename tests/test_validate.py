@@ -4,6 +4,7 @@ names the key, the value and the fix. Everything here runs in-process in millise
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from runner.validate import validate
 from helpers.config import EXAMPLES, TINY, compose
 
 PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
+PP1 = [*TINY, "parallel.pp=1", "train.batch_size=8"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
@@ -159,6 +161,7 @@ def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkey
     import runner.ranks.host as host
 
     monkeypatch.setattr(host, "usable_cpus", lambda: [2, 3, 5, 7])  # as `taskset -c 2,3,5,7` leaves it
+    monkeypatch.setattr(host, "overloaded", lambda: None)  # an overloaded host gets one thread per rank
     for key in ("LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):  # not under torchrun
         monkeypatch.delenv(key, raising=False)
     assert validate(compose(*PP2)).rank_cpus == ((2, 3), (5, 7))  # 2 threads each, by default
@@ -177,6 +180,48 @@ def test_ranks_are_pinned_to_cores_of_their_own_where_they_fill_the_cores(monkey
             validate(compose(*PP2, "launch.pin_cpus=true"))
     resolved = validate(compose(*PP2)).resolved_values()
     assert resolved["launch.pin_cpus"] is True and resolved["launch.threads_per_rank"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_rank_threads_wait_passively_unless_the_users_environment_says_how(monkeypatch, capsys):
+    import runner.__main__ as entry
+    from runner.ranks.host import passive_threads
+
+    env: dict[str, str] = {}
+    assert passive_threads(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for key, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000"), ("KMP_BLOCKTIME", "200")):
+        env = {key: value}  # the user's own choice, GNU's or Intel's: left as it is, nothing added
+        assert not passive_threads(env) and env == {key: value}
+    # The command line sets it first thing (before torch loads OpenMP), in the environment its ranks inherit.
+    monkeypatch.setattr("sys.argv", ["runner", "--version"])
+    for user in (None, "ACTIVE"):
+        monkeypatch.setenv("OMP_WAIT_POLICY", "x")  # recorded, so that the test's end restores the original
+        if user is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY")
+        else:
+            monkeypatch.setenv("OMP_WAIT_POLICY", user)
+        entry.cli()
+        assert os.environ["OMP_WAIT_POLICY"] == (user or "PASSIVE")
+    assert "runner" in capsys.readouterr().out
+
+
+def test_an_overloaded_host_gets_one_thread_per_rank_and_is_said_once(monkeypatch):
+    import runner.ranks.host as host
+
+    monkeypatch.setattr(host, "_overload_said", [False])
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr(host, "usable_cpus", lambda: [0, 1, 2, 3])
+    said: list[str] = []
+    monkeypatch.setattr(host, "_load_average", lambda: 4.0)  # the cores busy, nothing waiting
+    assert not host.say_if_overloaded(said.append)
+    assert validate(compose(*PP2)).threads_per_rank == 2 and validate(compose(*PP1)).threads_per_rank == 4
+    monkeypatch.setattr(host, "_load_average", lambda: 8.5)  # other work waits for the cores
+    assert host.say_if_overloaded(said.append) and not host.say_if_overloaded(said.append)  # once per process
+    assert said == ["this host is overloaded: load average 8.5 on 4 cores (other work is waiting for them); steps "
+                    "will be slower than on an idle host, and each rank computes on one thread unless "
+                    "launch.threads_per_rank sets more."]
+    assert validate(compose(*PP1)).threads_per_rank == 1
+    assert validate(compose(*PP1, "launch.threads_per_rank=3")).threads_per_rank == 3  # the user's choice wins
 
 
 def test_extra_keys_are_accepted_where_a_factory_takes_them():

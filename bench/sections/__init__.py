@@ -8,6 +8,7 @@ from bench.sections import (
     checkpointing,
     device,
     efficiency,
+    ending,
     hf,
     options,
     overhead,
@@ -18,6 +19,7 @@ from bench.sections import (
     startup,
     synthesis,
     target,
+    threads,
     tp,
     zb_paper,
 )
@@ -38,6 +40,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     hf.SECTION,
     tp.SECTION,
     rehearsal.SECTION,
+    threads.SECTION,
+    ending.SECTION,
 )}
 
 __all__ = ["SECTIONS", "Section"]

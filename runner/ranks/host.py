@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Callable, MutableMapping
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -13,7 +14,18 @@ from omegaconf import DictConfig
 from runner.errors import ConfigError
 from runner.ranks.env import under_torchrun
 
-__all__ = ["usable_cpus", "threads_per_rank", "rank_cpus", "check_host"]
+__all__ = ["usable_cpus", "overloaded", "threads_per_rank", "rank_cpus", "check_host", "PASSIVE_THREADS",
+           "passive_threads", "say_if_overloaded"]
+
+# A thread of torch's OpenMP (GNU OpenMP in torch's CPU builds: ``torch.__config__.parallel_info()``)
+# that finished its share of a parallel region spins, by default, before it sleeps: on a host where
+# other work runs, the spinning threads hold the cores the others (and their own rank's last thread)
+# need; a step of pp=1 on 2 threads took 20x its one-thread time. Passive threads sleep at once
+# (BENCHMARKS.md, "Threads on a loaded host"). Read as OpenMP loads, with torch: set before that.
+PASSIVE_THREADS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# The user's own choice of how OpenMP threads wait (GNU's, Intel's), which the runner then leaves alone.
+_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+_overload_said = [False]
 
 
 def _concurrent_jobs() -> int:
@@ -29,10 +41,28 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def _load_average() -> float | None:
+    """The load average of the last minute (runnable and waiting tasks), where the OS tells it."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def overloaded() -> float | None:
+    """The last minute's load average where it exceeds this host's cores (other work already waits
+    for them), else None."""
+    load = _load_average()
+    return load if load is not None and load > (os.cpu_count() or 1) else None
+
+
 def threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
     """Ranks on one host, of every job running at once, share its cores: oversubscribed
-    intra-op threads slow every rank down."""
-    return cfg.launch.threads_per_rank or max(1, len(usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
+    intra-op threads slow every rank down. On a host already overloaded (``overloaded``), one
+    each: a rank's threads wait for their slowest at every op, and other work holds the cores
+    (BENCHMARKS.md, "Threads on a loaded host")."""
+    if cfg.launch.threads_per_rank:
+        return cfg.launch.threads_per_rank
+    if overloaded() is not None:
+        return 1
+    return max(1, len(usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
 
 
 def rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -> tuple[tuple[int, ...], ...] | None:
@@ -73,3 +103,27 @@ def check_host(cfg: DictConfig, device: str, ranks: int) -> None:
     if t.compile and device != "cuda" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
         raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor, and none was found "
                           "(g++, clang++ or $CXX). Fix: install one, or train.compile=false.")
+
+
+def passive_threads(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """``PASSIVE_THREADS`` in ``environ`` (this process's, which its ranks inherit) unless the user
+    set how OpenMP threads wait; whether it did. Call it before torch is imported: OpenMP reads
+    it as it loads (a forked rank inherits the loaded setting, a spawned one reads its environment)."""
+    if any(key in environ for key in _WAIT_SETTINGS):
+        return False
+    environ.update(PASSIVE_THREADS)
+    return True
+
+
+def say_if_overloaded(say: Callable[[str], None]) -> bool:
+    """Once per process: ``say`` that the host is overloaded (``overloaded``): every step will be
+    slower than its numbers elsewhere, and ranks compute on one thread each unless the config sets
+    more. Whether it said so."""
+    load = overloaded()
+    if _overload_said[0] or load is None:
+        return False
+    _overload_said[0] = True
+    say(f"this host is overloaded: load average {load:.1f} on {os.cpu_count()} cores (other work is waiting for "
+        "them); steps will be slower than on an idle host, and each rank computes on one thread unless "
+        "launch.threads_per_rank sets more.")
+    return True

@@ -127,20 +127,38 @@ def wait_for_ranks(processes: list, error_files: list[str], heartbeats: watchdog
         failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)]
         if failed:
             stopped = _stopped_ranks(processes)  # before they are ended
-            stop(processes, grace_s)
+            killed = stop(processes, grace_s)
             codes = {processes[r].exitcode for r in failed}
             if codes <= set(EXIT_INTERRUPTED.values()):  # a signal reached the ranks themselves
                 log.warning("rank(s) %s stopped by SIGINT/SIGTERM", failed)  # (Ctrl-C: the whole process group)
                 raise SystemExit(max(codes))
-            raise rank_failure(failed, processes, error_files, heartbeats, stopped)
+            raise rank_failure(_failed_on_their_own(processes, failed, killed), processes, error_files,
+                               heartbeats, stopped)
         running = [p for p in processes if p.exitcode is None]
         if not running:
             return _receive(results) if results is not None and results.poll() else received
         _end_if_stalled(processes, heartbeats, timeout_s, grace_s)
         ready = mp_connection.wait([p.sentinel for p in running] + ([results] if results is not None else []),
                                    timeout=0.5)
+        for p in running:
+            if p.sentinel in ready:  # its pipes closed as it exits: wait the moment until its exit code shows
+                p.join()
         if results is not None and results in ready:
             received, results = _receive(results), None
+
+
+# How the launcher's own ``stop`` ends a rank that it did not kill: through Python, or by the
+# signal itself where it came before the rank's handlers.
+_STOP_SIGNALS = (-signal.SIGTERM, -signal.SIGINT)
+
+
+def _failed_on_their_own(processes: list, failed: list[int], killed: Collection[int]) -> list[int]:
+    """``failed`` (the ranks seen failed first), and any rank that then ended by a signal that
+    ``stop`` did not send: a rank killed (SIGKILL, a segfault) can close its sockets, and so fail
+    its peers, a moment before its exit code shows; it is still the root cause."""
+    late = [r for r, p in enumerate(processes) if r not in failed and r not in killed
+            and p.exitcode is not None and p.exitcode < 0 and p.exitcode not in _STOP_SIGNALS]
+    return sorted([*failed, *late])
 
 
 @contextmanager
