@@ -1,9 +1,9 @@
-"""Threads on a loaded host: ``parallel.pp=1`` (one rank, in the launcher's process) with the
-automatic threads per rank and with one, each with OpenMP's threads spinning while they wait
-(GNU OpenMP's own default, ``GOMP_SPINCOUNT=300000``, which the runner leaves as the user set it)
-and passive (the runner's default, ``OMP_WAIT_POLICY=PASSIVE``). It runs on a host under load on
-purpose: where the last minute's load average is below the cores + 1, it starts busy processes
-until it is not, for as long as it runs."""
+"""Threads on a loaded host: ``parallel.pp=1`` (one rank, in the launcher's process) with as many
+threads as cores (what an idle or loaded host gets automatically) and with one, each with OpenMP's
+threads spinning while they wait (GNU OpenMP's own default, ``GOMP_SPINCOUNT=300000``, which the
+runner leaves as the user set it) and passive (the runner's default, ``OMP_WAIT_POLICY=PASSIVE``).
+It runs on a host under load on purpose: where the last minute's load average is below the cores
++ 1, it starts busy processes until it is not, for as long as it runs."""
 
 from __future__ import annotations
 
@@ -24,17 +24,20 @@ from bench.section import Page, Section
 STEPS = 10
 COMMON = ["parallel.pp=1", f"train.steps={STEPS}", "profile.enabled=false"]
 SPINNING = {"GOMP_SPINCOUNT": "300000"}  # GNU OpenMP's default where OMP_WAIT_POLICY is unset
-DEFAULT = "automatic threads, passive (the default)"
+
+
+def default(cores: int) -> str:
+    """The variant a run gets without settings: as many threads as cores, waiting passively."""
+    return f"{cores} threads, passive (the default)"
 
 
 def variants(cores: int) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """Name -> (overrides, environment): the default, and ``cores`` threads (the count an idle
-    host gets automatically) or one, spinning or passive."""
+    """Name -> (overrides, environment): ``cores`` threads (the count one rank gets automatically)
+    or one, spinning or passive (the default: ``default(cores)``)."""
     every = [f"launch.threads_per_rank={cores}"]
     return {
         f"{cores} threads, spinning": (every, SPINNING),
-        f"{cores} threads, passive": (every, {}),
-        DEFAULT: ([], {}),
+        default(cores): (every, {}),
         "1 thread, spinning": (["launch.threads_per_rank=1"], SPINNING),
         "1 thread, passive": (["launch.threads_per_rank=1"], {}),
     }
@@ -99,7 +102,7 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
              "other work): OpenMP threads that spin while they wait (GNU OpenMP's default, `GOMP_SPINCOUNT=300000`) "
              "against passive ones (`OMP_WAIT_POLICY=PASSIVE`, the runner's default unless the environment sets "
              "`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or `KMP_BLOCKTIME`), with as many threads as cores (what an idle "
-             "host gets automatically), the automatic count (one thread per rank on an overloaded host) and one "
+             "host gets automatically, loaded or not) and one "
              "(`launch.threads_per_rank`). Median step after the first 2 (s), per run; the threads the run "
              "resolved; the run's CPU seconds (launcher and rank, the whole run):", "",
              "| variant | steady step (s), per run | median (s) | threads | CPU s, per run | load average before |",
@@ -112,10 +115,10 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
                      f"{num(medians[name])} | {', '.join(sorted({str(r.get('threads')) for r in mine}))} | "
                      f"{', '.join(num(r.get('cpu_s'), '.1f') for r in mine)} | "
                      f"{', '.join(num(r.get('load_before'), '.1f') for r in mine)} |")
-    default, one = medians.get(DEFAULT), medians.get("1 thread, spinning")
+    ours, one = medians.get(default(res.get("cores") or 1)), medians.get("1 thread, spinning")
     spin = medians.get(f"{res.get('cores')} threads, spinning")
-    if default and one:
-        lines += ["", f"The default takes {default / one:.2f}x the median step of `launch.threads_per_rank=1` as it "
+    if ours and one:
+        lines += ["", f"The default takes {ours / one:.2f}x the median step of `launch.threads_per_rank=1` as it "
                       f"ran before (spinning)" + (f"; {res.get('cores')} spinning threads, the earlier default, took "
                                                   f"{spin / one:.1f}x" if spin else "") + "."]
     return lines + [""]

@@ -55,14 +55,11 @@ def overloaded() -> float | None:
 
 def threads_per_rank(cfg: DictConfig, ranks_on_host: int) -> int:
     """Ranks on one host, of every job running at once, share its cores: oversubscribed
-    intra-op threads slow every rank down. On a host already overloaded (``overloaded``), one
-    each: a rank's threads wait for their slowest at every op, and other work holds the cores
-    (BENCHMARKS.md, "Threads on a loaded host")."""
-    if cfg.launch.threads_per_rank:
-        return cfg.launch.threads_per_rank
-    if overloaded() is not None:
-        return 1
-    return max(1, len(usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
+    intra-op threads slow every rank down. Not the host's momentary load: the count decides how
+    reductions split, so the same config on the same host computes the same numbers; threads
+    wait passively (``passive_threads``), so on a loaded host they sleep instead of spinning
+    against other work (BENCHMARKS.md, "Threads on a loaded host")."""
+    return cfg.launch.threads_per_rank or max(1, len(usable_cpus()) // (ranks_on_host * _concurrent_jobs()))
 
 
 def rank_cpus(cfg: DictConfig, device: str, ranks_on_host: int, threads: int) -> tuple[tuple[int, ...], ...] | None:
@@ -117,13 +114,12 @@ def passive_threads(environ: MutableMapping[str, str] = os.environ) -> bool:
 
 def say_if_overloaded(say: Callable[[str], None]) -> bool:
     """Once per process: ``say`` that the host is overloaded (``overloaded``): every step will be
-    slower than its numbers elsewhere, and ranks compute on one thread each unless the config sets
-    more. Whether it said so."""
+    slower than its numbers elsewhere. Whether it said so."""
     load = overloaded()
     if _overload_said[0] or load is None:
         return False
     _overload_said[0] = True
     say(f"this host is overloaded: load average {load:.1f} on {os.cpu_count()} cores (other work is waiting for "
-        "them); steps will be slower than on an idle host, and each rank computes on one thread unless "
-        "launch.threads_per_rank sets more.")
+        "them); steps will be slower than on an idle host (launch.threads_per_rank=1 may help where each rank "
+        "has several threads).")
     return True
