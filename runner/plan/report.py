@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from runner.pipeline.schedule import V_SHAPED
 from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
 
-__all__ = ["label", "table", "search_report", "fit_line", "MEASURED_ERROR", "within_error"]
+__all__ = ["label", "table", "search_report", "rehearsal_report", "fit_line", "MEASURED_ERROR", "within_error"]
 
 # The planner's error on single plans of configurations it did not probe (over every round and
 # configuration of all model sizes): its median and 90th percentile, as scripts/planner_accuracy.py
@@ -114,3 +115,22 @@ def within_error(candidates: Sequence[Candidate], error: float = MEASURED_ERROR[
     return [f"within error: {len(close)} candidates are predicted within {error:.1%} of the fastest, the planner's "
             f"median error on a single plan (90th percentile: {p90:.0%}; BENCHMARKS.md, \"Planner accuracy per single "
             f"plan\"): {', '.join(label(c) for c in close)}. A prediction cannot order them; runs of each can."]
+
+
+def rehearsal_report(candidates: list[Candidate], out: Path) -> list[str]:
+    """``plan.rehearse``: which candidates were costed by a rehearsal of their layout (the model's
+    step beside it) and which rehearsals failed (their candidates keep the model's step)."""
+    rehearsed = [c for c in candidates if c.costed_by == "rehearsal" and c.rehearsal]
+    failed = [c for c in candidates if c.rehearsal and "error" in c.rehearsal]
+    if not rehearsed and not failed:
+        return []
+    lines = [f"\ncosted by rehearsal ({len(rehearsed)} candidates; rehearsals under {out / 'rehearsals'}):"]
+    for c in rehearsed:
+        assert c.rehearsal is not None and c.predicted_step_time_s is not None
+        model = c.rehearsal["model_step_s"]
+        lines.append(f"  {label(c)}: {c.predicted_step_time_s * 1e3:.1f} ms (the tp cost model: "
+                     f"{model * 1e3:.1f} ms)")
+    for c in failed:
+        assert c.rehearsal is not None
+        lines.append(f"  {label(c)}: {c.rehearsal['error']} (the model's step kept)")
+    return lines
