@@ -4,6 +4,8 @@ tp cannot shard refused with validate's reason. In process: fixed message costs,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from runner.plan.calibrate import Calibration
@@ -158,3 +160,29 @@ def test_plan_rehearse_is_for_tp_and_fsdp_layouts_and_refused_with_costs_given_i
     with pytest.raises(ConfigError, match=r"plan.rehearse=true with plan.target=NVIDIA H100: .* Fix: "
                                           r"plan.rehearse=false, or drop plan.target"):
         check_plan_keys(compose(*TINY, "plan.rehearse=true", "plan.target='NVIDIA H100'"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3600)
+def test_plan_rehearse_end_to_end_lists_pp2_tp2_as_costed_by_rehearsal(tmp_path):
+    """``python -m runner.plan ... plan.rehearse=true`` at pp=2 x tp=2: every valid candidate is
+    costed from a real rehearsal (a process of its own per layout; 2 minutes each under load, so the
+    slow tier), with the rehearsed stages' costs and the rehearsal's directory in plan.json."""
+    import json
+
+    from helpers.cli import run_cli
+
+    out = tmp_path / "plan"
+    done = run_cli(*TINY, *FIXED, "parallel.pp=2", "parallel.tp=2", "train.batch_size=8", "plan.microbatches=[4]",
+                   "plan.repeats=1", "plan.rehearse=true", f"hydra.run.dir={out}", module="runner.plan", cwd=tmp_path,
+                   timeout=3500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "costed by rehearsal" in done.stdout
+    candidates = [c for c in json.loads((out / "plan.json").read_text()) if c["valid"]]
+    one = next(c for c in candidates if c["schedule"] == "1f1b" and not c["split_points"])
+    assert one["costed_by"] == "rehearsal" and one["rehearsal"]["ranks"] == [0, 2]
+    report = json.loads((Path(one["rehearsal"]["dir"]) / "rehearsal.json").read_text())
+    assert one["stage_costs_s"] == report["step"]["stage_costs_s"]  # plan.corunning_slowdown=1
+    assert one["predicted_step_time_s"] > one["pipeline_s"] > 0
+    assert all(c["costed_by"] == "rehearsal" or "error" in (c["rehearsal"] or {}) for c in candidates)
