@@ -385,7 +385,10 @@ def _predict_and_keep(state: _Planning, candidate: Candidate, layout: Layout, or
     if timeline is None:
         return
     if rehearsed:
-        timeline = _from_rehearsal(state, candidate, layout, order, child) or timeline
+        timeline = _from_rehearsal(state, candidate, layout, order, child)
+        if timeline is None:  # not ranked beside rehearsed ones on the model's step: refused, with the reason
+            candidate.valid, candidate.reason = False, candidate.rehearsal["error"] if candidate.rehearsal else ""
+            return
     state.timelines[id(candidate)] = timeline
     if family is not None:
         found = state.families.setdefault(family, {"seeds": {}, "layouts": {}})
@@ -396,8 +399,8 @@ def _predict_and_keep(state: _Planning, candidate: Candidate, layout: Layout, or
 def _from_rehearsal(state: _Planning, candidate: Candidate, layout: Layout, order: dict[int, list[Op]],
                     child: Mapping[str, ChildCost]) -> list | None:
     """``candidate`` costed from the rehearsal of its layout (run once per ``rehearsal_key``, into
-    ``rehearsals/<n>`` of the plan's directory); None, the model's prediction kept and the error
-    recorded, where the rehearsal failed."""
+    ``rehearsals/<n>`` of the plan's directory); None, the error recorded, where the rehearsal failed
+    (the candidate is then listed invalid: a model-costed step beside rehearsed ones would outrank them)."""
     assert state.rehearse is not None and state.calibration is not None and state.model is not None
     assert state.out is not None  # plan() requires it with plan.rehearse
     key = rehearsal_key(candidate.overrides, order)
@@ -410,7 +413,7 @@ def _from_rehearsal(state: _Planning, candidate: Candidate, layout: Layout, orde
             state.rehearsals[key] = f"the rehearsal failed: {e}"
     done = state.rehearsals[key]
     if isinstance(done, str):
-        log.warning("%s: %s; its step is the model's", candidate.overrides, done)
+        log.warning("%s: %s", candidate.overrides, done)
         candidate.rehearsal = {"error": done}
         return None
     _, comm_s = layout_costs(layout.stages, child, state.calibration, state.model)

@@ -70,8 +70,9 @@ def rehearse_by_cli(run_overrides: Sequence[str]) -> Rehearse:
         done = subprocess.run(command, capture_output=True, text=True, timeout=REHEARSAL_TIMEOUT_S, check=False)
         report = run_dir / "rehearsal.json"
         if done.returncode != 0 or not report.is_file():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"exit code {done.returncode}: {' / '.join(tail)}")
+            lines = (done.stderr or done.stdout).strip().splitlines() or [""]
+            said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1])
+            raise RuntimeError(f"exit code {done.returncode}: {said} (its log: {run_dir / 'runner.log'})")
         return json.loads(report.read_text())
     return run
 

@@ -119,7 +119,7 @@ def within_error(candidates: Sequence[Candidate], error: float = MEASURED_ERROR[
 
 def rehearsal_report(candidates: list[Candidate], out: Path) -> list[str]:
     """``plan.rehearse``: which candidates were costed by a rehearsal of their layout (the model's
-    step beside it) and which rehearsals failed (their candidates keep the model's step)."""
+    step beside it) and which rehearsals failed (their candidates are listed invalid)."""
     rehearsed = [c for c in candidates if c.costed_by == "rehearsal" and c.rehearsal]
     failed = [c for c in candidates if c.rehearsal and "error" in c.rehearsal]
     if not rehearsed and not failed:
@@ -132,5 +132,5 @@ def rehearsal_report(candidates: list[Candidate], out: Path) -> list[str]:
                      f"{model * 1e3:.1f} ms)")
     for c in failed:
         assert c.rehearsal is not None
-        lines.append(f"  {label(c)}: {c.rehearsal['error']} (the model's step kept)")
+        lines.append(f"  {label(c)}: {c.rehearsal['error']} (not ranked)")
     return lines
