@@ -131,3 +131,6 @@ class PlanConfig(TargetPlanConfig):
     # Also plan every other parallel.pp x parallel.dp x parallel.tp of the same number of ranks
     # (tp's collectives costed from a calibrated all-reduce: runner.plan.tp_cost).
     search_degrees: bool = False
+    # Cost each candidate whose layout involves tp or FSDP from a rehearsal of it (python -m runner
+    # rehearse=on, one process per layout: runner.plan.rehearsed) instead of the tp cost model.
+    rehearse: bool = False

@@ -39,7 +39,8 @@ from runner.outputs.timeline import simulated_slices, write_chrome_trace
 from runner.plan.from_costs import plan_from_costs
 from runner.plan.given import is_costs_file, read_costs
 from runner.plan.planner import Candidate, plan
-from runner.plan.report import fit_line, label, search_report, table, within_error
+from runner.plan.rehearsed import rehearse_by_cli
+from runner.plan.report import fit_line, label, rehearsal_report, search_report, table, within_error
 from runner.plan.target_report import run_target
 from runner.ranks.console import quiet_libraries
 
@@ -90,7 +91,11 @@ def where_plan(out: Path) -> str:
 
 def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
     """Plan with this host's measured costs (probe runs); returns the best candidate's command."""
-    candidates, timelines, calibration, model = plan(cfg, out, launch)
+    # The user's overrides, less the planner's own and the ones each candidate sets itself.
+    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
+    kept = [o for o in overrides if not o.startswith(chosen)]
+    candidates, timelines, calibration, model = plan(cfg, out, launch,
+                                                     rehearse_by_cli(kept) if cfg.plan.rehearse else None)
     if not any(c.valid for c in candidates):
         raise ConfigError(_no_valid_candidate(candidates))
     close = within_error(candidates)
@@ -124,9 +129,8 @@ def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
               f"{', '.join(label(c) for c in tied)}. Recommended of those: the least activation memory.")
     for line in close:
         print(line)
-    # The user's overrides, less the planner's own and the ones each candidate sets itself.
-    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
-    kept = [o for o in overrides if not o.startswith(chosen)]
+    for line in rehearsal_report(candidates, out):
+        print(line)
     searched = next((c for c in candidates if c.schedule == "synthesized" and c.valid and c.fits_memory), None)
     if searched is not None:
         print(f"\nfastest synthesized: python -m runner {shlex.join(kept + searched.overrides)}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -47,6 +48,7 @@ from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.memory import annotate_memory, rank_params
 from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
+from runner.plan.rehearsed import Rehearse, cost_from_rehearsal, link_overrides, needs_rehearsal, rehearsal_key
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction
 from runner.ranks.dist import pick_device, resolve_device
@@ -91,6 +93,8 @@ class Candidate:
     rank_memory_bytes: list[int] = field(default_factory=list)  # whole rank, per pipeline rank (runner.plan.memory)
     within_error: bool = False  # predicted within the planner's measured error of the fastest (runner.plan.report)
     degrees: dict[str, int] | None = None  # pp, dp, tp where not the run's own (plan.search_degrees)
+    costed_by: str = "model"  # or "rehearsal" (plan.rehearse: runner.plan.rehearsed)
+    rehearsal: dict | None = None  # plan.rehearse: the rehearsal's directory and step, or why it failed
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -218,26 +222,35 @@ class _Planning:
     timelines: dict[int, list] = field(default_factory=dict)  # by id(candidate)
     # (m, V-shaped, stages per rank) -> the built-in orders there and the layouts (by split) to search
     families: dict[tuple[int, bool, int], dict] = field(default_factory=dict)
+    rehearse: Rehearse | None = None  # plan.rehearse: runs a candidate's rehearsal
+    rehearsals: dict[tuple, dict | str] = field(default_factory=dict)  # by rehearsal_key: the report, or an error
 
 
-def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None) -> PlanResult:
+def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None,
+         rehearse: Rehearse | None = None) -> PlanResult:
     """Every candidate, fastest within the memory limit first (ties and the recommended one
     marked), the predicted timeline of each valid one (keyed by ``id(candidate)``), the message
     and action costs used and the cost model fitted to the probes (None when no candidate got
     as far as a layout). ``launch`` (``runner.launch.launch``) runs the probes; without it the
     plan has none. Probe runs and synthesized CSVs go into ``out`` (required for either). With
     ``plan.synthesize``, searched orders join the built-ins: one per microbatch count, placement
-    (1 and 2 stages per rank, looped or V) and split, written as CSV files into ``out``.
+    (1 and 2 stages per rank, looped or V) and split, written as CSV files into ``out``. With
+    ``plan.rehearse``, ``rehearse`` (``runner.plan.rehearsed.rehearse_by_cli``) rehearses each layout
+    involving tp or FSDP into ``out``, and its candidates are costed from that.
 
     A step is predicted as the simulated pipeline (compute as fitted + the runtime's per-action
     overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
     update: what ``summary.json``'s ``step_time_s`` measures."""
     check_plan_keys(cfg)
-    if out is None and (launch is not None or cfg.plan.synthesize):
-        raise ValueError("plan(): probe runs and synthesized schedules are written into a directory: pass out=")
+    if out is None and (launch is not None or cfg.plan.synthesize or cfg.plan.rehearse):
+        raise ValueError("plan(): probe runs, rehearsals and synthesized schedules are written into a directory: "
+                         "pass out=")
+    if cfg.plan.rehearse and rehearse is None:
+        raise ValueError("plan(): plan.rehearse=true needs rehearse= (runner.plan.rehearsed.rehearse_by_cli)")
     kind, device = _timing_device(cfg)
-    state = _Planning(_with_weight_grad_fraction(cfg, device), kind, device, out, launch)
+    state = _Planning(_with_weight_grad_fraction(cfg, device), kind, device, out, launch,
+                      rehearse=rehearse if cfg.plan.rehearse else None)
     for base, (name, m, spr) in tp_cost.by_degrees(state.cfg, _candidates):  # the run's degrees first
         _plan_candidate(state, base, name, m, spr)
     if state.cfg.plan.synthesize and state.calibration is not None and state.model is not None and out is not None:
@@ -307,8 +320,9 @@ def _plan_candidate(state: _Planning, base: DictConfig, name: str, m: int, spr: 
     child = _costs(state, base, resolved, m)
     # Built-in schedules at the run's degrees seed the search (plan.synthesize), by family.
     family = (m, name in V_SHAPED, spr) if spr is not None and spr <= 2 and not moved else None
+    rehearsed = state.rehearse is not None and needs_rehearsal(base)
     for candidate, split_layout in [(own, layout), *_split_by_time(state, own, layout, child, trial, moved)]:
-        _predict_and_keep(state, candidate, split_layout, order, child, family)
+        _predict_and_keep(state, candidate, split_layout, order, child, family, rehearsed)
 
 
 def _order(own: Candidate, layout: Layout, spr: int | None) -> dict[int, list[Op]]:
@@ -362,18 +376,53 @@ def _split_by_time(state: _Planning, own: Candidate, layout: Layout, child: Mapp
 
 
 def _predict_and_keep(state: _Planning, candidate: Candidate, layout: Layout, order: dict[int, list[Op]],
-                      child: Mapping[str, ChildCost], family: tuple[int, bool, int] | None) -> None:
-    """Predict ``candidate``, keep its timeline and, in a ``family`` (microbatches, V-shaped,
-    stages per rank), its order and layout for the search."""
+                      child: Mapping[str, ChildCost], family: tuple[int, bool, int] | None,
+                      rehearsed: bool = False) -> None:
+    """Predict ``candidate`` (``rehearsed``: then from its layout's rehearsal), keep its timeline
+    and, in a ``family`` (microbatches, V-shaped, stages per rank), its order and layout for the search."""
     assert state.calibration is not None and state.model is not None  # set by _costs
     timeline = _predict(candidate, layout, order, child, state.calibration, state.model, state.cfg.plan)
     if timeline is None:
         return
+    if rehearsed:
+        timeline = _from_rehearsal(state, candidate, layout, order, child)
+        if timeline is None:  # not ranked beside rehearsed ones on the model's step: refused, with the reason
+            candidate.valid, candidate.reason = False, candidate.rehearsal["error"] if candidate.rehearsal else ""
+            return
     state.timelines[id(candidate)] = timeline
     if family is not None:
         found = state.families.setdefault(family, {"seeds": {}, "layouts": {}})
         found["seeds"][candidate.schedule] = order
         found["layouts"].setdefault(tuple(candidate.split_points or ()), layout)
+
+
+def _from_rehearsal(state: _Planning, candidate: Candidate, layout: Layout, order: dict[int, list[Op]],
+                    child: Mapping[str, ChildCost]) -> list | None:
+    """``candidate`` costed from the rehearsal of its layout (run once per ``rehearsal_key``, into
+    ``rehearsals/<n>`` of the plan's directory); None, the error recorded, where the rehearsal failed
+    (the candidate is then listed invalid: a model-costed step beside rehearsed ones would outrank them)."""
+    assert state.rehearse is not None and state.calibration is not None and state.model is not None
+    assert state.out is not None  # plan() requires it with plan.rehearse
+    key = rehearsal_key(candidate.overrides, order)
+    run_dir = state.out / "rehearsals" / str(len(state.rehearsals))
+    if key not in state.rehearsals:
+        try:
+            state.rehearsals[key] = {"dir": str(run_dir), "report": state.rehearse(
+                [*candidate.overrides, *link_overrides(state.calibration)], run_dir)}
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+            state.rehearsals[key] = f"the rehearsal failed: {e}"
+    done = state.rehearsals[key]
+    if isinstance(done, str):
+        log.warning("%s: %s", candidate.overrides, done)
+        candidate.rehearsal = {"error": done}
+        return None
+    _, comm_s = layout_costs(layout.stages, child, state.calibration, state.model)
+    try:
+        return cost_from_rehearsal(candidate, layout, order, done["report"], state.calibration, comm_s,
+                                   _saved_bytes(layout, child), Path(done["dir"]))
+    except (KeyError, ValueError) as e:
+        candidate.rehearsal = {"error": f"the rehearsal cannot cost it: {e}", "dir": done["dir"]}
+        return None
 
 
 def _plan_synthesized(state: _Planning) -> None:
@@ -394,6 +443,12 @@ def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
     otherwise fail alike, or the calibration run first)."""
     memory_limit("plan.memory_limit", cfg.plan.memory_limit)
+    elsewhere = ("plan.target", cfg.plan.target) if cfg.plan.target else \
+        ("plan.costs", cfg.plan.costs) if cfg.plan.costs and is_costs_file(cfg.plan.costs) else None
+    if cfg.plan.get("rehearse") and elsewhere:
+        raise ConfigError(f"plan.rehearse=true with {elsewhere[0]}={elsewhere[1]}: a rehearsal measures each layout "
+                          f"on this host, {elsewhere[0]} plans from costs given instead. Fix: plan.rehearse=false, "
+                          f"or drop {elsewhere[0]}.")
     if cfg.plan.weight_grad_fraction is not None:
         check_fraction("plan.weight_grad_fraction", cfg.plan.weight_grad_fraction)
     if not cfg.plan.microbatches or min(cfg.plan.microbatches) < 1:

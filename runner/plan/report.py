@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from runner.pipeline.schedule import V_SHAPED
 from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
 
-__all__ = ["label", "table", "search_report", "fit_line", "MEASURED_ERRORS", "MEASURED_ERROR", "within_error"]
+__all__ = ["label", "table", "search_report", "rehearsal_report", "fit_line", "MEASURED_ERRORS", "MEASURED_ERROR",
+           "within_error"]
 
 # The planner's error on single plans (over every round and configuration of all model sizes), per
 # subset: the configurations it did not probe, those it probed (fitted its cost model to a run of)
@@ -120,3 +122,23 @@ def within_error(candidates: Sequence[Candidate], error: float = MEASURED_ERROR[
             f"median error on a single plan of a configuration it did not probe ({figures}; BENCHMARKS.md, "
             f"\"Planner accuracy per single plan\"): {', '.join(label(c) for c in close)}. A prediction cannot order "
             "them; runs of each can."]
+
+
+
+def rehearsal_report(candidates: list[Candidate], out: Path) -> list[str]:
+    """``plan.rehearse``: which candidates were costed by a rehearsal of their layout (the model's
+    step beside it) and which rehearsals failed (their candidates are listed invalid)."""
+    rehearsed = [c for c in candidates if c.costed_by == "rehearsal" and c.rehearsal]
+    failed = [c for c in candidates if c.rehearsal and "error" in c.rehearsal]
+    if not rehearsed and not failed:
+        return []
+    lines = [f"\ncosted by rehearsal ({len(rehearsed)} candidates; rehearsals under {out / 'rehearsals'}):"]
+    for c in rehearsed:
+        assert c.rehearsal is not None and c.predicted_step_time_s is not None
+        model = c.rehearsal["model_step_s"]
+        lines.append(f"  {label(c)}: {c.predicted_step_time_s * 1e3:.1f} ms (the tp cost model: "
+                     f"{model * 1e3:.1f} ms)")
+    for c in failed:
+        assert c.rehearsal is not None
+        lines.append(f"  {label(c)}: {c.rehearsal['error']} (not ranked)")
+    return lines
