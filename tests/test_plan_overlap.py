@@ -75,3 +75,14 @@ def test_plan_barrier_false_plans_a_costs_file_by_span_and_is_refused_elsewhere(
     assert rows["synthesized"]["predicted_step_time_s"] <= rows["zbh2"]["predicted_step_time_s"] + 1e-9
     with pytest.raises(ConfigError, match=r"plan.barrier=false.*Fix:"):  # a plan of this host: runs keep it
         plan_in(compose("plan.barrier=false"), tmp_path, ["plan.barrier=false"])
+
+
+def test_the_bench_table_compares_with_the_floor_and_the_papers_zb2p():
+    from bench.sections.zb_overlap import table_lines
+
+    row = {"model": "1.5B", "pp": 8, "microbatches": 32, "limit": "2x1f1b", "floor_s": 1.4698, "zbh1_s": 1.6782,
+           "zbh2_s": 1.6041, "step_s": 1.4698 * 1.005, "budget": 600, "seconds": 28.0, "under_load": True}
+    lines = table_lines([row, {**row, "limit": "1f1b", "step_s": 1.6782}])
+    assert "| 1.5B | 8 | 32 | 2x1f1b | 1469.8 | 1678.2 | 1604.1 | 1477.1 | +0.50% | 1475.5 | 600 | 28* |" in lines
+    assert "| 1.5B | 8 | 32 | 1f1b | 1469.8 | 1678.2 | 1604.1 | 1678.2 | +14.18% | - | 600 | 28* |" in lines
+    assert "- At 2x1f1b: within 1% of the floor (so of ZB-2p) in 1 of 1 settings." in lines

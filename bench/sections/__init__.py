@@ -19,6 +19,7 @@ from bench.sections import (
     synthesis,
     target,
     tp,
+    zb_overlap,
     zb_paper,
 )
 
@@ -34,6 +35,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     synthesis.SECTION,
     target.SECTION,
     zb_paper.SECTION,
+    zb_overlap.SECTION,
     device.SECTION,
     hf.SECTION,
     tp.SECTION,

@@ -64,9 +64,12 @@ def zb_overlap(ctx: Context) -> dict[str, Any]:
 
 def render(data: Mapping[str, Any], page: Page) -> list[str]:
     rows = data["results"]["rows"]
-    lines = ["## Synthesis without the barrier on the Zero Bubble paper's costs", "", meta_line(data["meta"], rows), "",
-             *table_lines(rows), ""]
-    return lines
+    return ["## Synthesis without the barrier on the Zero Bubble paper's costs", "", meta_line(data["meta"], rows), "",
+            "The search with `plan.barrier=false` (steps overlap, as with the paper's optimizer post-validation; "
+            "a step is the longest rank's span, the paper's measure) on the twelve settings of the paper's Table 9 "
+            f"(M_W / M_B = {data['results']['weight_grad_fraction']}), seeded with the built-in orders, at twice "
+            "1F1B's memory (ZB-2p's) and at 1F1B's (ZB-1p's); ZB-H1 and ZB-H2 by the same measure; *floor*: "
+            "m(F+B+W); *s*: seconds of search (* under load).", "", *table_lines(rows), ""]
 
 
 def table_lines(rows: list[Mapping[str, Any]]) -> list[str]:
