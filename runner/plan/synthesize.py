@@ -7,7 +7,8 @@ forwards while memory allows, a backward as soon as its gradient arrives, the we
 (W) of a split backward into the slots where the rank would otherwise wait. It then improves the
 best order by local moves: a W moved, two neighbouring actions swapped, an I and its W merged
 into one B (cheaper: one autograd pass) or a B split into both (its W can then wait). Every
-order is scored by the jitter-free simulation (``runner.pipeline.simulate``); the search is bounded by
+order is scored by the jitter-free simulation (``runner.pipeline.simulate``): its makespan, or
+without the barrier (``Problem.barrier``) the longest rank's span; the search is bounded by
 the number of orders it evaluates, so its result depends on the costs and the seed only, never
 on how busy the machine is.
 
@@ -91,7 +92,7 @@ def _neighbour(order: Order, rng: random.Random, moves: Sequence[str]) -> Order 
 @dataclass
 class Synthesis:
     order: Order
-    makespan_s: float  # jitter-free simulated pipeline
+    makespan_s: float  # jitter-free simulated pipeline (without the barrier: the longest rank's span)
     lower_bound_s: float
     origin: str  # the seed or heuristic the best order grew from
     evaluated: int  # orders simulated
