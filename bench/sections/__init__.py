@@ -21,6 +21,7 @@ from bench.sections import (
     target,
     threads,
     tp,
+    zb_overlap,
     zb_paper,
 )
 
@@ -36,6 +37,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     synthesis.SECTION,
     target.SECTION,
     zb_paper.SECTION,
+    zb_overlap.SECTION,
     device.SECTION,
     hf.SECTION,
     tp.SECTION,

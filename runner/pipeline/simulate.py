@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
-           "repeat_steps", "steady_step", "compute_floor", "stage_spans"]
+           "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -207,6 +207,14 @@ def steady_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str
     step = ends[1] - ends[0]
     work = _work(order, costs)
     return step, {rank: 1.0 - w / step for rank, w in sorted(work.items())}
+
+
+def rank_span(actions: Sequence[SimAction]) -> float:
+    """The Zero Bubble paper's step without the barrier: the longest of the ranks' spans, each from
+    the rank's first start to its last end within one step. Repeated back to back, the step can
+    be shifted by this much and still run (each rank starts its next step when its own ends), so
+    ``steady_step`` is never longer."""
+    return max(stage_spans(actions).values())
 
 
 def compute_floor(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float]

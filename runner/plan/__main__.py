@@ -59,6 +59,12 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
     ``plan.json`` holds them, fastest first), ``recommended`` (the chosen one, of those) and
     ``command`` (the ``python -m runner ...`` line that runs it). Raises ``ConfigError`` when no
     candidate can run, ``RunnerError`` when none fits the memory limit."""
+    from_file = bool(cfg.plan.costs) and is_costs_file(cfg.plan.costs)
+    if not cfg.plan.barrier and (cfg.plan.target or not from_file):
+        raise ConfigError("plan.barrier=false: scoring overlapping steps applies to plans from a costs file "
+                          "(plan.costs=<file.yaml|json>) only; a run, and so a plan of this host or a target, keeps "
+                          "the barrier (train.optimizer_sync=post_validate still waits before the next step). Fix: "
+                          "drop plan.barrier=false, or plan from a costs file.")
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     quiet = [logging.getLogger(name) for name in ("runner.validate", "runner.parallel.tied", "runner.startup")]
@@ -68,7 +74,7 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
     try:
         if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
             command = run_target(cfg, out, overrides)
-        elif cfg.plan.costs and is_costs_file(cfg.plan.costs):  # costs a user measured: no model, no ranks
+        elif from_file:  # costs a user measured: no model, no ranks
             command = main_from_costs(cfg, out)
         else:
             command = _plan_here(cfg, out, overrides)
@@ -147,10 +153,11 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     3) when nothing fits the file's memory_limit. Returns the best candidate's command."""
     given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
-                                            tie_tolerance=cfg.plan.tie_tolerance)
+                                            tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
-          f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone)")
+          f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone"
+          f"{'' if cfg.plan.barrier else ', overlapping: the longest rank span, plan.barrier=false'})")
     print(table(candidates))
     for line in search_report(candidates):
         print(line)

@@ -12,7 +12,7 @@ from pathlib import Path
 from runner.outputs.timeline import write_schedule_csv
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
-from runner.pipeline.simulate import peak_in_flight, simulate
+from runner.pipeline.simulate import peak_in_flight, rank_span, simulate
 from runner.plan.given import GivenCosts, memory_limit
 from runner.plan.planner import Candidate, _mark_ties
 from runner.plan.problem import Problem, lower_bound
@@ -21,12 +21,12 @@ from runner.plan.synthesize import synthesize
 __all__ = ["given_problem", "builtin_orders", "plan_from_costs"]
 
 
-def given_problem(given: GivenCosts) -> Problem:
+def given_problem(given: GivenCosts, *, barrier: bool = True) -> Problem:
     """The file's costs as a search problem: stage r on rank r, its limit resolved (1F1B's memory
-    is p microbatches' activations on every rank)."""
+    is p microbatches' activations on every rank); ``barrier`` false scores steps that overlap."""
     stage_bytes = {s: (given.activation_bytes[s] if given.activation_bytes else 1.0) for s in range(given.pp)}
     problem = Problem(given.microbatches, {s: s for s in range(given.pp)}, given.costs(), given.comm_s, stage_bytes,
-                      weight_grad_fraction=given.weight_grad_fraction)
+                      weight_grad_fraction=given.weight_grad_fraction, barrier=barrier)
     return replace(problem, memory_limit=memory_limit("memory_limit", given.memory_limit, problem))
 
 
@@ -45,7 +45,8 @@ def builtin_orders(pp: int, microbatches: int) -> dict[str, dict[int, list[Op]]]
 def _candidate(name: str, order: dict[int, list[Op]], problem: Problem, overrides: list[str],
                with_bytes: bool) -> tuple[Candidate, list]:
     timeline = simulate(order, problem.costs, num_stages=problem.num_stages, comm_s=problem.comm_s)
-    pipeline = max(a.end for a in timeline)
+    # Without the barrier a step is the longest rank's span (the paper's measure), not the makespan.
+    pipeline = max(a.end for a in timeline) if problem.barrier else rank_span(timeline)
     busy = sum(a.end - a.start for a in timeline)
     nbytes = peak_in_flight(order, problem.stage_bytes, problem.weight_grad_fraction)
     in_mb = peak_in_flight(order, None, problem.weight_grad_fraction)
@@ -61,12 +62,13 @@ def _candidate(name: str, order: dict[int, list[Op]], problem: Problem, override
     return c, timeline
 
 
-def plan_from_costs(given: GivenCosts, out: Path, *, budget: int, seed: int,
-                    tie_tolerance: float) -> tuple[list[Candidate], dict[int, list]]:
+def plan_from_costs(given: GivenCosts, out: Path, *, budget: int, seed: int, tie_tolerance: float,
+                    barrier: bool = True) -> tuple[list[Candidate], dict[int, list]]:
     """Every candidate, fastest within the limit first (ties and the recommended one marked),
     and each one's timeline by ``id(candidate)``. The synthesized order is written as
-    ``synthesized_pp<p>_m<m>_loop1.csv`` into ``out``, checked as a run checks a user's CSV."""
-    problem = given_problem(given)
+    ``synthesized_pp<p>_m<m>_loop1.csv`` into ``out``, checked as a run checks a user's CSV.
+    ``barrier`` false (``plan.barrier``): every step, searched or built-in, is the longest rank's span."""
+    problem = given_problem(given, barrier=barrier)
     pp, m = given.pp, given.microbatches
     results, timelines = [], {}
     with_bytes = given.activation_bytes is not None

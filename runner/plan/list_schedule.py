@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runner.pipeline.ops import Op
 from runner.plan.problem import Order, Problem
@@ -31,13 +31,15 @@ class Policy:
     # their I, not their W (a deferred W holds M_W, which the memory budget counts); None: Ws fill
     # idle slots.
     defer: tuple[int, ...] | None = None
+    split_first: bool = False  # stage 0 splits too (its W can then wait, as the paper's schedules split it)
 
     def describe(self) -> str:
         caps = "memory" if self.in_flight is None else "/".join(map(str, self.in_flight))
         return (f"list({'I+W' if self.split else 'B'}, {'backward' if self.backward_first else 'forward'} first, "
                 f"{'deep' if self.deep_first else 'shallow'} first, in flight {caps}, slack {self.slack * 1e3:.2f} ms"
                 f"{f', noise {self.noise:.1f}' if self.noise else ''}"
-                f"{', defer ' + '/'.join(map(str, self.defer)) if self.defer is not None else ''})")
+                f"{', defer ' + '/'.join(map(str, self.defer)) if self.defer is not None else ''}"
+                f"{', stage 0 split' if self.split_first else ''})")
 
 
 def list_schedule(p: Problem, policy: Policy, rng: random.Random) -> Order | None:
@@ -74,7 +76,8 @@ class _ListScheduler:
         self.classes = {"back": 0, "F": 1, "fill": 2} if policy.backward_first else {"F": 0, "back": 1, "fill": 2}
         self.limit = p.memory_limit if p.memory_limit is not None else math.inf
         # Stage 0 keeps B where it has a cost: its I would compute nothing, its W everything.
-        self.split = {s for s in range(n) if policy.split and (s > 0 or (0, "B") not in p.costs)}
+        self.split = {s for s in range(n)
+                      if policy.split and (s > 0 or policy.split_first or (0, "B") not in p.costs)}
 
     def _may_enter(self, r: int) -> bool:
         """Whether the budget (and ``in_flight``) lets one more microbatch into rank ``r``."""
@@ -100,7 +103,7 @@ class _ListScheduler:
                     if grad is not None:
                         ready = max(ready, end[grad] + p.hop(s + 1, s))
                     kind = "I" if s in self.split else "B"
-                    fill = self.policy.split and s == 0 and kind == "B"
+                    fill = self.policy.split and s == 0 and kind == "B"  # stage 0's B can wait: nothing needs it
                     out.append((ready, "fill" if fill else "back", Op(s, kind, i)))
             if self.waiting_w[s]:
                 i = self.waiting_w[s][0]
@@ -197,5 +200,11 @@ def policies(p: Problem, rng: random.Random, count: int) -> list[Policy]:
                           noise=rng.choice([0.0, 0.0, 0.5, 1.5]),
                           defer=None if deferring.random() < 0.5 else tuple(
                               deferring.randint(0, v) + deferring.randint(0, v) * r for r in ranks)))
+    if not p.barrier and all((0, k) in p.costs for k in "IW"):
+        # Steps overlap: rank 0 may split and end on put-off Ws too, while the next step's forwards
+        # travel. The handcrafted split points both ways, then a coin per random one (its own draws).
+        coin = random.Random(str(rng.getstate()[1][8:16]))
+        out = [out[0], *(replace(pol, split_first=True) for pol in out[1:5]), *out[1:7],
+               *(replace(pol, split_first=pol.split and coin.random() < 0.5) for pol in out[7:])]
     usable = [pol for pol in out if (p.splits if pol.split else p.whole)]
     return usable[:max(count, 0)]

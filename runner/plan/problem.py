@@ -30,6 +30,10 @@ class Problem:
     stage_bytes: Mapping[int, float] | None = None
     memory_limit: float | None = None
     weight_grad_fraction: float = 1.0
+    # True: a step ends when every rank is done (today's runs), scored by the makespan. False: steps
+    # overlap (the Zero Bubble paper's post-validation), scored by the longest rank's span within
+    # a step (``rank_span``, the paper's measure), whose floor is the busiest rank's compute.
+    barrier: bool = True
 
     @property
     def num_stages(self) -> int:
@@ -72,7 +76,8 @@ class Problem:
 
 
 def lower_bound(p: Problem) -> float:
-    """No order of these actions on this placement finishes sooner: the larger of one
+    """Without the barrier (``p.barrier`` false), the busiest rank's compute: m(F+B+W) for one
+    stage per rank. With it, no order of these actions on this placement finishes sooner: the larger of one
     microbatch's path through every forward and back, and, per rank, its compute (each backward
     at the cheaper of B and I + W) after the first forward can reach it, plus what must follow
     its last action (the rest of that gradient's path, or the extra a split backward costs when
@@ -83,6 +88,8 @@ def lower_bound(p: Problem) -> float:
         return p.costs.get((s, kind), math.inf)
 
     back = {s: min(c(s, "B"), c(s, "I") + c(s, "W")) for s in range(n)}
+    if not p.barrier:  # steps overlap: nothing waits for the ramps, only each rank's own compute
+        return max(sum(m * (c(s, "F") + back[s]) for s in p.stages_on(r)) for r in range(p.pp))
     passes_on = {s: min(c(s, "B"), c(s, "I")) for s in range(1, n)}  # what sends the gradient on
     arrive = [0.0]  # the first microbatch's forward reaches stage s
     for s in range(1, n):

@@ -7,7 +7,8 @@ forwards while memory allows, a backward as soon as its gradient arrives, the we
 (W) of a split backward into the slots where the rank would otherwise wait. It then improves the
 best order by local moves: a W moved, two neighbouring actions swapped, an I and its W merged
 into one B (cheaper: one autograd pass) or a B split into both (its W can then wait). Every
-order is scored by the jitter-free simulation (``runner.pipeline.simulate``); the search is bounded by
+order is scored by the jitter-free simulation (``runner.pipeline.simulate``): its makespan, or
+without the barrier (``Problem.barrier``) the longest rank's span; the search is bounded by
 the number of orders it evaluates, so its result depends on the costs and the seed only, never
 on how busy the machine is.
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from runner.pipeline.ops import Op
-from runner.pipeline.simulate import peak_in_flight, simulate
+from runner.pipeline.simulate import peak_in_flight, rank_span, simulate
 from runner.plan.list_schedule import Policy, list_schedule, policies
 from runner.plan.problem import Order, Problem, lower_bound
 
@@ -91,7 +92,7 @@ def _neighbour(order: Order, rng: random.Random, moves: Sequence[str]) -> Order 
 @dataclass
 class Synthesis:
     order: Order
-    makespan_s: float  # jitter-free simulated pipeline
+    makespan_s: float  # jitter-free simulated pipeline (without the barrier: the longest rank's span)
     lower_bound_s: float
     origin: str  # the seed or heuristic the best order grew from
     evaluated: int  # orders simulated
@@ -101,16 +102,17 @@ class Synthesis:
 
 
 def _score(p: Problem, order: Order) -> tuple[float, float] | None:
-    """(makespan, peak held per rank): None when the order cannot run or exceeds the budget."""
+    """(step, peak held per rank): None when the order cannot run or exceeds the budget. The step is
+    the makespan with the barrier, the longest rank's span without it (``Problem.barrier``)."""
     try:
-        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, ends_only=True)
+        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, ends_only=p.barrier)
     except ValueError:
         return None
     weights = dict(p.stage_bytes) if p.stage_bytes is not None else None
     peak = max(peak_in_flight(order, weights, p.weight_grad_fraction).values())
     if p.memory_limit is not None and peak > p.memory_limit * (1 + 1e-9):  # sums of fractions round
         return None
-    return max(a.end for a in actions), peak
+    return (max(a.end for a in actions) if p.barrier else rank_span(actions)), peak
 
 
 def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, seed: int | str = 0,
