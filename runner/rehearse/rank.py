@@ -12,8 +12,8 @@ it measures (``RankResult``, written as JSON for the launcher):
   recorder), the optimizer step (after clipping to after AdamW and the LR schedule), the step;
 * collectives of the last step: count and bytes by kind and mesh dimension (tp, dp, pp, world);
 * a chrome trace, by the run's own profiler (``traces/rank<r>.json`` in the rank's directory), of
-  one more step after the last: the profiler slows every op (on a tiny model it took several times
-  the step), so the step whose times are measured runs without it."""
+  one more step after the last: the profiler adds its own cost to every op (issue #35 reported a
+  tiny model's profiled step at several times its real one), so the timed step runs without it."""
 
 from __future__ import annotations
 
