@@ -174,6 +174,58 @@ def test_a_rank_allocates_only_its_shards_and_each_is_the_unsplit_models_part(ca
         reset_collectives()
 
 
+def _rehearse_in_process(resolved, cfg, rank: int, run_dir) -> dict:
+    from runner._torch.dist import drop_dtensor_caches
+    from runner.rehearse.rank import run_rank
+
+    reset_collectives()
+    try:
+        return run_rank(resolved, cfg, rank, cfg.rehearse.steps, run_dir)  # it leaves its process group
+    finally:
+        drop_dtensor_caches()
+        reset_collectives()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["zbh1", "zbv"])
+def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_the_profiled_step(schedule, tmp_path):
+    """Issue #35: the zero-bubble schedules' I action (``autograd.grad`` for a stage's received
+    input, a leaf) failed under the memory tracker; and the step whose action times are composed
+    was the one the torch profiler recorded (several times slower on a tiny model). Each pipeline
+    rank at pp=2 x tp=2, in this process over the rehearsal group: its actions come from step 2 of
+    2, its chrome trace from step 3 alone, and the composed step replays every stage's F, I and W."""
+    import json
+
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.tp=2", f"schedule={schedule}",
+                  "rehearse=on", "rehearse.steps=2")
+    resolved, ranks, _ = check_rehearsal(cfg, tmp_path)
+    results = [_rehearse_in_process(resolved, cfg, rank, tmp_path / f"rank{rank}") for rank in ranks]
+    for r in results:
+        events = json.loads(open(r["trace"]).read())["traceEvents"]
+        profiled = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+        assert profiled == {"ProfilerStep#3"} and r["profiled_step"] == 3
+        assert {a["kind"] for a in r["actions"]} == {"F", "I", "W"}
+        assert {(a["stage"], a["kind"]) for a in r["actions"]} == {(s, k) for s in r["stages"] for k in "FIW"}
+        assert r["steps"] == 2 and len(r["losses"]) == 2  # the actions are step 2's, not the profiled one's
+        assert any(e.get("name", "").startswith("compute:") for e in events)  # the profiled step's actions, named
+        held, peak = r["held_bytes"], r["peak_bytes"]
+        assert held["params"] > 0 and held["grads"] > 0
+        assert held["optimizer_state"] >= 2 * held["params"]  # AdamW's two moments (and its step counts)
+        assert peak["params"] == held["params"] and peak["total"] >= sum(held.values())
+    step, timeline = compose_step(resolved, results)
+    stages = range(resolved.layout.num_stages)
+    assert {(a.op.stage, a.op.kind) for a in timeline} == {(s, k) for s in stages for k in "FIW"}
+    costs, microbatches = step["stage_costs_s"], resolved.layout.microbatches
+    busy = max(sum(costs[f"{s}{k}"] for s in r["stages"] for k in "FIW") * microbatches for r in results)
+    assert busy <= step["pipeline_s"] * (1 + 1e-9) and step["pipeline_s"] < step["step_s"]
+    assert 0 < step["bubble"] < 1
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS, /proc and glibc's mallopt are Linux's")

@@ -159,7 +159,9 @@ def test_a_rehearsal_writes_each_ranks_chrome_trace_and_the_composed_timeline(ll
     for r in report["ranks"]:
         assert r["trace"] == f"rehearsal/rank{r['rank']}/traces/rank{r['rank']}.json"
         events = json.loads((run_dir / r["trace"]).read_text())["traceEvents"]
-        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")} == {"ProfilerStep#3"}
+        # one step after the timed ones (rehearse.steps=3): the actions' times come from step 3, unprofiled
+        assert r["profiled_step"] == 4 and r["steps"] == 3
+        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")} == {"ProfilerStep#4"}
     assert report["timeline"] == ["rehearsal_timeline.json", "rehearsal_timeline.png"]
     events = json.loads((run_dir / "rehearsal_timeline.json").read_text())["traceEvents"]
     computes = sorted((e["pid"], e["name"]) for e in events if e["ph"] == "X")

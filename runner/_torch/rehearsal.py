@@ -266,7 +266,26 @@ def peak_tracker(modules, optimizer):
         pre_forward(module, inputs)
 
     tracker._pre_fw_hook = fresh_pre_forward  # type: ignore[method-assign]
+    _no_multi_grad_hook_on_leaves(tracker._mod_tracker)
     return tracker
+
+
+def _no_multi_grad_hook_on_leaves(mod_tracker) -> None:
+    """The module tracker's forward pre-hook registers a multi-grad hook on a module's inputs that
+    need a gradient; where one is a leaf (a pipeline stage's received input), the hook raises
+    ("A leaf node was passed to _will_engine_execute_node ...") as the zero-bubble schedules' I
+    action differentiates the stage with ``autograd.grad`` for that input. It sees each such leaf
+    detached (the same storage: the tracker counts the same bytes); its module leaves the tracker's
+    set of modules at the end of the backward, as one with no such input does."""
+    from torch.utils._pytree import tree_map_only
+
+    pre_forward = mod_tracker._fw_pre_hook  # registered as the tracker is entered
+
+    def pre_forward_without_leaves(module, inputs):
+        detached = tree_map_only(torch.Tensor, lambda t: t.detach() if t.is_leaf and t.requires_grad else t, inputs)
+        pre_forward(module, detached)  # nothing returned: the module runs on its own inputs
+
+    mod_tracker._fw_pre_hook = pre_forward_without_leaves
 
 
 def peak_split(tracker) -> dict[str, int]:

@@ -19,7 +19,7 @@ class RehearseConfig:
     # replicas are assumed to do what their rank 0 does (said so in the output).
     ranks: Optional[List[int]] = None
     # Training steps per rehearsed rank: memory is tracked over all but the last (the first creates the
-    # optimizer state, so 3 or more for its peak), the last is timed.
+    # optimizer state, so 3 or more for its peak), the last is timed; one more step, untimed, is profiled.
     steps: int = 3
     # Each rank's memory is reported against this (bytes, or with a unit: 80GiB); null = the local
     # device's (a GPU's total memory), or no verdict on CPU.

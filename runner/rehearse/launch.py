@@ -101,7 +101,7 @@ def _run_one(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_
         process.join()
     if process.exitcode != 0 or not out.is_file():
         raise RankFailedError(f"the rehearsal of rank {rank} failed (exit code {process.exitcode}); its traceback "
-                              "is above. Fix: run it alone with rehearse.ranks=[{rank}] to see it.")
+                              f"is above. Fix: run it alone with rehearse.ranks=[{rank}] to see it.")
     return json.loads(out.read_text())
 
 

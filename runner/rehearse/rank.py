@@ -11,8 +11,9 @@ it measures (``RankResult``, written as JSON for the launcher):
 * time: each compute action of the last step (F/B/I/W per stage and microbatch, from the runner's
   recorder), the optimizer step (after clipping to after AdamW and the LR schedule), the step;
 * collectives of the last step: count and bytes by kind and mesh dimension (tp, dp, pp, world);
-* the last step's chrome trace, by the run's own profiler (``traces/rank<r>.json`` in the rank's
-  directory)."""
+* a chrome trace, by the run's own profiler (``traces/rank<r>.json`` in the rank's directory), of
+  one more step after the last: the profiler adds its own cost to every op (issue #35 reported a
+  tiny model's profiled step at several times its real one), so the timed step runs without it."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner._torch.rehearsal import peak_split, peak_tracker
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
+from runner.pipeline.recorder import Recorder
+from runner.ranks.dist import cleanup
 from runner.rehearse.memory import held_bytes
 from runner.rehearse.world import collectives_by_dim, init_rehearsal, reset_collectives
 
@@ -38,17 +40,17 @@ log = logging.getLogger(__name__)
 
 
 def rehearsal_run(resolved: ResolvedRun, steps: int, run_dir: Path) -> ResolvedRun:
-    """The resolved run of a rehearsed rank: ``steps`` steps into ``run_dir``, no checkpoint, no
-    evaluation, no verify; the torch profiler and the recorder on the last step only."""
+    """The resolved run of a rehearsed rank: ``steps`` steps and one more for the torch profiler
+    (step ``steps + 1``, its window) into ``run_dir``; no checkpoint, no evaluation, no verify."""
     return dataclasses.replace(
-        resolved, steps=steps, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
+        resolved, steps=steps + 1, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
         checkpoint=dataclasses.replace(resolved.checkpoint, every=0),
         eval=dataclasses.replace(resolved.eval, every=0),
-        profile=dataclasses.replace(resolved.profile, enabled=True, wait=steps - 1, warmup=0, active=1))
+        profile=dataclasses.replace(resolved.profile, enabled=True, wait=steps, warmup=0, active=1))
 
 
 class _Measure(Hook):
-    """The last step's held bytes, optimizer time and collectives."""
+    """The timed step's (``steps``) actions, held bytes, optimizer time and collectives."""
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -56,8 +58,14 @@ class _Measure(Hook):
         self.optimizer_s = 0.0
         self._clipped = 0.0
         self.collectives: dict = {}
+        self.recorder: Recorder | None = None
 
     def begin_step(self, ctx: StepContext, state: StepState) -> None:
+        # The profiler's window (the step after) set the recorder for this step just before the
+        # hooks: the recorder also records the timed step (whose actions are kept; the profiled
+        # step's are recorded for the trace's ``compute:`` ranges).
+        assert self.recorder is not None
+        self.recorder.active = state.step in (self.steps, self.steps + 1)
         if state.step == self.steps:
             reset_collectives()
 
@@ -65,9 +73,9 @@ class _Measure(Hook):
         self._clipped = time.perf_counter()
 
     def after_step(self, ctx: StepContext, state: StepState) -> None:
-        self.optimizer_s = time.perf_counter() - self._clipped
-        self.held = held_bytes(ctx.params, ctx.optimizer)
         if state.step == self.steps:
+            self.optimizer_s = time.perf_counter() - self._clipped
+            self.held = held_bytes(ctx.params, ctx.optimizer)
             self.collectives = collectives_by_dim(ctx.mesh.dims)
 
 
@@ -83,13 +91,15 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_
         measure = _Measure(steps)
         trainer = Trainer(rehearsal_run(resolved, steps, run_dir), cfg, env, hooks=[measure], static_stages=True)
         trainer.setup()
+        measure.recorder = trainer.profiler.recorder
         tracker = peak_tracker(trainer.modules, trainer.optimizer)
         # The tracker's dispatch mode slows every op: memory is tracked over the steps before the
-        # last (the first one creates the optimizer state), the last step is timed untracked.
+        # last (the first one creates the optimizer state), the last step is timed untracked, and one
+        # more, neither tracked nor timed, is profiled.
         with tracker:
             for index in range(max(1, steps - 1)):
                 trainer.step(index)
-        for index in range(max(1, steps - 1), steps):
+        for index in range(max(1, steps - 1), steps + 1):
             trainer.step(index)
         trainer.profiler.stop()
         trace = run_dir / "traces" / f"rank{rank}.json"
@@ -98,14 +108,14 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_
                     "seconds": (a.end_ns - a.start_ns) / 1e9} for a in recorder.actions if a.step == steps]
         coords = trainer.mesh.coords
         return {"rank": rank, "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
-                "stages": resolved.layout.stages_on(coords.pp), "steps": steps, "losses": trainer.losses,
+                "stages": resolved.layout.stages_on(coords.pp), "steps": steps, "losses": trainer.losses[:steps],
                 "held_bytes": measure.held, "peak_bytes": peak_split(tracker),
-                "step_s": trainer.step_times[-1], "optimizer_s": measure.optimizer_s, "actions": actions,
+                "step_s": trainer.step_times[steps - 1], "optimizer_s": measure.optimizer_s, "actions": actions,
+                "profiled_step": trainer.profiler.window.first + 1,
                 "collectives": measure.collectives, "memory_tracker": "torch.distributed._tools.MemTracker",
                 "trace": str(trace) if trace.is_file() else None}
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        cleanup()  # the group and what holds it (the cached mesh, DTensor's caches): a process may rehearse again
 
 
 def rank_main(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_dir: Path, out: Path) -> None:
