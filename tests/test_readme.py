@@ -121,6 +121,10 @@ def workdir(tmp_path_factory) -> tuple[Path, Path]:
     home, work = root / "home", root / "work"
     # As a real Llama takes the README's train.seq_len=1024 (checked against config.json before launch).
     write_tokenizer(write_model(home / "models" / "llama-1b", "llama", weights=True, max_position_embeddings=2048))
+    # docs/rehearsal.md's 256-rank layout: a 0.5B Llama shape, its config.json alone (model.pretrained=false).
+    write_model(home / "models" / "llama-0.5b", "llama", weights=False, hidden_size=1024, intermediate_size=4864,
+                num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                max_position_embeddings=2048)
     work.mkdir()
     # Nothing of the checkout (no examples/, no README.md): shipped examples resolve by name.
     (work / "corpus.jsonl").write_text("\n".join(
