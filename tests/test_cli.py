@@ -30,74 +30,89 @@ def test_two_runs_started_together_both_train_and_write_every_output(tmp_path):
     procs = [start_cli("experiment=smoke", "verify=true", "launch.pin_cpus=true", *extra, cwd=tmp_path)
              for extra in ([], ["launch.start_method=spawn", "logger=mlflow", WARNS])]
     for done in [finish(p) for p in procs]:
-        out, err = done.stdout, done.stderr
-        assert done.returncode == 0, err
-        assert "throughput" in out and "verify" in out
-        # Not a terminal: a plain line per step (numbered from 1), printed by the launcher.
-        assert [line.split(" - step ")[1].split()[0] for line in err.splitlines() if " - step " in line] == [
-            "1/4", "2/4", "3/4", "4/4"]
-        # While it starts, a line per phase (with the seconds since the launch); at the end, where things are.
-        assert [re.sub(r" \([0-9.]+ s\)$", "", line.split("[runner.startup][INFO] - ")[1])
-                for line in (out + err).splitlines() if "[runner.startup]" in line] == [  # launcher's, rank 0's
-            "config checked", "data ready", "ranks started: 2 processes", "model built", "first step done"]
-        run_dir = Path(re.search(r"^run dir +(\S+)$", out, re.M).group(1))
-        for row in [f"summary      {run_dir}/summary.json, metrics.jsonl",
-                    f"traces       {run_dir}/timeline.json, traces/",
-                    f"pictures     {run_dir}/timeline.png, schedule.png"]:
-            assert row in out.splitlines(), out
-        assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"  # drawn by the run itself
-        # Quiet: no library's INFO lines (MLflow's), progress bars or warnings on the console.
-        for noise in ("INFO mlflow", "INFO alembic", "UserWarning", "font cache", "it/s]"):
-            assert noise not in out + err, (noise, out, err)
+        _check_console(done)
     run_dirs = sorted(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 2  # same second, distinct directories, no port to collide on
     for run_dir in run_dirs:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["schedule"] == "1f1b" and summary["pp"] == 2 and summary["dp"] == 1
-        assert summary["microbatches"] == 4 and summary["steps"] == 4
-        assert len(summary["losses"]) == 4 and summary["final_loss"] == summary["losses"][-1]
-        assert summary["losses"][-1] < summary["losses"][0]
-        assert summary["step_time_s"] > 0 and summary["tokens_per_s"] > 0 and summary["startup_s"] > 0
-        assert len(summary["peak_mem_bytes"]) == 2 and min(summary["peak_mem_bytes"]) > 2**20
-        assert summary["verify"]["passed"] and summary["verify"]["max_abs_diff"] < 4e-5
-        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in lines] == [1, 2, 3, 4]  # numbered from 1, as in the log
-        assert [m["loss"] for m in lines] == summary["losses"]
-        assert all(m["lr"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0 for m in lines)
-        assert (run_dir / ".hydra" / "config.yaml").is_file()
-        log = (run_dir / "runner.log").read_text()
-        assert "[rank 0][runner.train][INFO] - step 4/4" in log
-        assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log  # every rank's lines
-        assert sorted(_cores_of_each_rank(log)) == sorted(_cores_given(log))  # launch.pin_cpus=true
-        summary_provenance = {k: summary[k] for k in ("runner_version", "host", "torch_version", "hydra_version")}
-        assert None not in summary_provenance.values() and summary["git_commit"] == git_commit()
-        assert summary["device_names"][0].startswith("CPU") and len(summary["device_names"]) == 2
-        assert (run_dir / "resolved_config.yaml").resolve() == Path(summary["config"])
-        assert not list(run_dir.glob(".rendezvous*"))
-        phases = summary["startup_phases_s"]
-        assert list(phases) == ["compose", "imports", "validate", "spawn", "process_group", "build", "setup",
-                                "first_step"]
-        assert min(phases.values()) >= 0
-        assert sum(phases.values()) - phases["first_step"] == pytest.approx(summary["startup_s"], abs=1e-3)
-    methods = {re.search(r"starting 2 rank processes \((\w+)\)", (d / "runner.log").read_text()).group(1)
-               for d in run_dirs}
-    warned = [d for d in run_dirs if "UserWarning: a library's UserWarning on rank 0" in (d / "runner.log").read_text()]
-    assert len(warned) == 1  # the library's warning is in the run's log file (it was not on the console)
-    assert methods == {"fork", "spawn"}
-    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
-    assert summaries[0]["losses"] == summaries[1]["losses"]
-    [db] = tmp_path.glob("outputs/*/*/mlflow.db")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{db}")
-    [run] = client.search_runs([client.get_experiment_by_name("runner").experiment_id])
-    history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert [m.value for m in history] == pytest.approx(summaries[0]["losses"]) and run.info.status == "FINISHED"
+        _check_run_dir(run_dir)
+    _check_the_two_differ_only_as_asked(run_dirs, tmp_path)
     check_profiled_run(run_dirs[0], pp=2, microbatches=4, active_steps=[2, 3, 4])
     plot = tmp_path / "timeline.png"
     run_cli(str(run_dirs[0]), "-o", str(plot), program=[sys.executable, "-m", "runner.outputs.plot_timeline"],
             cwd=tmp_path, timeout=60, check=True)
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def _check_console(done) -> None:
+    """What a run prints: a line per step and per startup phase, where its outputs are, no noise."""
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, err
+    assert "throughput" in out and "verify" in out
+    # Not a terminal: a plain line per step (numbered from 1), printed by the launcher.
+    assert [line.split(" - step ")[1].split()[0] for line in err.splitlines() if " - step " in line] == [
+        "1/4", "2/4", "3/4", "4/4"]
+    # While it starts, a line per phase (with the seconds since the launch); at the end, where things are.
+    assert [re.sub(r" \([0-9.]+ s\)$", "", line.split("[runner.startup][INFO] - ")[1])
+            for line in (out + err).splitlines() if "[runner.startup]" in line] == [  # launcher's, rank 0's
+        "config checked", "data ready", "ranks started: 2 processes", "model built", "first step done"]
+    run_dir = Path(re.search(r"^run dir +(\S+)$", out, re.M).group(1))
+    for row in [f"summary      {run_dir}/summary.json, metrics.jsonl",
+                f"traces       {run_dir}/timeline.json, traces/",
+                f"pictures     {run_dir}/timeline.png, schedule.png"]:
+        assert row in out.splitlines(), out
+    assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"  # drawn by the run itself
+    # Quiet: no library's INFO lines (MLflow's), progress bars or warnings on the console.
+    for noise in ("INFO mlflow", "INFO alembic", "UserWarning", "font cache", "it/s]"):
+        assert noise not in out + err, (noise, out, err)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """One run's files: its summary, metrics, log, provenance and startup phases."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["schedule"] == "1f1b" and summary["pp"] == 2 and summary["dp"] == 1
+    assert summary["microbatches"] == 4 and summary["steps"] == 4
+    assert len(summary["losses"]) == 4 and summary["final_loss"] == summary["losses"][-1]
+    assert summary["losses"][-1] < summary["losses"][0]
+    assert summary["step_time_s"] > 0 and summary["tokens_per_s"] > 0 and summary["startup_s"] > 0
+    assert len(summary["peak_mem_bytes"]) == 2 and min(summary["peak_mem_bytes"]) > 2**20
+    assert summary["verify"]["passed"] and summary["verify"]["max_abs_diff"] < 4e-5
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]  # numbered from 1, as in the log
+    assert [m["loss"] for m in lines] == summary["losses"]
+    assert all(m["lr"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0 for m in lines)
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    log = (run_dir / "runner.log").read_text()
+    assert "[rank 0][runner.train][INFO] - step 4/4" in log
+    assert "[rank 1][runner.pipeline][INFO] - stage 1: " in log  # every rank's lines
+    assert sorted(_cores_of_each_rank(log)) == sorted(_cores_given(log))  # launch.pin_cpus=true
+    summary_provenance = {k: summary[k] for k in ("runner_version", "host", "torch_version", "hydra_version")}
+    assert None not in summary_provenance.values() and summary["git_commit"] == git_commit()
+    assert summary["device_names"][0].startswith("CPU") and len(summary["device_names"]) == 2
+    assert (run_dir / "resolved_config.yaml").resolve() == Path(summary["config"])
+    assert not list(run_dir.glob(".rendezvous*"))
+    phases = summary["startup_phases_s"]
+    assert list(phases) == ["compose", "imports", "validate", "spawn", "process_group", "build", "setup",
+                            "first_step"]
+    assert min(phases.values()) >= 0
+    assert sum(phases.values()) - phases["first_step"] == pytest.approx(summary["startup_s"], abs=1e-3)
+
+
+def _check_the_two_differ_only_as_asked(run_dirs: list[Path], tmp_path: Path) -> None:
+    """Forked and spawned ranks train the same losses; only the spawned run warned (into its log)
+    and logged to MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    logs = [(d / "runner.log").read_text() for d in run_dirs]
+    assert {re.search(r"starting 2 rank processes \((\w+)\)", log).group(1) for log in logs} == {"fork", "spawn"}
+    warned = [log for log in logs if "UserWarning: a library's UserWarning on rank 0" in log]
+    assert len(warned) == 1  # the library's warning is in the run's log file (it was not on the console)
+    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+    assert summaries[0]["losses"] == summaries[1]["losses"]
+    [db] = tmp_path.glob("outputs/*/*/mlflow.db")
+    client = MlflowClient(f"sqlite:///{db}")
+    [run] = client.search_runs([client.get_experiment_by_name("runner").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.value for m in history] == pytest.approx(summaries[0]["losses"]) and run.info.status == "FINISHED"
 
 
 @pytest.mark.multiprocess
