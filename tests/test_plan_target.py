@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch._inductor.analysis.device_info as datasheet
 
 from bench.accuracy import accuracy, percentile
 from runner.errors import ConfigError
@@ -107,6 +109,13 @@ def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():
     # The H100's bf16 figure in torch's table includes 2:4 sparsity; fp32 is dense already.
     h100 = device_peaks("NVIDIA H100")
     assert h100.flops["torch.bfloat16"] == 989.5e12 and h100.flops["torch.float32"] == 67e12
+    # torch 2.11 (the GPU image's, read on an H100) has no sparsity factor in its table, and the same
+    # with-sparsity H100 figures.
+    info = datasheet.lookup_device_info("NVIDIA H100")
+    old_info = SimpleNamespace(tops=info.tops, dram_bw_gbs=info.dram_bw_gbs, dram_gb=info.dram_gb)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasheet, "lookup_device_info", lambda name: old_info)
+        assert device_peaks("NVIDIA H100").flops["torch.bfloat16"] == 989.5e12
     with pytest.raises(ConfigError, match=r"plan.target='H100' is not a device.*Fix: plan.target=<one of .*'NVIDIA H1"):
         plan_target(compose(*TINY, "plan.target=H100"))
     with pytest.raises(ConfigError, match="plan.efficiency=1.5"):

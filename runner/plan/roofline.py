@@ -35,6 +35,9 @@ _ATTENTION: dict[Any, Callable[..., int]] = {
 # Entries of torch 2.13's table that disagree with the vendor's datasheet, corrected here (and said
 # in the plan's header): the L4's bandwidth is an H100's, and its bf16/fp16 figures include
 # sparsity without a sparsity factor (datasheet: 300 GB/s; 121 dense bf16 TFLOPS).
+# torch before 2.12 (2.11 on the GPU image) has no tops_sparsity_factor, and its H100 entry's
+# tensor-core figures are already the with-sparsity ones (bf16 1979 TFLOPS, read there).
+_SPARSE_BEFORE_FACTOR = {"NVIDIA H100": 2}
 _CORRECTIONS = {"NVIDIA L4": {"bandwidth": 300e9, "torch.bfloat16": 121e12, "torch.float16": 121e12}}
 _METADATA = {torch.ops.aten._unsafe_view.default}
 
@@ -67,7 +70,8 @@ def device_peaks(name: str) -> DevicePeaks:
     if info is None:
         raise ConfigError(f"plan.target={name!r} is not a device torch's datasheet table knows (exact names only). "
                           f"Fix: plan.target=<one of {', '.join(repr(n) for n in known_devices())}>.")
-    flops = {str(dtype): tops * 1e12 / (info.tops_sparsity_factor if dtype in _TENSOR_CORE else 1)
+    sparsity = getattr(info, "tops_sparsity_factor", None) or _SPARSE_BEFORE_FACTOR.get(name.upper(), 1)
+    flops = {str(dtype): tops * 1e12 / (sparsity if dtype in _TENSOR_CORE else 1)
              for dtype, tops in info.tops.items() if dtype in (torch.float32, torch.bfloat16, torch.float16)}
     fixes = _CORRECTIONS.get(name.upper(), {})
     flops.update({k: v for k, v in fixes.items() if k != "bandwidth"})

@@ -22,6 +22,8 @@ def init_rehearsal(rank: int, world_size: int, device: torch.device) -> DistEnv:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
     register()
+    if device.type == "cuda":  # before any mesh: DeviceMesh otherwise guesses the device from the rank
+        torch.cuda.set_device(device)
     if world_size > 1:
         dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     return DistEnv(rank=rank, world_size=world_size, device=device)
