@@ -25,6 +25,9 @@ def ranks_needed(section: str, args: argparse.Namespace) -> int:
 def run_section(section: str, ctx: Context) -> None:
     """Run one section (after waiting for a quiet machine, if it times runs of its own) while
     watching the load, and save its JSON; on GPUs, skip it where the host has too few."""
+    if SECTIONS[section].cuda_only and ctx.args.device != "cuda":
+        print(f"[bench] {section}: skipped, it runs on a GPU only (--device cuda)", flush=True)
+        return
     if ctx.args.device == "cuda":
         import torch
 

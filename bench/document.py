@@ -44,12 +44,13 @@ def render(results_dir: Path, output: Path, plot_path: Path | None = None) -> st
                 lines += section.render(found[name], page)
             except Exception as e:  # a results file from an older layout: say so, keep the rest
                 lines += [f"## {name}", "", f"Could not render `{name}.json`: {type(e).__name__}: {e}", ""]
-    missing = [s for s in SECTIONS if s not in found]
+    cuda_page = any((d["meta"].get("machine") or {}).get("device") == "cuda" for d in found.values())
+    missing = [s for s, section in SECTIONS.items() if s not in found and (cuda_page or not section.cuda_only)]
     todo = []
     if missing:
         todo.append("- No results yet for: " + ", ".join(missing) + " (`python scripts/bench.py --only "
                     + " ".join(missing) + "`).")
-    if not any((d["meta"].get("machine") or {}).get("device") == "cuda" for d in found.values()):
+    if not cuda_page:
         todo.append("- GPU runs: `python scripts/bench.py --device cuda` writes `BENCHMARKS-cuda.md` (on one GPU "
                     "only the `device` section runs; the others need a GPU per rank).")
     if todo:

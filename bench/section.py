@@ -30,3 +30,4 @@ class Section:
     render: Callable[[Mapping[str, Any], Page], list[str]]  # that file ({"meta", "results"}) as Markdown lines
     ranks: Callable[[argparse.Namespace], int] = _two_ranks  # at once; with --device cuda, a GPU each
     times_runs: bool = True  # False: it times nothing of its own, so it does not wait for a quiet machine first
+    cuda_only: bool = False  # runs only with --device cuda, and is missing only from BENCHMARKS-cuda.md

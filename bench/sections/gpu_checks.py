@@ -1,0 +1,142 @@
+"""The prepared GPU checks (``scripts/gpu_checks.sh``, docs/testing.md) as a section of
+BENCHMARKS-cuda.md: a Llama-1B-shaped model at pp=1 (bf16, fp32, bf16 compiled; tokens/s, MFU,
+the runner against a hand-written loop) and Llama-3-8B-shaped ranks rehearsed, beside what
+``plan.target`` estimates for the same ranks. CUDA only: it runs the script on this host's GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+from bench.common import ROOT
+from bench.markdown import meta_line
+from bench.runs import Context
+from bench.section import Page, Section
+
+GB = 1e9
+SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
+
+
+def _rehearsal(run: Path) -> dict[str, Any] | None:
+    """A rehearsal's ranks: from rehearsal.json, or (a check cut short by its time limit) from the
+    ranks it finished (``rehearsal/rank<r>.json``), marked partial."""
+    report = run / "rehearsal.json"
+    if report.is_file():
+        data = json.loads(report.read_text())
+        return {"ranks": data["ranks"], "step": data.get("step"), "partial": False}
+    ranks = [json.loads(p.read_text()) for p in sorted((run / "rehearsal").glob("rank*.json"))]
+    return {"ranks": ranks, "step": None, "partial": True} if ranks else None
+
+
+def _target(run: Path) -> list[dict[str, Any]]:
+    """plan.target's valid candidates with their per-rank memory estimate."""
+    plan = run / "plan.json"
+    if not plan.is_file():
+        return []
+    keys = ("schedule", "pp", "dp", "tp", "dp_mode", "microbatches", "memory_per_rank")
+    return [{k: c[k] for k in keys} for c in json.loads(plan.read_text()) if c["valid"]]
+
+
+def collect(out: Path) -> dict[str, Any]:
+    """What a run of the script left in ``out``: its summary lines, results.json (the pp=1 runs),
+    the hand-written loop's step times, the rehearsed ranks and plan.target's estimates."""
+    runs = out / "runs"
+    loop = out / "loop-1b-bf16.json"
+    return {"summary": (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").is_file() else [],
+            "pp1": {k: v for k, v in json.loads((out / "results.json").read_text()).items() if k.startswith("1b-")}
+            if (out / "results.json").is_file() else {},
+            "hand_loop_s": json.loads(loop.read_text()) if loop.is_file() else None,
+            "rehearsals": {p.name: r for p in sorted(runs.glob("rehearse-*")) if (r := _rehearsal(p))},
+            "target": _target(runs / "target-8b")}
+
+
+def gpu_checks(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    out = ctx.work / "gpu-checks"
+    subprocess.run(["bash", str(SCRIPT)], env={**os.environ, "OUT": str(out)}, cwd=ROOT, check=False)
+    return {"device_name": torch.cuda.get_device_name(0), **collect(out)}
+
+
+def _pp1_rows(res: Mapping[str, Any]) -> list[str]:
+    from runner.plan.roofline import lookup_peaks
+
+    peaks = lookup_peaks(res["device_name"])
+    fp32 = res["pp1"].get("1b-fp32")
+    rows = ["| run | step (s) | tokens/s | MFU | x fp32 | peak memory (GB) |", "|---|---|---|---|---|---|"]
+    for name, r in sorted(res["pp1"].items()):
+        bf16 = "bf16" in name
+        mfu = "?"
+        if peaks is not None:
+            import torch
+
+            mfu = f"{6 * r['params'] * r['tokens_per_s'] / peaks.peak(torch.bfloat16 if bf16 else torch.float32):.0%}"
+        speedup = f"{r['tokens_per_s'] / fp32['tokens_per_s']:.2f}" if fp32 else "-"
+        rows.append(f"| {name} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | {speedup} | "
+                    f"{max(r['peak_mem_bytes']) / GB:.1f} |")
+    return rows
+
+
+def _rehearsal_rows(res: Mapping[str, Any]) -> list[str]:
+    rows = ["| rehearsal | rank | parameters (GB) | gradients (GB) | optimizer (GB) | activations and rest (GB) "
+            "| peak (GB) | step (s) |", "|---|---|---|---|---|---|---|---|"]
+    for name, reh in res["rehearsals"].items():
+        for r in reh["ranks"]:
+            p = r["peak_bytes"]
+            rows.append(f"| {name}{' (partial)' if reh['partial'] else ''} | {r['rank']} | {p['params'] / GB:.2f} | "
+                        f"{p['grads'] / GB:.2f} | {p['optimizer_state'] / GB:.2f} | "
+                        f"{p['activations_and_rest'] / GB:.2f} | {p['total'] / GB:.2f} | {r.get('step_s', 0):.3f} |")
+    return rows
+
+
+def render(data: Mapping[str, Any], page: Page) -> list[str]:
+    res = data["results"]
+    lines = [f"## The prepared GPU checks (1 x {res['device_name']})", "", meta_line(data["meta"]), "",
+             "`scripts/gpu_checks.sh` (docs/testing.md): each check's status and seconds: "
+             + "; ".join(res["summary"]) + ".", "",
+             "A Llama-1B-shaped built-in transformer (`model.dim=2048 model.n_layers=16 model.n_heads=16 "
+             "data.vocab_size=32000 train.seq_len=2048 train.batch_size=8`, random init, pp=1, 8 steps; step: the "
+             "median from step 1 on). MFU: 6 x parameters x tokens/s over the device's dense peak in the run's "
+             "precision from torch's datasheet table (attention FLOPs not counted; fp32 runs without TF32).", "",
+             *_pp1_rows(res), ""]
+    loop, bf16 = res.get("hand_loop_s"), res["pp1"].get("1b-bf16")
+    if loop and bf16:
+        loop_s = statistics.median(loop[1:])
+        lines += [f"A hand-written loop over the same model, data, clip and AdamW in bf16 "
+                  f"(`bench/programs/single_loop.py`): {loop_s:.3f} s a step; the runner's step is "
+                  f"{bf16['step_time_s'] / loop_s:.2f}x it.", ""]
+    if res["rehearsals"]:
+        lines += ["Llama-3-8B-shaped ranks rehearsed (`rehearse=on`, a config-only directory: hidden 4096, 32 "
+                  "layers, vocabulary 128256; sequence 512, batch 8). *partial*: the check's time ran out after "
+                  "these ranks; no composed step.", "", *_rehearsal_rows(res), ""]
+    lines += _target_lines(res)
+    return lines
+
+
+# plan.target's candidate of the same pipeline layout as each rehearsal (the run's default schedule;
+# under DDP, dp changes neither a rank's stage nor its memory).
+SAME_LAYOUT = {"rehearse-8b-pp4": {"schedule": "1f1b", "pp": 4, "microbatches": 4, "dp_mode": "ddp"},
+               "rehearse-8b-fsdp8": {"schedule": "1f1b", "pp": 1, "microbatches": 1, "dp_mode": "fsdp"}}
+
+
+def _target_lines(res: Mapping[str, Any]) -> list[str]:
+    out = []
+    for name, reh in res["rehearsals"].items():
+        layout = SAME_LAYOUT.get(name, {})
+        match = [c for c in res["target"] if layout and all(c[k] == v for k, v in layout.items())]
+        for r in reh["ranks"] if match else []:
+            est, got = match[0]["memory_per_rank"][r["rank"]], r["peak_bytes"]
+            out.append(f"- {name} rank {r['rank']}: `plan.target` estimates {est['total'] / GB:.1f} GB "
+                       f"({(est['params'] + est['grads'] + est['optimizer']) / GB:.1f} GB of weights, gradients and "
+                       f"AdamW state, {est['activations'] / GB:.1f} GB of activations); rehearsed "
+                       f"{got['total'] / GB:.1f} GB ({(got['params'] + got['grads'] + got['optimizer_state']) / GB:.1f}"
+                       f" and {got['activations_and_rest'] / GB:.1f} GB). The planner balances stages by cost, so "
+                       "its split can differ from the run's.")
+    return [*out, ""] if out else []
+
+
+SECTION = Section("gpu_checks", gpu_checks, render, ranks=lambda args: 1, cuda_only=True)
