@@ -122,14 +122,51 @@ def test_bench_renders_whatever_results_exist(tmp_path):
     assert "Written by hand" not in text and "The largest phase is `spawn`, 30% of the startup." in text
 
 
-def test_benchmarks_md_is_what_the_renderers_make_of_the_committed_json(tmp_path):
+@pytest.mark.parametrize("folder, page", [("benchmarks", "BENCHMARKS.md"), ("benchmarks/cuda", "BENCHMARKS-cuda.md")])
+def test_benchmarks_md_is_what_the_renderers_make_of_the_committed_json(tmp_path, folder, page):
     # Nothing in BENCHMARKS.md is written by hand: rendering benchmarks/*.json reproduces it (after
-    # a run, or a change to a renderer, `python scripts/bench.py --render`).
-    results = tmp_path / "benchmarks"
-    results.mkdir()
-    for path in (ROOT / "benchmarks").glob("*.json"):
+    # a run, or a change to a renderer, `python scripts/bench.py --render`); the GPU page likewise.
+    results = tmp_path / folder
+    results.mkdir(parents=True)
+    for path in (ROOT / folder).glob("*.json"):
         shutil.copy(path, results / path.name)
-    assert render(results, tmp_path / "BENCHMARKS.md") == (ROOT / "BENCHMARKS.md").read_text()
+    assert render(results, tmp_path / page) == (ROOT / page).read_text()
+
+
+def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_only(tmp_path, capsys):
+    from bench.sections.gpu_checks import collect
+
+    out = tmp_path / "gpu"
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal").mkdir(parents=True)
+    (out / "runs" / "target-8b").mkdir(parents=True)
+    (out / "summary.txt").write_text("1b-bf16: exit 0 in 30 s\nrehearse-8b-pp4: exit 124 in 200 s\n")
+    pp1 = {"params": 10**9, "peak_mem_bytes": [40 * 10**9]}
+    (out / "results.json").write_text(json.dumps({
+        "1b-bf16": {**pp1, "tokens_per_s": 80000.0, "step_time_s": 0.2},
+        "1b-fp32": {**pp1, "tokens_per_s": 8000.0, "step_time_s": 2.0}, "rehearse-x": {}}))
+    (out / "loop-1b-bf16.json").write_text(json.dumps([1.0, 0.25, 0.25, 0.26]))
+    peak = {"params": 8e9, "grads": 8e9, "optimizer_state": 16e9, "activations_and_rest": 10e9, "total": 42e9}
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal" / "rank0.json").write_text(
+        json.dumps({"rank": 0, "peak_bytes": peak, "step_s": 0.9}))  # rank 1 never finished: no rehearsal.json
+    estimate = {"params": 9e9, "grads": 9e9, "optimizer": 18e9, "activations": 6e9, "total": 42e9}
+    (out / "runs" / "target-8b" / "plan.json").write_text(json.dumps([
+        {"schedule": "1f1b", "pp": 4, "dp": 2, "tp": 1, "dp_mode": "ddp", "microbatches": 4, "valid": True,
+         "memory_per_rank": [estimate]},
+        {"schedule": "gpipe", "pp": 4, "dp": 2, "tp": 1, "dp_mode": "ddp", "microbatches": 4, "valid": False}]))
+    _section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
+             machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda", "device_name": "1 x NVIDIA H100"})
+    text = render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
+    # MFU: 6 x 1e9 x 80000 over the H100's dense bf16 989.5 TFLOP/s (48.5%); fp32 over its 67.
+    assert "| 1b-bf16 | 0.200 | 80,000 | 49% | 10.00 | 40.0 |" in text
+    assert "| 1b-fp32 | 2.000 | 8,000 | 72% | 1.00 | 40.0 |" in text
+    assert "0.250 s a step; the runner's step is 0.80x it" in text
+    assert "| rehearse-8b-pp4 (partial) | 0 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.900 |" in text
+    assert "rank 0: `plan.target` estimates 42.0 GB (36.0 GB of weights" in text and "rehearsed 42.0 GB (32.0" in text
+    # On CPU it is skipped, and the CPU page never lists it as missing.
+    ctx = Context(parse_args(["--max-wait", "0", "--results", str(tmp_path / "cpu")]), tmp_path)
+    run_section("gpu_checks", ctx)
+    assert "gpu_checks: skipped, it runs on a GPU only" in capsys.readouterr().out
+    assert "gpu_checks" not in render(tmp_path / "empty", tmp_path / "BENCHMARKS.md")
 
 
 @pytest.mark.multiprocess
