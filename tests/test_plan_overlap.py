@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -161,3 +162,13 @@ def test_the_bench_table_compares_with_the_floor_and_the_papers_zb2p_and_zb1p():
             "| 28* |") in lines
     assert "- At 2x1f1b: within 1% of the paper's ZB-2p in 1 of 1 settings (at most +0.11%)." in lines
     assert "- At 1f1b: nothing faster than ZB-H1 in 1 of 1 settings." in lines
+
+
+def test_the_docs_table_is_the_bench_sections_rendering_of_the_committed_results():
+    from bench.sections.zb_overlap import table_lines
+
+    root = Path(__file__).resolve().parents[1]
+    rows = json.loads((root / "benchmarks" / "zb_overlap.json").read_text())["results"]["rows"]
+    table = table_lines(rows)
+    assert len(rows) == 24 and table[0].startswith("| model | p | m | limit |")
+    assert "\n".join(table[:2 + len(rows)]) in (root / "docs" / "schedules.md").read_text()

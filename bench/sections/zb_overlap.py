@@ -76,6 +76,10 @@ def paper_s(row: Mapping[str, Any]) -> float:
     return paper_step_s(key, (TABLE5_ZB2P if row["limit"] == "2x1f1b" else TABLE5_ZB1P)[key])
 
 
+def _pct(x: float) -> str:
+    return f"{0.0 if abs(x) < 5e-5 else x:+.2%}"  # no -0.00%
+
+
 def _origin(row: Mapping[str, Any]) -> str:
     kind = row["origin"].split("(")[0]
     return kind + (" + moves" if row["origin"].endswith("+ moves") else "")
@@ -89,7 +93,7 @@ def table_lines(rows: list[Mapping[str, Any]]) -> list[str]:
         lines.append("| " + " | ".join([
             r["model"], str(r["pp"]), str(r["microbatches"]), r["limit"], f"{r['floor_s'] * 1e3:.1f}",
             f"{r['zbh1_s'] * 1e3:.1f}", f"{r['zbh2_s'] * 1e3:.1f}", f"{r['step_s'] * 1e3:.1f}",
-            f"{r['step_s'] / r['floor_s'] - 1:+.2%}", f"{paper_s(r) * 1e3:.1f}", f"{r['step_s'] / paper_s(r) - 1:+.2%}",
+            _pct(r["step_s"] / r["floor_s"] - 1), f"{paper_s(r) * 1e3:.1f}", _pct(r["step_s"] / paper_s(r) - 1),
             _origin(r), str(r["budget"]), f"{r['seconds']:.0f}{'*' if r.get('under_load') else ''}"]) + " |")
     two = [r for r in rows if r["limit"] == "2x1f1b"]
     near = [r for r in two if r["step_s"] <= 1.01 * paper_s(r)]
