@@ -45,10 +45,10 @@ class Rounds:
 
 def round_variants(p: Problem) -> list[Rounds]:
     """The round schedules worth trying for ``p``: none where it has several stages on a rank or
-    cannot split a backward (stage 0 splits only where it has I and W costs)."""
-    if p.num_stages != p.pp or not p.splits:
+    cannot split a backward (stage 0 splits where it has I and W costs, keeps B where it has B's)."""
+    if sorted(p.stage_to_rank.values()) != list(range(p.num_stages)) or not p.splits:
         return []
-    splits_first = [True, False] if all((0, k) in p.costs for k in "IW") else [False]
+    splits_first = [True] * all((0, k) in p.costs for k in "IW") + [False] * ((0, "B") in p.costs)
     return [Rounds(early, eager, first, fewer) for fewer, early, eager, first
             in product((0, 1, 2), (True, False), (True, False), splits_first)]
 
@@ -147,7 +147,7 @@ class _Builder:
 
     def run(self) -> Order | None:
         p, n, m = self.p, self.p.num_stages, self.p.microbatches
-        if p.weight(0) > self.limit or any(p.weight(s) > self.limit for s in range(n)):
+        if any(p.weight(s) > self.limit for s in range(n)):
             return None
         warm = self.warm_up()
         for k in range(max(warm)):
