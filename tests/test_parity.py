@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from runner.outputs.timeline import write_schedule_csv
+from runner.pipeline.ops import Op
 from runner.pipeline.schedule import placement, schedule_order
+from runner.plan.rounds import Rounds, round_schedule
 from runner.plan.synthesize import Problem, synthesize
 
 from helpers.config import EXAMPLES, TINY, resolved
@@ -61,7 +63,8 @@ SYNTHESIZED = [("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3
 # schedule.csv (replay-*) must reproduce the run.
 DOUBLE_STEP = "double-step-on-rank-1-at-step-2"
 PP2_CASES = [*SCHEDULES, *(f"csv-{csv}" for csv in CSV_FILES), *(f"torch-{name}" for name in TORCH_FILES),
-             "explicit-split", *(name for name, *_ in SYNTHESIZED), *(f"replay-{name}" for name in SCHEDULES)]
+             "explicit-split", *(name for name, *_ in SYNTHESIZED), "rounds",
+             *(f"replay-{name}" for name in SCHEDULES)]
 
 
 def _long_runs(*overrides: str) -> dict[str, list[str]]:
@@ -98,6 +101,13 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
         assert {op.kind for ops in found.order.values() for op in ops} == set("FBIW"), name
         write_schedule_csv(out / f"{name}.csv", found.order)
         cases[name] = ["schedule=csv", f"schedule.csv={out / f'{name}.csv'}", *PP2]
+    # A round schedule, what the search without the barrier starts from: stage 0 splits its backward
+    # too (I then W), rank 1 puts all its Ws off to the end.
+    rounds = round_schedule(Problem(4, placement("1f1b", 2, 2), synthetic_costs(2, 1.0), comm_s=0.1, barrier=False),
+                            Rounds(early_stop=True, eager_w=True, split_first=True))
+    assert rounds is not None and Op(0, "I", 0) in rounds[0] and rounds[1][-4:] == [Op(1, "W", i) for i in range(4)]
+    write_schedule_csv(out / "rounds.csv", rounds)
+    cases["rounds"] = ["schedule=csv", f"schedule.csv={out / 'rounds.csv'}", *PP2]
     cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
     cases["verify-catches-dropout"] = ["model=mlp", "model._target_=helpers.models.dropout_mlp", "verify=true",

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
-           "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span"]
+           "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -73,20 +73,9 @@ def _ready(op: Op, rank: int, end: Mapping[tuple, float], rank_of: Mapping[int, 
     return None if grad is None else max(ready, grad + (comm_s if rank_of[s + 1] != rank else 0.0))
 
 
-def simulate(
-    order: Mapping[int, Sequence[Op]],
-    costs: Mapping[tuple[int, str], float] | Mapping[str, float],
-    *,
-    num_stages: int,
-    comm_s: float = 0.0,
-    jitter: float = 0.0,
-    seed: int = 0,
-    ends_only: bool = False,
-) -> list[SimAction]:
-    """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
-    ``jitter`` > 0 each action's time is drawn around its cost (``_cost_of``). ``ends_only``: just
-    the action that ends last (what the search scores; building every action costs it half its time)."""
-    cost = _cost_of(costs, jitter, seed)
+def _replay(order: Mapping[int, Sequence[Op]], cost, num_stages: int, comm_s: float
+            ) -> tuple[dict[tuple, float], dict[Op, tuple[int, float]]]:
+    """Each action's end, and its rank and start: the ranks in the given orders."""
     rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
     position = {rank: 0 for rank in order}
     free_at = {rank: 0.0 for rank in order}
@@ -110,11 +99,34 @@ def simulate(
         if not progressed:
             stuck = {r: ops[position[r]].name for r, ops in order.items() if position[r] < len(ops)}
             raise ValueError(f"the schedule cannot progress: ranks wait at {stuck}")
-    if ends_only:
-        final = max(placed, key=end.__getitem__)
-        return [SimAction(placed[final][0], final, placed[final][1], end[final])]
+    return end, placed
+
+
+def simulate(
+    order: Mapping[int, Sequence[Op]],
+    costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+    *,
+    num_stages: int,
+    comm_s: float = 0.0,
+    jitter: float = 0.0,
+    seed: int = 0,
+) -> list[SimAction]:
+    """Replay per-rank action orders. ``costs`` maps (stage, kind) or kind to seconds. With
+    ``jitter`` > 0 each action's time is drawn around its cost (``_cost_of``)."""
+    end, placed = _replay(order, _cost_of(costs, jitter, seed), num_stages, comm_s)
     done = [SimAction(rank, op, begin, end[op]) for op, (rank, begin) in placed.items()]
     return sorted(done, key=lambda a: (a.rank, a.start))
+
+
+def simulated_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *, num_stages: int,
+                   comm_s: float = 0.0, barrier: bool = True) -> float:
+    """What the search scores, without building the timeline (at p = 32 that is half a replay's
+    time): with the barrier the makespan, without it the longest rank's span (``rank_span``; a
+    rank runs its actions in order, so its span is its first action's start to its last's end)."""
+    end, placed = _replay(order, _cost_of(costs, 0.0, 0), num_stages, comm_s)
+    if barrier:
+        return max(end.values())
+    return max(end[ops[-1]] - placed[ops[0]][1] for ops in order.values() if ops)
 
 
 def expected_makespan(

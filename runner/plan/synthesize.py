@@ -1,7 +1,8 @@
 """Schedule synthesis: a per-rank action order for measured stage costs, a stage placement and a
 memory budget, found by a search that the simulator scores.
 
-The search starts from the built-in schedules' orders for the placement and from list schedules
+The search starts from the built-in schedules' orders for the placement, without the barrier from
+round schedules (``runner.plan.rounds``: the paper's ZB-2p in spirit), and from list schedules
 built with the zero-bubble heuristics (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"):
 forwards while memory allows, a backward as soon as its gradient arrives, the weight gradients
 (W) of a split backward into the slots where the rank would otherwise wait. It then improves the
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from runner.pipeline.ops import Op
-from runner.pipeline.simulate import peak_in_flight, rank_span, simulate
+from runner.pipeline.simulate import peak_in_flight, simulated_step
 from runner.plan.list_schedule import Policy, list_schedule, policies
 from runner.plan.problem import Order, Problem, lower_bound
+from runner.plan.rounds import round_schedule, round_variants
 
 __all__ = ["Problem", "Policy", "Synthesis", "lower_bound", "list_schedule", "synthesize"]
 
@@ -104,23 +106,23 @@ class Synthesis:
 def _score(p: Problem, order: Order) -> tuple[float, float] | None:
     """(step, peak held per rank): None when the order cannot run or exceeds the budget. The step is
     the makespan with the barrier, the longest rank's span without it (``Problem.barrier``)."""
-    try:
-        actions = simulate(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, ends_only=p.barrier)
-    except ValueError:
-        return None
     weights = dict(p.stage_bytes) if p.stage_bytes is not None else None
     peak = max(peak_in_flight(order, weights, p.weight_grad_fraction).values())
     if p.memory_limit is not None and peak > p.memory_limit * (1 + 1e-9):  # sums of fractions round
+        return None  # (checked first: a replay costs several times more)
+    try:
+        step = simulated_step(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, barrier=p.barrier)
+    except ValueError:
         return None
-    return (max(a.end for a in actions) if p.barrier else rank_span(actions)), peak
+    return step, peak
 
 
 def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, seed: int | str = 0,
                check: Callable[[Order], None] | None = None) -> Synthesis | None:
-    """The fastest order found among ``budget`` evaluated ones (seeds, then about half the budget
-    in list schedules, then local moves from the best). ``check`` raises on an order the runtime
-    would refuse (the planner passes torch's dry run of the CSV); a new best must pass it. None
-    when no order fits the budget."""
+    """The fastest order found among ``budget`` evaluated ones (seeds, without the barrier round
+    schedules, then list schedules up to about half the budget, then local moves from the best).
+    ``check`` raises on an order the runtime would refuse (the planner passes torch's dry run of
+    the CSV); a new best must pass it. None when no order fits the budget."""
     started = time.perf_counter()
     rng = random.Random(seed)
     stats = {"evaluated": 0, "rejected": 0, "moves": 0}
@@ -143,7 +145,11 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
 
     for name, order in seeds.items():
         consider(order, name)
-    for policy in policies(p, rng, budget // 2 - len(seeds)):
+    # Where steps overlap, round schedules too (the paper's ZB-2p in spirit); with the barrier none.
+    variants = round_variants(p) if not p.barrier else []
+    for variant in variants:
+        consider(round_schedule(p, variant), variant.describe())
+    for policy in policies(p, rng, budget // 2 - len(seeds) - len(variants)):
         consider(list_schedule(p, policy, rng), policy.describe())
     if not best:
         return None
