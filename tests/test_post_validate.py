@@ -136,17 +136,29 @@ def test_post_validation_at_pp4_and_with_ddp_and_fsdp_at_dp2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_rank_dying_while_its_peer_waits_in_the_overlapped_reduction_ends_the_job_in_bounded_time(tmp_path):
+@pytest.mark.parametrize("mode,fault,lines,symptom", [
     # 1F1B at pp=2: rank 1 (the last stage) finishes its backward first, steps AdamW and waits in the
     # reduction for rank 0, which is killed once its own backward is done.
+    ("post_validate", "kill-after-backward:0:3", [1, 2], "SIGKILL"),
+    # deferred: rank 1 runs into step 4 and waits for rank 0's activations; step 2 was to be validated
+    # (and its line written) during step 3, after the backward rank 0 did not survive.
+    ("deferred", "kill-after-backward:0:3", [1], "SIGKILL"),
+    # deferred: rank 1 raises as step 3 begins, with step 2's update applied and not yet validated.
+    ("deferred", "raise:1:3", [1], "injected fault on rank 1 at step 3"),
+], ids=["post_validate-kill", "deferred-kill", "deferred-raise"])
+def test_a_rank_dying_while_its_peer_waits_in_the_overlapped_reduction_ends_the_job_in_bounded_time(
+        tmp_path, mode, fault, lines, symptom):
     run_dir = tmp_path / "run"
-    proc = start_cli(*TINY, *PP2, "train.steps=50", "train.optimizer_sync=post_validate", "launch.timeout_s=10",
-                     "launch.grace_s=5", f"hydra.run.dir={run_dir}", env={"RUNNER_FAULT": "kill-after-backward:0:3"})
+    proc = start_cli(*TINY, *PP2, "train.steps=50", f"train.optimizer_sync={mode}", "launch.timeout_s=10",
+                     "launch.grace_s=5", f"hydra.run.dir={run_dir}", env={"RUNNER_FAULT": fault})
     began = time.monotonic()
     _, err = proc.communicate(timeout=100)
     assert time.monotonic() - began < 60  # startup, two steps, then launch.timeout_s + launch.grace_s at most
-    assert proc.returncode == 3 and "rank 0" in err and "SIGKILL" in err, err
-    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+    failing = fault.split(":")[1]
+    assert proc.returncode == 3 and f"rank {failing}" in err and symptom in err, err
+    if fault.startswith("raise"):
+        assert "Traceback" in err  # the root cause, with its traceback
+    assert [m["step"] for m in _metrics(run_dir)] == lines
 
 
 # -- in-process ------------------------------------------------------------------------------------
