@@ -91,6 +91,9 @@ def _assert_same_run(out: Path, records: dict[str, dict], name: str, clip: float
             for key, value in tensors.items():
                 assert torch.equal(final[mode][kind][key], value), (name, mode, kind, key)
     assert "post_validate" not in barrier["summary"]
+    # With the barrier no rank begins a step before every rank has ended the one before.
+    assert barrier["summary"]["bubble"]["steady"]["overlapped_steps"] == 0
+    assert 0 <= records[f"{name}-deferred"]["summary"]["bubble"]["steady"]["overlapped_steps"] <= 2
 
 
 def _assert_same_refusal(records: dict[str, dict], name: str) -> None:
@@ -281,7 +284,8 @@ def test_deferred_validates_each_step_during_the_next_and_commits_what_the_barri
         assert points.seen.count(("begin", step + 1)) == 1 + clipped[step - 1], (step, points.seen)
     assert report["reruns"] >= 1, clipped
     for step in (4, 8):
-        a, b = (read_model_tensors(tmp_path / mode / "checkpoints" / f"step-{step}") for mode in ("barrier", "deferred"))
+        a, b = (read_model_tensors(tmp_path / mode / "checkpoints" / f"step-{step}")
+                for mode in ("barrier", "deferred"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
     assert all(torch.equal(a, b) for a, b in zip(_state(barrier.params, barrier.optimizer),
                                                  _state(deferred.params, deferred.optimizer)))
