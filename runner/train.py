@@ -4,7 +4,9 @@
   resume from, the profiler, the metrics and loggers (rank 0);
 * ``step``: one optimizer step: data → pipelined forward and backward → the loss and global
   gradient norm over all ranks → clip → AdamW (``train.optimizer_sync=post_validate``: AdamW while
-  that reduction runs, validated after it, undone and redone clipped where it had to be);
+  that reduction runs, validated after it, undone and redone clipped where it had to be;
+  ``deferred``: validated during the next step, after its forward and backward, which run again
+  where the validation redid the update);
 * ``evaluate``: held-out loss, forward only, every ``eval.every`` steps;
 * ``checkpoint``: every ``checkpoint.every`` steps (in the background with ``checkpoint.async_save``:
   the loop's end waits for the last);
