@@ -337,9 +337,8 @@ class Trainer:
     def _commits(self, step: int) -> bool:
         """Whether step ``step``'s results are committed at its end (the run's last step, an
         evaluation, a checkpoint, a step ``verify`` compares): ``deferred`` validates it there."""
-        every = self.resolved.checkpoint.every
         verified = self.resolved.verify and step <= self.first_step + self.resolved.verify_steps + 1
-        return step == self.resolved.steps or self.evaluation_due(step) or bool(every and step % every == 0) or verified
+        return step == self.resolved.steps or self.evaluation_due(step) or self.checkpointer.due(step) or verified
 
     def _validated_record(self, state: StepState, lr: float, step_time: float) -> dict:
         assert state.loss is not None and state.grad_norm is not None  # reduced by the update
