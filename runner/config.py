@@ -129,7 +129,8 @@ class PlanConfig(TargetPlanConfig):
     search_budget: int = 200  # orders evaluated per searched layout: bounds the search, not the clock
     # false: score schedules as if steps overlapped (the Zero Bubble paper's post-validation; its
     # measure: the longest rank's span within a step, floor m(F+B+W)). Plans from a costs file only:
-    # runs keep the barrier (train.optimizer_sync=post_validate still waits before the next step).
+    # plans of this host or a target keep the barrier (a run's steps overlap with
+    # train.optimizer_sync=deferred: its summary's bubble.steady measures them).
     barrier: bool = True
     search_seed: int = 0
     # Also plan every other parallel.pp x parallel.dp x parallel.tp of the same number of ranks

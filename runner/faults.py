@@ -5,7 +5,8 @@ them: the training step meets them as a hook, a checkpoint's save as its ``befor
 ``RUNNER_FAULT=<what>:<rank>:<step>`` with ``what`` one of ``raise`` (an exception), ``kill``
 (SIGKILL), ``kill-after-backward`` (SIGKILL once the rank's forward and backward are done, before it
 adds its share to the step's loss and norm: its peers wait in that reduction, under
-``train.optimizer_sync=post_validate`` with their update applied), ``stall`` (sleep far past the
+``train.optimizer_sync=post_validate`` with their update applied; under ``deferred`` with the previous
+step's update applied and not yet validated), ``stall`` (sleep far past the
 collective timeout), ``sigstop`` (SIGSTOP in the middle of
 the rank's first action of the step, inside its first stage's forward, where its tp peers then wait
 in that action's collectives), ``nan`` (a non-finite loss), ``nangrad`` (a finite loss with a

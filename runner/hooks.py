@@ -67,7 +67,9 @@ class Hook:
     def after_reduce(self, ctx: StepContext, state: StepState) -> None:
         """The step's loss and norm known and finite; gradients not yet clipped. Not yet applied
         under ``train.optimizer_sync=barrier``; under ``post_validate`` the unclipped update
-        already is (docs/optimizer-sync.md)."""
+        already is (docs/optimizer-sync.md). Under ``deferred``, step k's ``after_reduce``,
+        ``after_clip`` and ``after_step`` run during step k+1, after its ``begin_step`` and
+        ``after_backward``, with step k's gradients in place."""
 
     def after_clip(self, ctx: StepContext, state: StepState) -> None:
         """Gradients clipped to ``train.grad_clip``; the optimizer has not stepped (under

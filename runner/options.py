@@ -56,6 +56,7 @@ class ActivationCheckpointing(Choice):
 class OptimizerSync(Choice):
     barrier = "barrier"  # every rank waits for the step's loss and global norm, then clips and steps
     post_validate = "post_validate"  # each rank steps at once; the global checks validate it afterwards
+    deferred = "deferred"  # as post_validate, validated during the next step (redone and that step rerun if wrong)
 
 
 class LRSchedule(Choice):

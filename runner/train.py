@@ -4,7 +4,9 @@
   resume from, the profiler, the metrics and loggers (rank 0);
 * ``step``: one optimizer step: data → pipelined forward and backward → the loss and global
   gradient norm over all ranks → clip → AdamW (``train.optimizer_sync=post_validate``: AdamW while
-  that reduction runs, validated after it, undone and redone clipped where it had to be);
+  that reduction runs, validated after it, undone and redone clipped where it had to be;
+  ``deferred``: validated during the next step, after its forward and backward, which run again
+  where the validation redid the update);
 * ``evaluate``: held-out loss, forward only, every ``eval.every`` steps;
 * ``checkpoint``: every ``checkpoint.every`` steps (in the background with ``checkpoint.async_save``:
   the loop's end waits for the last);
@@ -165,10 +167,42 @@ class PostValidation:
     rollbacks: int = 0
     snapshot_s: float = 0.0
     rollback_s: float = 0.0
+    reruns: int = 0  # deferred: steps whose forward and backward ran again after the previous one's rollback
 
     def report(self) -> dict:
         return {"snapshot_bytes": self.snapshot.nbytes(), "params": self.snapshot.numel(),
-                "rollbacks": self.rollbacks, "snapshot_s": self.snapshot_s, "rollback_s": self.rollback_s}
+                "rollbacks": self.rollbacks, "snapshot_s": self.snapshot_s, "rollback_s": self.rollback_s,
+                "reruns": self.reruns}
+
+
+@dataclass
+class Pending:
+    """``train.optimizer_sync=deferred``: a step whose update is applied and not yet validated, with
+    its reduction's wait and its gradients (the next step's backward makes new ones), which its
+    hooks and a redo need; its learning rate and time, for its record."""
+
+    state: StepState
+    wait: Callable[[], tuple[float, float]]
+    grads: list[torch.Tensor | None]
+    lr: float = 0.0
+    step_time: float = 0.0
+
+
+def _set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state a forward and backward draws from (dropout): a rerun draws the same."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> None:
+    assert state is not None
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class Trainer:
@@ -191,6 +225,7 @@ class Trainer:
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
+        self.pending: Pending | None = None  # deferred: the step applied, validated in the next one
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -212,7 +247,7 @@ class Trainer:
         embeddings = {id(named[n]) for n in self.tied.embedding_names if n in named}
         self.optimizer, self.scheduler = build_optimizer(self.modules, t, embeddings=embeddings)
         self.post_validate = (PostValidation(UpdateSnapshot(self.optimizer))
-                              if t.optimizer_sync == OptimizerSync.post_validate else None)
+                              if t.optimizer_sync != OptimizerSync.barrier else None)
         self.checkpointer = Checkpointer(resolved.checkpoint, self.run_dir, env, self.modules, self.optimizer,
                                          self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
@@ -234,39 +269,100 @@ class Trainer:
         for hook in self.hooks:
             getattr(hook, point)(self.context, state)
 
-    def step(self, index: int) -> dict:
+    def step(self, index: int) -> list[dict]:
         """Optimizer step ``index + 1`` (``index``, from 0, is the position in the LR schedule; the
-        dataset is asked for step ``index + 1``'s batch); returns its record for metrics.jsonl."""
+        dataset is asked for step ``index + 1``'s batch). Returns the records (for metrics.jsonl) of
+        the steps validated during the call: this step's, and under ``train.optimizer_sync=deferred``
+        the previous step's, validated after this step's forward and backward, before its update
+        (``_validate_pending``); this step's own then waits for the next call, unless its results
+        are committed at its end (``_commits``)."""
         resolved, env = self.resolved, self.env
         beat(f"began step {index + 1}")
         state = StepState(step=index + 1, first=index == self.first_step,
                           batch=get_batch(self.data, index + 1, resolved.batch_size, resolved.seq_len))
-        inputs, targets, kwargs = _replica_share(state.batch, self.mesh, env.device)
+        batch = _replica_share(state.batch, self.mesh, env.device)
         self.profiler.begin_step(index - self.first_step)
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._call("begin_step", state)
-        with self.profiler.recorder.pipeline_step(state.step):
-            state.local_loss = self.step_fn(inputs, targets, **kwargs)
-        self._call("after_backward", state)
-        self.tied.sync_grads()  # between the ranks holding a tied weight's copies: blocks (docs/optimizer-sync.md)
+        rng = _rng_state(env.device) if self.pending is not None else None
+        self._forward_backward(state, batch)
+        done = []
+        if self.pending is not None:
+            record, redone = self._validate_pending()
+            done.append(record)
+            if redone:  # this step's gradients were computed on the weights the redo replaced
+                self.profiler.recorder.discard(state.step)
+                _set_rng_state(rng, env.device)  # the same dropout masks as the barrier's one pass
+                self._forward_backward(state, batch)
         lr = self.scheduler.get_last_lr()[0]
-        if self.post_validate is not None:
-            self._update_post_validated(state)
-        else:
-            self._update(state)
-        self.scheduler.step()
-        self._call("after_step", state)
+        validated = self._apply_update(state)
+        if validated:
+            self.scheduler.step()
+            self._call("after_step", state)
         step_time = time.perf_counter() - start
         self.profiler.end_step()
         self.step_times.append(step_time)
         if state.first:
             self.clock.mark("first_step")  # with shape inference (and compilation)
             self.clock.say("first step done")
-        assert state.loss is not None  # reduced by the update
+        if validated:
+            done.append(self._validated_record(state, lr, step_time))
+        else:
+            assert self.pending is not None
+            self.pending.lr, self.pending.step_time = lr, step_time
+        return done
+
+    def _forward_backward(self, state: StepState, batch: Batch) -> None:
+        """The step's pipelined forward and backward, with its hooks, and the tied weights' gradient sum."""
+        inputs, targets, kwargs = batch
+        self.optimizer.zero_grad(set_to_none=True)
+        self._call("begin_step", state)
+        with self.profiler.recorder.pipeline_step(state.step):
+            state.local_loss = self.step_fn(inputs, targets, **kwargs)
+        self._call("after_backward", state)
+        self.tied.sync_grads()  # between the ranks holding a tied weight's copies: blocks (docs/optimizer-sync.md)
+
+    def _apply_update(self, state: StepState) -> bool:
+        """The step's update, as ``train.optimizer_sync`` says; False where it stands unvalidated
+        (``deferred``: in ``self.pending`` until the next step validates it)."""
+        if self.post_validate is None:
+            self._update(state)
+            return True
+        wait = self._speculate(state)
+        if self.resolved.train.optimizer_sync == OptimizerSync.post_validate or self._commits(state.step):
+            self._validate(state, wait)
+            return True
+        self.pending = Pending(state, wait, grads=[p.grad for p in self.params])
+        return False
+
+    def _commits(self, step: int) -> bool:
+        """Whether step ``step``'s results are committed at its end (the run's last step, an
+        evaluation, a checkpoint, a step ``verify`` compares): ``deferred`` validates it there."""
+        verified = self.resolved.verify and step <= self.first_step + self.resolved.verify_steps + 1
+        return step == self.resolved.steps or self.evaluation_due(step) or self.checkpointer.due(step) or verified
+
+    def _validated_record(self, state: StepState, lr: float, step_time: float) -> dict:
+        assert state.loss is not None and state.grad_norm is not None  # reduced by the update
         self.losses.append(state.loss)
         return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm,
-                "step_time_s": step_time, "tokens_per_s": resolved.tokens_per_step / step_time}
+                "step_time_s": step_time, "tokens_per_s": self.resolved.tokens_per_step / step_time}
+
+    def _validate_pending(self) -> tuple[dict, bool]:
+        """``deferred``: the previous step's reduction waited for and its update validated, with its
+        own gradients in place for its hooks and a redo; then its LR schedule step and its record.
+        True where its update was redone (clipped): this step's forward and backward must run again."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        current = [p.grad for p in self.params]
+        _set_grads(self.params, pending.grads)
+        redone = self._validate(pending.state, pending.wait)
+        self.scheduler.step()
+        self._call("after_step", pending.state)
+        if redone:
+            assert self.post_validate is not None
+            self.post_validate.reruns += 1
+        else:
+            _set_grads(self.params, current)
+        return self._validated_record(pending.state, pending.lr, pending.step_time), redone
 
     def _check_finite(self, state: StepState) -> None:
         # Every rank sees the same reduced values: all stop at this step, before the optimizer's
@@ -286,11 +382,9 @@ class Trainer:
         self._call("after_clip", state)
         self.optimizer.step()
 
-    def _update_post_validated(self, state: StepState) -> None:
-        """``train.optimizer_sync=post_validate``: the reduction started, AdamW stepped unclipped while
-        it runs, then the step validated against it: one whose norm needed clipping is undone and
-        redone clipped, a non-finite one undone and refused (``_check_finite``). The hooks'
-        ``after_reduce`` and (unclipped) ``after_clip`` come after the update."""
+    def _speculate(self, state: StepState) -> Callable[[], tuple[float, float]]:
+        """``post_validate`` and ``deferred``: the reduction started, a snapshot of what AdamW changes
+        taken, and AdamW stepped unclipped while the reduction runs; returns the wait for it."""
         stats = self.post_validate
         assert stats is not None
         wait = start_reduce(state.local_loss, self.norm_params, self.env, self.mesh)  # started before the update
@@ -298,6 +392,14 @@ class Trainer:
         stats.snapshot.take()
         stats.snapshot_s += time.perf_counter() - began
         self.optimizer.step()  # as if no clip were needed and every value finite
+        return wait
+
+    def _validate(self, state: StepState, wait: Callable[[], tuple[float, float]]) -> bool:
+        """The speculative update checked against the reduction: a step whose norm needed clipping is
+        undone and redone clipped (True), a non-finite one undone and refused (``_check_finite``).
+        The hooks' ``after_reduce`` and (unclipped) ``after_clip`` come after the update."""
+        stats = self.post_validate
+        assert stats is not None
         state.loss, state.grad_norm = wait()
         if not (math.isfinite(state.loss) and math.isfinite(state.grad_norm)):
             stats.snapshot.restore()  # the parameters as the barrier leaves them when it stops
@@ -305,7 +407,7 @@ class Trainer:
         self._call("after_reduce", state)
         if clip_coefficient(self.resolved.train.grad_clip, state.grad_norm) == 1.0:
             self._call("after_clip", state)
-            return
+            return False
         began = time.perf_counter()
         stats.snapshot.restore()
         clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
@@ -313,6 +415,7 @@ class Trainer:
         self.optimizer.step()
         stats.rollbacks += 1
         stats.rollback_s += time.perf_counter() - began
+        return True
 
     # -- evaluate --------------------------------------------------------------------------------
     def evaluation_due(self, step: int) -> bool:
@@ -351,18 +454,23 @@ class Trainer:
                     f"loss {record['loss']:.4f} lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} "
                     f"{record['step_time_s'] * 1e3:.1f} ms{val}")
 
+    def _commit(self, record: dict) -> None:
+        """A validated step's evaluation (when due), metrics line and checkpoint (when due)."""
+        if self.evaluation_due(record["step"]):
+            beat(f"evaluating after step {record['step']}")
+            record["val_loss"] = self.evaluate()
+            self.val_losses.append((record["step"], record["val_loss"]))
+        self._record(record)
+        self.checkpoint(record["step"])
+
     def run(self) -> TrainResult:
         self.setup()
         try:
             for index in range(self.first_step, self.resolved.steps):
                 raise_if_stopped()
-                record = self.step(index)
-                if self.evaluation_due(record["step"]):
-                    beat(f"evaluating after step {record['step']}")
-                    record["val_loss"] = self.evaluate()
-                    self.val_losses.append((record["step"], record["val_loss"]))
-                self._record(record)
-                self.checkpoint(record["step"])
+                for record in self.step(index):  # deferred: the last step, and any evaluated or saved, at its end
+                    self._commit(record)
+            assert self.pending is None  # the last step is validated at its end
             self.checkpointer.wait()  # the last asynchronous save, committed
         except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
             if self.metrics:

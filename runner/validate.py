@@ -225,13 +225,13 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
 
 def _check_optimizer_sync(cfg: DictConfig, *, verify: bool, resume: Path | None) -> None:
     """``verify`` reads a resumed run's AdamW state when the first step's norm is known: under
-    ``post_validate`` the update has been applied by then."""
-    if verify and resume is not None and cfg.train.optimizer_sync == OptimizerSync.post_validate:
+    ``post_validate`` and ``deferred`` the update has been applied by then."""
+    if verify and resume is not None and cfg.train.optimizer_sync != OptimizerSync.barrier:
         raise ConfigError(f"train.optimizer_sync={cfg.train.optimizer_sync} with verify=true and checkpoint.resume="
                           f"{cfg.checkpoint.resume}: verify reads the resumed AdamW state before the first update, "
-                          "which post_validate has already applied when the step's norm arrives. Fix: "
-                          "train.optimizer_sync=barrier for the verified run (post_validate trains bit-identically "
-                          "to it), or verify=false.")
+                          f"which {cfg.train.optimizer_sync} has already applied when the step's norm arrives. Fix: "
+                          f"train.optimizer_sync=barrier for the verified run ({cfg.train.optimizer_sync} trains "
+                          "bit-identically to it), or verify=false.")
 
 
 def validate(cfg: DictConfig, run_dir: Path | None = None, *,

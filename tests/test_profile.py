@@ -17,13 +17,21 @@ from runner.outputs.timeline import (
     measured_slices,
     plot_schedule,
     simulated_slices,
+    steady_bubble,
     write_chrome_trace,
 )
 from runner.pipeline.ops import Op
 from runner.pipeline.recorder import Action, StepSpan
 from runner.pipeline.registry import theoretical_bubble
 from runner.pipeline.schedule import SCHEDULES, schedule_order
-from runner.pipeline.simulate import UNIT_COSTS, bubble_fractions, expected_makespan, simulate
+from runner.pipeline.simulate import (
+    UNIT_COSTS,
+    bubble_fractions,
+    expected_makespan,
+    repeat_steps,
+    simulate,
+    steady_step,
+)
 
 
 def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():
@@ -124,6 +132,38 @@ def test_measured_bubble_counts_a_rank_that_returns_early_as_idle_until_the_pipe
     actions = {0: [Action(1, Op(0, "F", 0), 0, 4), Action(1, Op(0, "B", 0), 6, 10)],
                1: [Action(1, Op(1, "F", 0), 4, 5), Action(1, Op(1, "B", 0), 5, 6)]}
     assert measured_bubble(actions, spans) == pytest.approx([0.2, 0.8])
+
+
+def test_the_steady_bubble_counts_overlapping_steps_once():
+    # Rank 0 computes [10(k-1), 10k) in step k; rank 1 [10(k-1) + 5, 10k + 5): it is still in step k
+    # when rank 0 begins step k + 1 (train.optimizer_sync=deferred). Both compute all the time: the
+    # steady step is 10 with no bubble, where summing each step's span (15) counts 5 of it twice.
+    actions = {r: [Action(k, Op(r, "F", 0), 10 * (k - 1) + 5 * r, 10 * k + 5 * r) for k in (1, 2, 3)] for r in (0, 1)}
+    spans = {r: [StepSpan(a.step, a.start_ns, a.end_ns) for a in acts] for r, acts in actions.items()}
+    assert steady_bubble(actions, spans) == (10.0, [0.0, 0.0], 2)
+    assert measured_bubble(actions, spans) == pytest.approx([1 / 3, 1 / 3])
+    # Rank 1 computing half of each step: half its steady step idle.
+    halves = {0: actions[0], 1: [Action(a.step, a.op, a.start_ns, a.start_ns + 5) for a in actions[1]]}
+    assert steady_bubble(halves, spans) == (10.0, [0.0, 0.5], 2)
+    assert steady_bubble(actions, {r: v[:1] for r, v in spans.items()}) is None  # one step: no steady state
+    assert steady_bubble(actions, {r: [v[0], v[2]] for r, v in spans.items()}) is None  # not consecutive
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbh1", "zbh2"])
+def test_the_steady_bubble_of_a_simulated_timeline_is_the_simulators_steady_step(name):
+    # Five steps back to back at p=4, m=8 without the barrier, recorded as the recorder would.
+    costs, m, n = {"F": 1.0, "B": 1.5, "I": 1.0, "W": 0.5}, 8, 5
+    order = schedule_order(name, 4, m, 1)
+    actions: dict[int, list[Action]] = {}
+    for a in simulate(repeat_steps(order, n), costs, num_stages=4):
+        step = a.op.microbatch // m + 1
+        actions.setdefault(a.rank, []).append(Action(step, a.op, round(a.start * 1e3), round(a.end * 1e3)))
+    spans = {r: [StepSpan(k, min(a.start_ns for a in acts if a.step == k), max(a.end_ns for a in acts if a.step == k))
+                 for k in range(1, n + 1)] for r, acts in actions.items()}
+    period, per_rank, _ = steady_bubble(actions, spans)
+    step, bubbles = steady_step(order, costs, num_stages=4)
+    assert period == pytest.approx(step * 1e3) and per_rank == pytest.approx(list(bubbles.values()))
+    assert step == {"1f1b": 27.5, "zbh1": 24.5, "zbh2": 23.0}[name]  # m(F+B) + 3(F+B), ...; floor 20
 
 
 def test_tp_collectives_are_read_from_the_trace_paired_by_thread_and_put_on_the_recorders_clock(tmp_path):

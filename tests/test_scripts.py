@@ -334,3 +334,27 @@ def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_
     assert ("faster than 1 of 3 built-ins in every round, slower than 1f1b/4 in every round; against the other 1 the "
             "rounds disagree") in text
     assert "### equal, pp=2" in text and "Not measured: the plan failed." in text
+
+
+def test_bench_optimizer_sync_section_reports_each_mode_against_the_barrier_and_the_simulator(tmp_path):
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+
+    def run(step, steady_step, overlapped):
+        return {"steady_s": step, "bubble_per_step": 0.2, "simulated_barrier_step_s": 2.3, "post_validate": None,
+                "steady": {"step_s": steady_step, "per_rank": [0.1, 0.3], "mean": 0.2, "overlapped_steps": overlapped,
+                           "simulated_step_s": 2.0, "floor_s": 1.6}}
+
+    rounds = [{"repeat": 0, "under_load": True,
+               "runs": {"barrier": run(2.5, 2.5, 0), "post_validate": run(2.4, 2.4, 0), "deferred": run(2.2, 2.2, 3)}},
+              {"repeat": 1, "under_load": False,
+               "runs": {"barrier": run(2.0, 2.0, 0), "post_validate": {"error": "RunnerError: x"},
+                        "deferred": run(1.9, 1.9, 4)}}]
+    _section(results, "optimizer_sync", {"layout": ["schedule=zbh2", "parallel.pp=4", "parallel.microbatches=8",
+                                                    "train.grad_clip=0"], "steps": 12, "rounds": rounds})
+    text = render(results, out)
+    assert "## The optimizer step without the barrier" in text
+    assert "| 0* | deferred | 2200 | 0.880 | 2200 | 0.200 | 3 | 2000 | 1600 | 1.10 |" in text
+    assert "| 1 | barrier | 2000 | 1 | 2000 | 0.200 | 0 | 2000 | 1600 | 1.00 |" in text
+    assert "| 1 | post_validate | failed: RunnerError: x |" in text
+    assert "- `deferred` over `barrier`, step time: 0.880, 0.950 (median 0.915)." in text
+    assert "- `post_validate` over `barrier`, step time: 0.960 (median 0.960)." in text

@@ -102,7 +102,7 @@ BAD = [
     (["train.activation_checkpointing=some"], ["train.activation_checkpointing='some'", "every_n"]),
     (["train.ac_every=0"], ["train.ac_every=0"]),
     (["train.lr_schedule=step"], ["train.lr_schedule='step'", "cosine"]),
-    (["train.optimizer_sync=async"], ["train.optimizer_sync='async'", "barrier, post_validate"]),
+    (["train.optimizer_sync=async"], ["train.optimizer_sync='async'", "barrier, post_validate, deferred"]),
     (["train.no_decay=[bias,gain]"], ["train.no_decay", "'gain'", "embedding"]),
     (["eval.steps=0"], ["eval.steps=0"]),
     (["launch.start_method=forkserver"], ["launch.start_method='forkserver'", "auto, fork, spawn"]),

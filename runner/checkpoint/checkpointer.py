@@ -243,8 +243,12 @@ class Checkpointer:
     def _state(self) -> dict:
         return {k: _renamed(v, self.stored, self.equal) for k, v in self._local_state().items()}
 
+    def due(self, steps_done: int) -> bool:
+        """Whether ``maybe_save`` saves after step ``steps_done``."""
+        return bool(self.every) and steps_done % self.every == 0
+
     def maybe_save(self, steps_done: int) -> None:
-        if self.every and steps_done % self.every == 0:
+        if self.due(steps_done):
             self.save(steps_done)
 
     def _agree(self, problem: tuple[str, str] | None, partial: Path, steps_done: int, group=None) -> None:

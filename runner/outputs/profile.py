@@ -36,12 +36,13 @@ from runner.outputs.timeline import (
     plot_schedule,
     shift,
     simulated_slices,
+    steady_bubble,
     write_chrome_trace,
     write_schedule_csv,
 )
 from runner.pipeline.recorder import Recorder
 from runner.pipeline.registry import theoretical_bubble
-from runner.pipeline.simulate import UNIT_COSTS, bubble_fractions, simulate
+from runner.pipeline.simulate import UNIT_COSTS, bubble_fractions, compute_floor, simulate, steady_step
 from runner.ranks.dist import DistEnv, gather_to_main
 
 if TYPE_CHECKING:
@@ -106,6 +107,20 @@ class _NativeLines:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _steady(actions, spans, order, costs, num_stages: int) -> dict:
+    """The bubble over several steps, overlapping or not (``steady_bubble``), beside the simulator's
+    steady step for the order as run without the barrier (``steady_step``) and its floor
+    (``compute_floor``): ``{"steady": ...}``, or nothing with fewer than 2 consecutive recorded steps."""
+    measured = steady_bubble(actions, spans)
+    if measured is None:
+        return {}
+    period_ns, per_rank, overlapped = measured
+    simulated_s, _ = steady_step(order, costs, num_stages=num_stages)
+    return {"steady": {"step_s": period_ns / 1e9, "per_rank": per_rank, "mean": sum(per_rank) / len(per_rank),
+                       "overlapped_steps": overlapped, "simulated_step_s": simulated_s,
+                       "floor_s": compute_floor(order, costs)}}
 
 
 class RunProfiler:
@@ -224,4 +239,5 @@ class RunProfiler:
             "pipeline_step_s": statistics.median(hi - lo for lo, hi in pipeline_spans(spans).values()) / 1e9,
             "steps": [s.step for s in spans[0]],
             "mean_costs_s": {f"{stage}{kind}": c for (stage, kind), c in sorted(costs.items())},
+            **_steady(actions, spans, order, costs, layout.num_stages),
         }

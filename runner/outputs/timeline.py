@@ -112,6 +112,29 @@ def measured_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int,
     return out
 
 
+def steady_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]
+                  ) -> tuple[float, list[float], int] | None:
+    """Over consecutive recorded steps, whether or not they overlap (``train.optimizer_sync=deferred``
+    starts a rank's next step before the others end theirs): the steady-state step, the time between
+    the pipeline's ends of the first and the last step divided by the steps between them (ns; what
+    runs between steps, the reduction and the optimizer, is in it), each rank's bubble in it (1 -
+    the rank's compute in the steps after the first / that time) and how many steps began on some
+    rank before the previous one ended on another. None with fewer than 2 consecutive steps.
+    ``measured_bubble`` counts each step's own span, which overlapping steps would count twice."""
+    spans = pipeline_spans(steps)
+    numbers = sorted(spans)
+    if len(numbers) < 2 or numbers != list(range(numbers[0], numbers[-1] + 1)):
+        return None
+    period = (spans[numbers[-1]][1] - spans[numbers[0]][1]) / (len(numbers) - 1)
+    later = set(numbers[1:])
+    per_rank = []
+    for rank in sorted(steps):
+        busy = sum(a.end_ns - a.start_ns for a in actions.get(rank, []) if a.step in later)
+        per_rank.append(1.0 - busy / (period * len(later)) if period > 0 else 0.0)
+    overlapped = sum(spans[k + 1][0] < spans[k][1] for k in numbers[:-1])
+    return period, per_rank, overlapped
+
+
 def _flows(slices: Sequence[dict]) -> list[dict]:
     """Arrows from each producing action to the action on another rank that consumes it:
     activations F(s) → F(s+1), gradients B/I(s+1) → B/I(s), per microbatch and step."""

@@ -94,6 +94,12 @@ class Recorder:
         if self.active:
             self.steps.append(StepSpan(step, start, self._now()))
 
+    def discard(self, step: int) -> None:
+        """Forget what step ``step`` recorded: a pass whose results were thrown away
+        (``train.optimizer_sync=deferred`` runs a step again after the previous one's rollback)."""
+        self.actions = [a for a in self.actions if a.step != step]
+        self.steps = [s for s in self.steps if s.step != step]
+
     def wrap_stage(self, stage) -> None:
         """Time a ``PipelineStage``'s compute calls (its methods are replaced on the instance)."""
         index = stage.stage_index

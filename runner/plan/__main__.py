@@ -62,8 +62,9 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
     from_file = bool(cfg.plan.costs) and is_costs_file(cfg.plan.costs)
     if not cfg.plan.barrier and (cfg.plan.target or not from_file):
         raise ConfigError("plan.barrier=false: scoring overlapping steps applies to plans from a costs file "
-                          "(plan.costs=<file.yaml|json>) only; a run, and so a plan of this host or a target, keeps "
-                          "the barrier (train.optimizer_sync=post_validate still waits before the next step). Fix: "
+                          "(plan.costs=<file.yaml|json>) only; a plan of this host or a target is scored with the "
+                          "barrier (the runs it measures keep it; a run's own overlap under "
+                          "train.optimizer_sync=deferred is in its summary's bubble.steady). Fix: "
                           "drop plan.barrier=false, or plan from a costs file.")
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would

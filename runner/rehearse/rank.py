@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from runner._torch.rehearsal import peak_split, peak_tracker
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
+from runner.options import OptimizerSync
 from runner.pipeline.recorder import Recorder
 from runner.ranks.dist import cleanup
 from runner.rehearse.memory import held_bytes
@@ -41,9 +42,12 @@ log = logging.getLogger(__name__)
 
 def rehearsal_run(resolved: ResolvedRun, steps: int, run_dir: Path) -> ResolvedRun:
     """The resolved run of a rehearsed rank: ``steps`` steps and one more for the torch profiler
-    (step ``steps + 1``, its window) into ``run_dir``; no checkpoint, no evaluation, no verify."""
+    (step ``steps + 1``, its window) into ``run_dir``; no checkpoint, no evaluation, no verify; the
+    barrier's optimizer step, which ``_Measure`` times between the clip and the step's end (the
+    planner scores runs with the barrier)."""
     return dataclasses.replace(
         resolved, steps=steps + 1, run_dir=run_dir, resume=None, verify=False, rank_cpus=None,
+        train=dataclasses.replace(resolved.train, optimizer_sync=OptimizerSync.barrier),
         checkpoint=dataclasses.replace(resolved.checkpoint, every=0),
         eval=dataclasses.replace(resolved.eval, every=0),
         profile=dataclasses.replace(resolved.profile, enabled=True, wait=steps, warmup=0, active=1))
