@@ -14,13 +14,12 @@ import pytest
 from runner.outputs.timeline import write_schedule_csv
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import placement, schedule_order
-from runner.plan.rounds import Rounds, round_schedule
 from runner.plan.synthesize import Problem, synthesize
 
 from helpers.config import EXAMPLES, TINY, resolved
 from helpers.parity import CLIP, GRAD_ATOL, assert_matches, reference
 from helpers.parity import SCHEDULES as TORCH_SCHEDULES
-from helpers.plan import synthetic_costs
+from helpers.plan import round_schedule_csv, synthetic_costs
 from helpers.ranks import run_cases
 
 # Every schedule by name: torch's, and the Zero Bubble paper's ZB-H1 and ZB-H2 that the runner
@@ -103,10 +102,8 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
         cases[name] = ["schedule=csv", f"schedule.csv={out / f'{name}.csv'}", *PP2]
     # A round schedule, what the search without the barrier starts from: stage 0 splits its backward
     # too (I then W), rank 1 puts all its Ws off to the end.
-    rounds = round_schedule(Problem(4, placement("1f1b", 2, 2), synthetic_costs(2, 1.0), comm_s=0.1, barrier=False),
-                            Rounds(early_stop=True, eager_w=True, split_first=True))
-    assert rounds is not None and Op(0, "I", 0) in rounds[0] and rounds[1][-4:] == [Op(1, "W", i) for i in range(4)]
-    write_schedule_csv(out / "rounds.csv", rounds)
+    rounds = round_schedule_csv(out / "rounds.csv")
+    assert Op(0, "I", 0) in rounds[0] and rounds[1][-4:] == [Op(1, "W", i) for i in range(4)]
     cases["rounds"] = ["schedule=csv", f"schedule.csv={out / 'rounds.csv'}", *PP2]
     cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
     # A model that is random in training mode cannot match: verify must fail the run on every rank.

@@ -29,6 +29,7 @@ from runner.validate import _check_optimizer_sync, validate
 
 from helpers.cli import start_cli
 from helpers.config import TINY, compose, resolved
+from helpers.plan import round_schedule_csv
 from helpers.ranks import final_weights, run_cases
 
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
@@ -105,20 +106,24 @@ def _assert_same_refusal(records: dict[str, dict], name: str) -> None:
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("post-validate") / "pp2"
-    cases, faults = _cases(PP2, SCHEDULES, clip=CLIP[8])
+    out.mkdir(parents=True)
+    # A synthesized CSV schedule too: a round schedule, what the search without the barrier builds.
+    csv = ["schedule=csv", f"schedule.csv={out / 'rounds.csv'}", *PP2]
+    round_schedule_csv(out / "rounds.csv")
+    cases, faults = _cases(PP2, SCHEDULES, clip=CLIP[8], extra={"rounds": csv})
     return out, run_cases(out, 2, cases, more_hooks=final_weights, faults=faults)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", [*SCHEDULES, "rounds"])
 def test_post_validation_trains_bit_identically_to_the_barrier_at_pp2(pp2, name):
     _assert_same_run(*pp2, name, CLIP[8])
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", [*SCHEDULES, "rounds"])
 def test_a_non_finite_gradient_stops_both_modes_at_the_same_step_with_the_same_error(pp2, name):
     _assert_same_refusal(pp2[1], name)
 
