@@ -143,7 +143,7 @@ def test_a_rank_allocates_only_its_shards_and_each_is_the_unsplit_models_part(ca
     from helpers.config import compose
 
     cfg = compose(*SHARDED, *overrides, "rehearse=on")
-    resolved, _, _ = check_rehearsal(cfg, tmp_path)
+    resolved = check_rehearsal(cfg, tmp_path).resolved
     rank = resolved.world_size - 1
     reset_collectives()
     env = init_rehearsal(rank, resolved.world_size, torch.device("cpu"))
@@ -174,13 +174,14 @@ def test_a_rank_allocates_only_its_shards_and_each_is_the_unsplit_models_part(ca
         reset_collectives()
 
 
-def _rehearse_in_process(resolved, cfg, rank: int, run_dir) -> dict:
+def _rehearse_in_process(resolved, cfg, rank: int, run_dir, rank_pass=None) -> dict:
     from runner._torch.dist import drop_dtensor_caches
-    from runner.rehearse.rank import run_rank
+    from runner.rehearse.rank import RankPass, run_rank
 
+    rank_pass = rank_pass or RankPass(tracked=cfg.rehearse.steps - 1, timed=True, profiled=cfg.profile.enabled)
     reset_collectives()
     try:
-        return run_rank(resolved, cfg, rank, cfg.rehearse.steps, run_dir)  # it leaves its process group
+        return run_rank(resolved, cfg, rank, rank_pass, run_dir)  # it leaves its process group
     finally:
         drop_dtensor_caches()
         reset_collectives()
@@ -192,8 +193,9 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
     """Issue #35: the zero-bubble schedules' I action (``autograd.grad`` for a stage's received
     input, a leaf) failed under the memory tracker; and the step whose action times are composed
     was the one the torch profiler recorded (several times slower on a tiny model). Each pipeline
-    rank at pp=2 x tp=2, in this process over the rehearsal group: its actions come from step 2 of
-    2, its chrome trace from step 3 alone, and the composed step replays every stage's F, I and W."""
+    rank at pp=2 x tp=2, in this process over the rehearsal group: AdamW's state made, step 1
+    tracked, its actions from step 2 (timed), its chrome trace from step 3 alone, and the composed
+    step replays every stage's F, I and W."""
     import json
 
     from runner.rehearse.compose import compose_step
@@ -202,21 +204,24 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
     from helpers.config import TINY, compose
 
     cfg = compose(*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.tp=2", f"schedule={schedule}",
-                  "rehearse=on", "rehearse.steps=2")
-    resolved, ranks, _ = check_rehearsal(cfg, tmp_path)
-    results = [_rehearse_in_process(resolved, cfg, rank, tmp_path / f"rank{rank}") for rank in ranks]
+                  "rehearse=on", "profile.enabled=true")
+    plan = check_rehearsal(cfg, tmp_path)
+    resolved = plan.resolved
+    results = [_rehearse_in_process(resolved, cfg, rank, tmp_path / f"rank{rank}") for rank in plan.ranks]
     for r in results:
         events = json.loads(open(r["trace"]).read())["traceEvents"]
         profiled = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
         assert profiled == {"ProfilerStep#3"} and r["profiled_step"] == 3
         assert {a["kind"] for a in r["actions"]} == {"F", "I", "W"}
         assert {(a["stage"], a["kind"]) for a in r["actions"]} == {(s, k) for s in r["stages"] for k in "FIW"}
-        assert r["steps"] == 2 and len(r["losses"]) == 2  # the actions are step 2's, not the profiled one's
+        assert (r["tracked_steps"], r["timed_step"], r["steps"], len(r["losses"])) == (1, 2, 3, 3)
         assert any(e.get("name", "").startswith("compute:") for e in events)  # the profiled step's actions, named
         held, peak = r["held_bytes"], r["peak_bytes"]
         assert held["params"] > 0 and held["grads"] > 0
         assert held["optimizer_state"] >= 2 * held["params"]  # AdamW's two moments (and its step counts)
-        assert peak["params"] == held["params"] and peak["total"] >= sum(held.values())
+        # The tracked step held AdamW's state from its start (made before it): a steady step's peak.
+        assert peak["params"] == held["params"] and peak["optimizer_state"] == held["optimizer_state"]
+        assert peak["total"] >= sum(held.values())
     step, timeline = compose_step(resolved, results)
     stages = range(resolved.layout.num_stages)
     assert {(a.op.stage, a.op.kind) for a in timeline} == {(s, k) for s in stages for k in "FIW"}
