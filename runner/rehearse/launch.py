@@ -24,7 +24,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 SYMMETRY = ("tp shards and dp replicas are assumed to do what the rehearsed rank of their pipeline rank does "
             "(same shapes, same collectives); only the ranks listed were run")
 RANK_TIMEOUT_S = 3600
+RunJobs = Callable[[list[tuple]], list[dict]]  # rank_main's jobs -> their results
 # What the report's times are, by RehearsalPlan.times (rehearsal.json's "times", the table's "times:" line).
 TIMES = {"measured": "measured: each rank's timed step at train.seq_len",
          "scaled": "estimated: measured at rehearse.time_seq_len={short} and scaled to train.seq_len={long} ({rule})",
@@ -121,9 +122,11 @@ def _short_run(cfg: DictConfig, run_dir: Path | None) -> tuple[ResolvedRun, Dict
         with _one_rank_on_host():
             return validate(short, run_dir), short
     except ConfigError as e:
-        raise ConfigError(f"rehearse.time_seq_len={cfg.rehearse.time_seq_len}: the run at that sequence is refused: "
-                          f"{e} Fix (rehearse.time_seq_len): a length the run's checks take (a multiple of what "
-                          "they name), or rehearse.time_seq_len=null.") from e
+        said, _, fix = str(e).partition(" Fix: ")
+        raise ConfigError(f"rehearse.time_seq_len={cfg.rehearse.time_seq_len}: the run's checks refuse that sequence "
+                          f"(times are measured at it as train.seq_len): {said} Fix: a rehearse.time_seq_len they take "
+                          f"(what they ask of train.seq_len: {fix.rstrip('.') or 'see above'}), or "
+                          "rehearse.time_seq_len=null.") from e
 
 
 def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> RehearsalPlan:
@@ -212,9 +215,10 @@ def _merge_times(memory: dict, timed: dict, ratios: dict[str, float], short_seq_
                       "wall_s": timed["wall_s"]}}
 
 
-def rehearse_ranks(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path) -> list[dict]:
-    """Every rank's result: measured, or with scaled times merged in."""
-    results = _run_ranks(_jobs(plan, cfg, run_dir))
+def rehearse_ranks(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path, run_jobs: RunJobs | None = None) -> list[dict]:
+    """Every rank's result: measured, or with scaled times merged in. ``run_jobs`` runs
+    ``rank_main``'s jobs and returns their results (default: in one spawned process)."""
+    results = (run_jobs or _run_ranks)(_jobs(plan, cfg, run_dir))
     if plan.short is None:
         return results
     from runner.rehearse.scale import flop_ratios
@@ -270,13 +274,14 @@ def _composed(report: dict[str, Any], plan: RehearsalPlan, cfg: DictConfig, run_
         report["step"], report["timeline"] = step, ["rehearsal_timeline.json", "rehearsal_timeline.png"]
 
 
-def rehearse(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Rehearse the run of ``cfg`` (see the module's docstring); returns what ``rehearsal.json`` holds."""
+def rehearse(cfg: DictConfig, run_dir: Path, run_jobs: RunJobs | None = None) -> dict[str, Any]:
+    """Rehearse the run of ``cfg`` (see the module's docstring); returns what ``rehearsal.json``
+    holds. ``run_jobs``: as ``rehearse_ranks`` takes it (the tests' in-process ranks)."""
     from runner.rehearse.compose import memory_verdicts
 
     plan = check_rehearsal(cfg, run_dir)
     resolved = plan.resolved
-    results = rehearse_ranks(plan, cfg, run_dir)
+    results = rehearse_ranks(plan, cfg, run_dir, run_jobs)
     for r in results:
         r["trace"] = r["trace"] and os.path.relpath(r["trace"], run_dir)
     report: dict[str, Any] = {
