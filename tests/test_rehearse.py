@@ -417,11 +417,12 @@ LAYOUT_256 = ["parallel.pp=8", "parallel.tp=8", "parallel.dp=4", "parallel.dp_mo
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(3600)
 def test_256_ranks_of_a_half_billion_llama_rehearse_on_this_host(tmp_path):
-    """Timed in docs/rehearsal.md (27 min on this 2-core host under a load of 8-12; a rank is 1.5-5 min,
-    most of it its three steps' compute). Rank 0 holds its stage's shard: the embedding and two
-    decoder layers over tp x dp = 32, the norms over dp = 4 only."""
+    """Timed in docs/rehearsal.md (3 min 48 s on this 2-core host under a load of 8-13, the 8 ranks in
+    turn in one process, one tracked and one timed step each; 27 min before). Rank 0 holds its
+    stage's shard: the embedding and two decoder layers over tp x dp = 32, the norms over dp = 4 only."""
     from transformers import LlamaConfig
 
     from helpers.cli import run_cli

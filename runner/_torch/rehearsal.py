@@ -276,16 +276,17 @@ def peak_tracker(modules, optimizer):
         pre_forward(module, inputs)
 
     tracker._pre_fw_hook = fresh_pre_forward  # type: ignore[method-assign]
-    tracker._update_peak_stats = partial(_device_peak, tracker)  # type: ignore[method-assign]
+    if all(hasattr(tracker, a) for a in ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):
+        tracker._update_peak_stats = partial(_device_peak, tracker)  # type: ignore[method-assign]
     _no_multi_grad_hook_on_leaves(tracker._mod_tracker)
     return tracker
 
 
 def _device_peak(tracker, peak_state) -> None:
     """The tracker's peak update after every op, less its per-module peaks (``peak_split`` reads
-    the device-wide one only): torch's walks every module's statistics on every op, a third of a
-    tracked step's time on a 0.5B Llama rank (issue #35); the device-wide peak is updated as torch
-    updates it."""
+    the device-wide one only): torch's walks every module's statistics on every op, about a
+    quarter of a tracked step's CPU time on a 0.5B Llama rank (issue #35); the device-wide peak is
+    updated as torch updates it (a torch without these attributes keeps its own update)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     for dev, snap in tracker._curr_mem_snap.items():
