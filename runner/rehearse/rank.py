@@ -7,14 +7,16 @@ with static metadata (no shape messages). A rank runs in one of two passes (``Ra
   moments held through its forward and backward, as in every later step); then ``tracked`` steps
   under torch's ``MemTracker`` (``torch.distributed._tools``; on CPU and CUDA alike, it tracks the
   tensors' storages, not RSS): the peak, split into parameters, gradients, optimizer state and
-  activations + the rest (buffers, temporaries, other); the bytes held in parameters, gradients and
-  optimizer state (``memory.held_bytes``); and the collectives of the last tracked step (count and
-  bytes by kind and mesh dimension: tp, dp, pp, world);
+  activations + the rest (buffers, temporaries, other);
 * time: after them (or after untimed warm-up steps where nothing is tracked), one timed step,
   untracked (the tracker's dispatch mode slows every op) and unprofiled: each compute action (F/B/I/W
   per stage and microbatch, from the runner's recorder), the optimizer step (after clipping to after
-  AdamW and the LR schedule), the step; its collectives; and, where ``profiled``, a chrome trace of
-  one more step by the run's own profiler (``traces/rank<r>.json`` in the rank's directory).
+  AdamW and the LR schedule), the step; and, where ``profiled``, a chrome trace of one more step by
+  the run's own profiler (``traces/rank<r>.json`` in the rank's directory).
+
+Either way, of the timed step (the last tracked one where none is timed): the bytes held in
+parameters, gradients and optimizer state (``memory.held_bytes``) and the collectives (count and
+bytes by kind and mesh dimension: tp, dp, pp, world).
 
 ``rank_main`` rehearses several ranks in turn in one process (a spawned one: the imports and the
 interpreter's start are paid once); ``run_rank`` leaves no process group behind."""
