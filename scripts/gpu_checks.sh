@@ -77,6 +77,7 @@ HF=(model=hf "model.path=$OUT/llama-8b" model.pretrained=false "train.seq_len=$(
     train.batch_size=8 train.precision=bf16)
 # On the H100 (2026-11-27) an fp32 rank of pp=4 took about a minute (start, build, 3 tracked steps at
 # 0.9 s, the timed and profiled ones): bf16, and room for the 4 stage positions one after another.
+# (Since then a rehearsal tracks one step, not two, and runs its ranks in one process: not yet timed on a GPU.)
 check rehearse-8b-pp4 200 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=4 parallel.microbatches=4 \
     "hydra.run.dir=$OUT/runs/rehearse-8b-pp4"
 check rehearse-8b-fsdp8 120 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=1 parallel.dp=8 \

@@ -73,13 +73,24 @@ def test_receives_are_finite_and_the_pipeline_vote_reads_static(rank_37_of_256):
     dist.all_reduce(x)
     assert x.tolist() == [768.0, 768.0]  # 256 equal peers
     counts = collectives_by_dim(ParallelDims(pp=8, dp=4, dp_mode="fsdp", tp=8))
-    assert counts["world"]["recv"] == {"count": 2, "bytes": 3 * 5 * 4 + 4}
+    assert counts["world"]["recv"] == {"count": 1, "bytes": 3 * 5 * 4}
+    assert counts["world"]["vote_recv"] == {"count": 1, "bytes": 4}  # not a pipeline message
 
 
 @pytest.mark.parametrize("overrides, expected", [
     (["rehearse.ranks=[0,4]"], "rehearse.ranks=[0, 4]: [4] outside this run's ranks 0..3"),
     (["rehearse.capacity=eighty"], "rehearse.capacity"),
     (["rehearse.steps=0"], "rehearse.steps=0"),
+    (["rehearse.steps=1"], "rehearse.steps=1: a rehearsal tracks memory over all its steps but the last"),
+    (["rehearse.memory_only=true", "rehearse.time_seq_len=8"],
+     "rehearse.memory_only=true with rehearse.time_seq_len=8: a memory-only rehearsal times nothing"),
+    (["rehearse.time_seq_len=16"], "rehearse.time_seq_len=16: times are measured at a sequence shorter than the "
+                                   "run's (train.seq_len=16)"),
+    (["rehearse.time_seq_len=0"], "Fix: a length from 1 to 15 (e.g. 2)"),
+    (["parallel.sequence_parallel=true", "rehearse.time_seq_len=7"],  # the run's own check, named by the key
+     "rehearse.time_seq_len=7: the run's checks refuse that sequence (times are measured at it as train.seq_len): "
+     "parallel.sequence_parallel=true shards the sequence over parallel.tp=2, but train.seq_len=7 does not divide. "
+     "Fix: a rehearse.time_seq_len they take (what they ask of train.seq_len: train.seq_len a multiple of 2)"),
     (["parallel.microbatches=3", "train.batch_size=8"], "microbatches"),  # a layout the run's checks refuse
 ])
 def test_bad_rehearsal_input_is_refused_before_anything_is_built(overrides, expected, tmp_path):
@@ -92,6 +103,7 @@ def test_bad_rehearsal_input_is_refused_before_anything_is_built(overrides, expe
     with pytest.raises(ConfigError, match="Fix:") as e:
         check_rehearsal(cfg, tmp_path)
     assert expected in str(e.value)
+    assert not (tmp_path / "rehearsal").exists()
 
 
 def test_device_cuda_without_a_gpu_is_refused(tmp_path):
@@ -143,7 +155,7 @@ def test_a_rank_allocates_only_its_shards_and_each_is_the_unsplit_models_part(ca
     from helpers.config import compose
 
     cfg = compose(*SHARDED, *overrides, "rehearse=on")
-    resolved, _, _ = check_rehearsal(cfg, tmp_path)
+    resolved = check_rehearsal(cfg, tmp_path).resolved
     rank = resolved.world_size - 1
     reset_collectives()
     env = init_rehearsal(rank, resolved.world_size, torch.device("cpu"))
@@ -174,13 +186,14 @@ def test_a_rank_allocates_only_its_shards_and_each_is_the_unsplit_models_part(ca
         reset_collectives()
 
 
-def _rehearse_in_process(resolved, cfg, rank: int, run_dir) -> dict:
+def _rehearse_in_process(resolved, cfg, rank: int, run_dir, rank_pass=None) -> dict:
     from runner._torch.dist import drop_dtensor_caches
-    from runner.rehearse.rank import run_rank
+    from runner.rehearse.rank import RankPass, run_rank
 
+    rank_pass = rank_pass or RankPass(tracked=cfg.rehearse.steps - 1, timed=True, profiled=cfg.profile.enabled)
     reset_collectives()
     try:
-        return run_rank(resolved, cfg, rank, cfg.rehearse.steps, run_dir)  # it leaves its process group
+        return run_rank(resolved, cfg, rank, rank_pass, run_dir)  # it leaves its process group
     finally:
         drop_dtensor_caches()
         reset_collectives()
@@ -192,8 +205,9 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
     """Issue #35: the zero-bubble schedules' I action (``autograd.grad`` for a stage's received
     input, a leaf) failed under the memory tracker; and the step whose action times are composed
     was the one the torch profiler recorded (several times slower on a tiny model). Each pipeline
-    rank at pp=2 x tp=2, in this process over the rehearsal group: its actions come from step 2 of
-    2, its chrome trace from step 3 alone, and the composed step replays every stage's F, I and W."""
+    rank at pp=2 x tp=2, in this process over the rehearsal group: AdamW's state made, step 1
+    tracked, its actions from step 2 (timed), its chrome trace from step 3 alone, and the composed
+    step replays every stage's F, I and W."""
     import json
 
     from runner.rehearse.compose import compose_step
@@ -202,21 +216,24 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
     from helpers.config import TINY, compose
 
     cfg = compose(*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.tp=2", f"schedule={schedule}",
-                  "rehearse=on", "rehearse.steps=2")
-    resolved, ranks, _ = check_rehearsal(cfg, tmp_path)
-    results = [_rehearse_in_process(resolved, cfg, rank, tmp_path / f"rank{rank}") for rank in ranks]
+                  "rehearse=on", "profile.enabled=true")
+    plan = check_rehearsal(cfg, tmp_path)
+    resolved = plan.resolved
+    results = [_rehearse_in_process(resolved, cfg, rank, tmp_path / f"rank{rank}") for rank in plan.ranks]
     for r in results:
         events = json.loads(open(r["trace"]).read())["traceEvents"]
         profiled = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
         assert profiled == {"ProfilerStep#3"} and r["profiled_step"] == 3
         assert {a["kind"] for a in r["actions"]} == {"F", "I", "W"}
         assert {(a["stage"], a["kind"]) for a in r["actions"]} == {(s, k) for s in r["stages"] for k in "FIW"}
-        assert r["steps"] == 2 and len(r["losses"]) == 2  # the actions are step 2's, not the profiled one's
+        assert (r["tracked_steps"], r["timed_step"], r["steps"], len(r["losses"])) == (1, 2, 3, 3)
         assert any(e.get("name", "").startswith("compute:") for e in events)  # the profiled step's actions, named
         held, peak = r["held_bytes"], r["peak_bytes"]
         assert held["params"] > 0 and held["grads"] > 0
         assert held["optimizer_state"] >= 2 * held["params"]  # AdamW's two moments (and its step counts)
-        assert peak["params"] == held["params"] and peak["total"] >= sum(held.values())
+        # The tracked step held AdamW's state from its start (made before it): a steady step's peak.
+        assert peak["params"] == held["params"] and peak["optimizer_state"] == held["optimizer_state"]
+        assert peak["total"] >= sum(held.values())
     step, timeline = compose_step(resolved, results)
     stages = range(resolved.layout.num_stages)
     assert {(a.op.stage, a.op.kind) for a in timeline} == {(s, k) for s in stages for k in "FIW"}
@@ -224,6 +241,62 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
     busy = max(sum(costs[f"{s}{k}"] for s in r["stages"] for k in "FIW") * microbatches for r in results)
     assert busy <= step["pipeline_s"] * (1 + 1e-9) and step["pipeline_s"] < step["step_s"]
     assert 0 < step["bubble"] < 1
+
+
+def _in_process(jobs: list[tuple]) -> list[dict]:
+    """``rank_main``'s jobs, run here (``rehearse(..., run_jobs=...)``), the results as JSON reads them."""
+    return [json.loads(json.dumps(_rehearse_in_process(resolved, cfg, rank, run_dir, rank_pass)))
+            for resolved, cfg, rank, rank_pass, run_dir, _ in jobs]
+
+
+@pytest.mark.timeout(120)
+def test_memory_only_and_short_sequence_rehearsals_measure_the_full_ones_memory_and_scale_times_by_flops(tmp_path):
+    """Issue #35, a 70B shape: memory from one forward and backward per role, times from a short
+    sequence. At pp=2 x tp=2 (ranks 0 and 2, in this process): the memory-only rehearsal's held
+    bytes, peak and collectives equal the full rehearsal's to the byte (the same primed, tracked
+    step) and it times nothing; with rehearse.time_seq_len=8 (the run's is 16) memory and collectives
+    are the full length's, and every action is its time measured at 8 times its stage's FLOP ratio
+    (16 over 8: twice the tokens, a little more for attention), composed into the step."""
+    from runner.rehearse.launch import format_rehearsal, rehearse
+    from runner.rehearse.scale import flop_ratios
+
+    from helpers.config import TINY, compose
+
+    run = [*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.tp=2", "schedule=1f1b", "rehearse=on"]
+    full = rehearse(compose(*run), tmp_path / "full", run_jobs=_in_process)
+    memory = rehearse(compose(*run, "rehearse.memory_only=true"), tmp_path / "memory", run_jobs=_in_process)
+    short_cfg = compose(*run, "rehearse.time_seq_len=8")
+    short = rehearse(short_cfg, tmp_path / "short", run_jobs=_in_process)
+    assert (full["times"], memory["times"], short["times"]) == ("measured", "none", "scaled")
+    ratios = flop_ratios(short_cfg, check_rehearsal_of(short_cfg, tmp_path).resolved, 8)
+    for f, m, s in zip(full["ranks"], memory["ranks"], short["ranks"], strict=True):
+        for got in (m, s):
+            assert got["held_bytes"] == f["held_bytes"] and got["peak_bytes"] == f["peak_bytes"], f["rank"]
+            # the same but for the schedule's static/dynamic vote: on its first step only (here the tracked one)
+            pp = {k: v for k, v in got["collectives"]["pp"].items() if not k.startswith("vote_")}
+            assert {**got["collectives"], "pp": pp} == f["collectives"] and got["seq_len"] == 16
+        assert m["actions"] is None and m["step_s"] is None and m["optimizer_s"] is None and m["trace"] is None
+        assert s["times"]["measured_at_seq_len"] == 8 and len(s["actions"]) == len(f["actions"]) == 8
+        for a in s["actions"]:
+            ratio = ratios[f"{a['stage']}{a['kind']}"]
+            assert 2.0 < ratio < 2.3 and a["seconds"] == a["measured_seconds"] * ratio
+        assert s["optimizer_s"] > 0 and s["step_s"] is None and s["times"]["measured_step_s"] > 0
+    assert memory["step"] is None and "rehearse.memory_only=true" in memory["step_missing"]
+    assert short["step"]["times"] == "scaled" and short["step"]["step_s"] > short["step"]["pipeline_s"] > 0
+    medians = {k: sorted(a["seconds"] for r in short["ranks"] for a in r["actions"] if f"{a['stage']}{a['kind']}" == k)
+               for k in short["step"]["stage_costs_s"]}
+    assert short["step"]["stage_costs_s"] == {k: (v[1] + v[2]) / 2 for k, v in medians.items()}  # 4 microbatches
+    table = format_rehearsal(short)
+    assert "composed step (from scaled times: an estimate)" in table
+    assert "times: estimated: measured at rehearse.time_seq_len=8 and scaled to train.seq_len=16" in table
+    assert "times: not measured (rehearse.memory_only=true)" in format_rehearsal(memory)
+    assert json.loads((tmp_path / "short" / "rehearsal.json").read_text())["times_are"].startswith("estimated")
+
+
+def check_rehearsal_of(cfg, run_dir):
+    from runner.rehearse.launch import check_rehearsal
+
+    return check_rehearsal(cfg, run_dir)
 
 
 @pytest.mark.multiprocess
@@ -344,11 +417,12 @@ LAYOUT_256 = ["parallel.pp=8", "parallel.tp=8", "parallel.dp=4", "parallel.dp_mo
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(3600)
 def test_256_ranks_of_a_half_billion_llama_rehearse_on_this_host(tmp_path):
-    """Timed in docs/rehearsal.md (27 min on this 2-core host under a load of 8-12; a rank is 1.5-5 min,
-    most of it its three steps' compute). Rank 0 holds its stage's shard: the embedding and two
-    decoder layers over tp x dp = 32, the norms over dp = 4 only."""
+    """Timed in docs/rehearsal.md (3 min 48 s on this 2-core host under a load of 8-13, the 8 ranks in
+    turn in one process, one tracked and one timed step each; 27 min before). Rank 0 holds its
+    stage's shard: the embedding and two decoder layers over tp x dp = 32, the norms over dp = 4 only."""
     from transformers import LlamaConfig
 
     from helpers.cli import run_cli

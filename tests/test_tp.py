@@ -127,12 +127,13 @@ def test_compile_at_pp2_tp2_matches_the_unsplit_model_cold_and_from_the_cache(tm
 @pytest.fixture(scope="module")
 def llama_rehearsal(models, tmp_path_factory) -> tuple[Path, dict, object]:
     """The Llama case of the 4-rank spawn (``llama-1f1b``) rehearsed by the command line: ranks 0
-    and 2, each alone, against a capacity neither fits in (100 KiB)."""
+    and 2, each alone (in turn, in one process), against a capacity neither fits in (100 KiB),
+    with their chrome traces (profile.enabled)."""
     from helpers.cli import run_cli
 
     run_dir = tmp_path_factory.mktemp("llama-rehearsal") / "run"
     done = run_cli(*_hf_base(models["llama"]), *TP2, "schedule=1f1b", "rehearse=on", "rehearse.capacity=100KiB",
-                   f"hydra.run.dir={run_dir}", cwd=run_dir.parent, timeout=300)
+                   "profile.enabled=true", f"hydra.run.dir={run_dir}", cwd=run_dir.parent, timeout=300)
     assert (run_dir / "rehearsal.json").is_file(), done.stderr[-3000:]
     return run_dir, json.loads((run_dir / "rehearsal.json").read_text()), done
 
@@ -159,9 +160,9 @@ def test_a_rehearsal_writes_each_ranks_chrome_trace_and_the_composed_timeline(ll
     for r in report["ranks"]:
         assert r["trace"] == f"rehearsal/rank{r['rank']}/traces/rank{r['rank']}.json"
         events = json.loads((run_dir / r["trace"]).read_text())["traceEvents"]
-        # one step after the timed ones (rehearse.steps=3): the actions' times come from step 3, unprofiled
-        assert r["profiled_step"] == 4 and r["steps"] == 3
-        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")} == {"ProfilerStep#4"}
+        # step 1 tracked, step 2 timed (rehearse.steps=2): the actions' times come from step 2, unprofiled
+        assert (r["tracked_steps"], r["timed_step"], r["profiled_step"], r["steps"]) == (1, 2, 3, 3)
+        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")} == {"ProfilerStep#3"}
     assert report["timeline"] == ["rehearsal_timeline.json", "rehearsal_timeline.png"]
     events = json.loads((run_dir / "rehearsal_timeline.json").read_text())["traceEvents"]
     computes = sorted((e["pid"], e["name"]) for e in events if e["ph"] == "X")

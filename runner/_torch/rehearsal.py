@@ -18,8 +18,9 @@ collective completes at once with a result of the right shape and dtype and fini
 * broadcast: the local value (every rank built the same); scatter: the root's chunk where the
   root is here, else a small finite fill; gather: copies of the input;
 * send: nothing (recorded); recv: ``RECV_FILL`` for floating tensors, 1 for integer ones. The
-  pipeline schedules' static/dynamic vote (an int32[1] multiplied along the stages) so reads 1:
-  every peer voted static, as a real run of stages built with static metadata would;
+  pipeline schedules' static/dynamic vote (an int32[1] multiplied along the stages, on a schedule's
+  first step) so reads 1: every peer voted static, as a real run of stages built with static
+  metadata would (it is counted as ``vote_send``/``vote_recv``, not as a message of the pipeline);
 * barrier: nothing.
 
 Every call is counted in ``Ledger`` by kind and by the group's ranks, with the bytes this rank
@@ -31,6 +32,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -87,6 +89,14 @@ def _done(result) -> dist.Work:
 def _fill(t: torch.Tensor) -> None:
     with torch.no_grad():
         t.fill_(RECV_FILL if (t.is_floating_point() or t.is_complex()) else 1)
+
+
+def _p2p_kind(kind: str, tensors) -> str:
+    """``send``/``recv``, or ``vote_send``/``vote_recv`` for the schedules' static/dynamic vote (an
+    int32[1]; no activation or gradient is one): the composed step costs the pipeline's messages from
+    ``send``'s bytes per message, which the 4-byte vote of a schedule's first step would dilute."""
+    vote = len(tensors) == 1 and tensors[0].dtype == torch.int32 and tensors[0].numel() == 1
+    return f"vote_{kind}" if vote else kind
 
 
 class RehearsalGroup(dist.ProcessGroup):
@@ -223,13 +233,13 @@ class RehearsalGroup(dist.ProcessGroup):
 
     # -- point to point ------------------------------------------------------------------------------
     def send(self, tensors, dst, tag=0):
-        self._log("send", _nbytes(tensors))
+        self._log(_p2p_kind("send", tensors), _nbytes(tensors))
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
         for t in tensors:
             _fill(t)
-        self._log("recv", _nbytes(tensors))
+        self._log(_p2p_kind("recv", tensors), _nbytes(tensors))
         return _done(tensors)
 
     def recv_anysource(self, tensors, tag=0):
@@ -266,8 +276,23 @@ def peak_tracker(modules, optimizer):
         pre_forward(module, inputs)
 
     tracker._pre_fw_hook = fresh_pre_forward  # type: ignore[method-assign]
+    if all(hasattr(tracker, a) for a in ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):
+        tracker._update_peak_stats = partial(_device_peak, tracker)  # type: ignore[method-assign]
     _no_multi_grad_hook_on_leaves(tracker._mod_tracker)
     return tracker
+
+
+def _device_peak(tracker, peak_state) -> None:
+    """The tracker's peak update after every op, less its per-module peaks (``peak_split`` reads
+    the device-wide one only): torch's walks every module's statistics on every op, about a
+    quarter of a tracked step's CPU time on a 0.5B Llama rank (issue #35); the device-wide peak is
+    updated as torch updates it (a torch without these attributes keeps its own update)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    for dev, snap in tracker._curr_mem_snap.items():
+        if tracker._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+            tracker._peak_mem[dev] = snap[_TOTAL_KEY]
+            tracker._peak_mem_snap[dev] = dict(snap)
 
 
 def _no_multi_grad_hook_on_leaves(mod_tracker) -> None:

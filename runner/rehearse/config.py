@@ -18,9 +18,20 @@ class RehearseConfig:
     # The global ranks to rehearse; null = one per pipeline rank (dp=0, tp=0): tp shards and dp
     # replicas are assumed to do what their rank 0 does (said so in the output).
     ranks: Optional[List[int]] = None
-    # Training steps per rehearsed rank: memory is tracked over all but the last (the first creates the
-    # optimizer state, so 3 or more for its peak), the last is timed; one more step, untimed, is profiled.
-    steps: int = 3
+    # Training steps per rehearsed rank. AdamW's state is made before the first (its own first step, on
+    # zero gradients: no forward or backward), so every step is a steady one: memory is tracked over
+    # all but the last, the last is timed (2 or more); one more, untimed, is profiled where
+    # profile.enabled (the rank's chrome trace).
+    steps: int = 2
+    # Memory only: one tracked step per rank (a forward and backward of every microbatch, and the
+    # optimizer's step), nothing timed or profiled, no composed step time; rehearse.steps is not used.
+    # For shapes whose full step takes hours on this host (a 70B model on CPU).
+    memory_only: bool = False
+    # Times measured at this shorter sequence and scaled to train.seq_len (each stage's F/B/I/W action by
+    # the ratio of its FLOPs at the two lengths, counted as the planner counts them); memory, held bytes
+    # and collectives are still measured at train.seq_len, by one tracked step. null = times measured at
+    # train.seq_len.
+    time_seq_len: Optional[int] = None
     # Each rank's memory is reported against this (bytes, or with a unit: 80GiB); null = the local
     # device's (a GPU's total memory), or no verdict on CPU.
     capacity: Optional[str] = None

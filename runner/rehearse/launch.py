@@ -3,8 +3,10 @@
 1. ``check_rehearsal``: the ``rehearse`` keys against the layout and this host, then the run's own
    ``validate`` (as for one rank on this host: each rehearsed rank runs alone), before anything is
    built;
-2. each rehearsed rank in a spawned process of its own, in turn (``runner.rehearse.rank``), at the
-   run's full world size over the rehearsal process group;
+2. the rehearsed ranks in turn, alone, in one spawned process (``runner.rehearse.rank``: the imports
+   paid once), each at the run's full world size over the rehearsal process group: memory and time
+   at the run's sequence; or memory only (``rehearse.memory_only``); or memory at the run's sequence
+   and times at ``rehearse.time_seq_len``, scaled (``runner.rehearse.scale``);
 3. ``runner.rehearse.compose``: the whole step predicted from them (its MFU where the device's peak is
    known), and each rank's memory against ``rehearse.capacity``; ``rehearsal.json`` in the run
    directory, the composed step's simulated timeline beside it (``rehearsal_timeline.json``, a chrome
@@ -13,13 +15,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import multiprocessing
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
@@ -27,12 +32,21 @@ from runner.config import parse_bytes
 from runner.errors import ConfigError, DoesNotFitError, RankFailedError
 from runner.layout import ResolvedRun
 from runner.parallel.dims import Coords, ParallelDims
+from runner.rehearse.config import RehearseConfig
 
-__all__ = ["check_rehearsal", "default_ranks", "rehearse", "format_rehearsal", "raise_if_over_capacity", "SYMMETRY"]
+__all__ = ["check_rehearsal", "default_ranks", "rehearse", "rehearse_ranks", "format_rehearsal",
+           "raise_if_over_capacity", "RehearsalPlan", "SYMMETRY", "TIMES"]
+
+log = logging.getLogger(__name__)
 
 SYMMETRY = ("tp shards and dp replicas are assumed to do what the rehearsed rank of their pipeline rank does "
             "(same shapes, same collectives); only the ranks listed were run")
 RANK_TIMEOUT_S = 3600
+RunJobs = Callable[[list[tuple]], list[dict]]  # rank_main's jobs -> their results
+# What the report's times are, by RehearsalPlan.times (rehearsal.json's "times", the table's "times:" line).
+TIMES = {"measured": "measured: each rank's timed step at train.seq_len",
+         "scaled": "estimated: measured at rehearse.time_seq_len={short} and scaled to train.seq_len={long} ({rule})",
+         "none": "not measured (rehearse.memory_only=true): memory, held bytes and collectives only, no composed step"}
 
 
 def default_ranks(dims: ParallelDims) -> list[int]:
@@ -54,20 +68,77 @@ def _one_rank_on_host() -> Iterator[None]:
             os.environ["LOCAL_WORLD_SIZE"] = before
 
 
-def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> tuple[ResolvedRun, list[int], int | None]:
-    """The resolved run, the ranks to rehearse and the capacity (bytes), or a ``ConfigError`` naming the
-    key, the value and the fix; nothing is built before these pass."""
+@dataclass(frozen=True)
+class RehearsalPlan:
+    """What ``check_rehearsal`` resolved: the run, the ranks, the capacity (bytes, or None), and each
+    rank's passes (``runner.rehearse.rank.RankPass``): one at the run's length, or with
+    ``rehearse.time_seq_len`` a memory pass at it and a time pass at ``short`` (the run resolved at
+    the short sequence, with its config)."""
+
+    resolved: ResolvedRun
+    ranks: list[int]
+    capacity: int | None
+    short: tuple[ResolvedRun, DictConfig] | None = None
+    memory_only: bool = False
+
+    @property
+    def times(self) -> str:
+        """How the times were had: ``measured``, ``scaled`` or ``none``."""
+        return "none" if self.memory_only else "scaled" if self.short else "measured"
+
+
+def _check_keys(cfg: DictConfig) -> None:
+    """The ``rehearse`` keys alone, and against the device."""
+    import torch
+
+    r = cfg.rehearse
+    if r.memory_only and r.time_seq_len is not None:
+        raise ConfigError(f"rehearse.memory_only=true with rehearse.time_seq_len={r.time_seq_len}: a memory-only "
+                          "rehearsal times nothing. Fix: one of them (rehearse.time_seq_len=null, or "
+                          "rehearse.memory_only=false).")
+    if not r.memory_only and r.steps < 2:
+        raise ConfigError(f"rehearse.steps={r.steps}: a rehearsal tracks memory over all its steps but the last and "
+                          "times the last, so it needs two. Fix: rehearse.steps=2, or rehearse.memory_only=true "
+                          "(one step, memory only).")
+    if r.memory_only and r.steps != RehearseConfig.steps:
+        log.warning("rehearse.steps=%s is not used by rehearse.memory_only=true (one tracked step per rank)", r.steps)
+    if r.time_seq_len is not None and not 0 < r.time_seq_len < cfg.train.seq_len:
+        raise ConfigError(f"rehearse.time_seq_len={r.time_seq_len}: times are measured at a sequence shorter than "
+                          f"the run's (train.seq_len={cfg.train.seq_len}) and scaled to it. Fix: a length from 1 "
+                          f"to {cfg.train.seq_len - 1} (e.g. {max(1, cfg.train.seq_len // 8)}), or "
+                          "rehearse.time_seq_len=null (times at train.seq_len).")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda: a rehearsal runs each rank on this host's device, and this host has no GPU. "
+                          "Fix: device=cpu (or device=auto), or rehearse on a host with a GPU.")
+
+
+def _short_run(cfg: DictConfig, run_dir: Path | None) -> tuple[ResolvedRun, DictConfig]:
+    """The run resolved at ``rehearse.time_seq_len``: the run's own checks, the error naming the key."""
+    from runner.validate import validate
+
+    short = copy.deepcopy(cfg)
+    short.train.seq_len = cfg.rehearse.time_seq_len
+    try:
+        with _one_rank_on_host():
+            return validate(short, run_dir), short
+    except ConfigError as e:
+        said, _, fix = str(e).partition(" Fix: ")
+        raise ConfigError(f"rehearse.time_seq_len={cfg.rehearse.time_seq_len}: the run's checks refuse that sequence "
+                          f"(times are measured at it as train.seq_len): {said} Fix: a rehearse.time_seq_len they take "
+                          f"(what they ask of train.seq_len: {fix.rstrip('.') or 'see above'}), or "
+                          "rehearse.time_seq_len=null.") from e
+
+
+def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> RehearsalPlan:
+    """The resolved run, the ranks to rehearse, the capacity (bytes) and the passes, or a
+    ``ConfigError`` naming the key, the value and the fix; nothing is built before these pass."""
     import torch
 
     from runner.validate import validate
 
     r = cfg.rehearse
     dims = ParallelDims.from_config(cfg.parallel)
-    if r.steps < 1:
-        raise ConfigError(f"rehearse.steps={r.steps}: a rehearsal needs at least one step. Fix: rehearse.steps=3.")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda: a rehearsal runs each rank on this host's device, and this host has no GPU. "
-                          "Fix: device=cpu (or device=auto), or rehearse on a host with a GPU.")
+    _check_keys(cfg)
     ranks = list(r.ranks) if r.ranks is not None else default_ranks(dims)
     outside = [x for x in ranks if not 0 <= x < dims.world_size]
     if outside or not ranks:
@@ -83,26 +154,77 @@ def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> tuple[ResolvedRun,
         capacity = torch.cuda.get_device_properties(0).total_memory
     with _one_rank_on_host():
         resolved = validate(cfg, run_dir)
-    return resolved, ranks, capacity
+    short = _short_run(cfg, run_dir) if r.time_seq_len is not None else None
+    return RehearsalPlan(resolved, ranks, capacity, short, bool(r.memory_only))
 
 
-def _run_one(resolved: ResolvedRun, cfg: DictConfig, rank: int, steps: int, run_dir: Path) -> dict:
-    out = run_dir / "rehearsal" / f"rank{rank}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+def _jobs(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path) -> list[tuple]:
+    """``rank_main``'s jobs: per rank, its pass at the run's length, then where times are scaled its
+    time pass at the short length (into ``rank<r>-time``)."""
+    from runner.rehearse.rank import RankPass
+
+    profiled = bool(cfg.profile.enabled)
+    steps = cfg.rehearse.steps
+    jobs = []
+    for rank in plan.ranks:
+        at = run_dir / "rehearsal" / f"rank{rank}"
+        if plan.times == "measured":
+            jobs.append((plan.resolved, cfg, rank, RankPass(tracked=steps - 1, timed=True, profiled=profiled),
+                         at, at.with_suffix(".json")))
+            continue
+        jobs.append((plan.resolved, cfg, rank, RankPass(tracked=1, timed=False, profiled=False), at,
+                     at.with_suffix(".json")))
+        if plan.short is not None:
+            time_at = at.with_name(f"rank{rank}-time")
+            jobs.append((*plan.short, rank, RankPass(tracked=0, warmup=steps - 1, timed=True, profiled=profiled),
+                         time_at, time_at.with_suffix(".json")))
+    return jobs
+
+
+def _run_ranks(jobs: list[tuple]) -> list[dict]:
+    """The jobs in turn in one spawned process (``runner.rehearse.rank.rank_main``); their results."""
     from runner.rehearse.rank import rank_main  # the training code: only when a rank is rehearsed
 
-    process = multiprocessing.get_context("spawn").Process(
-        target=rank_main, args=(resolved, cfg, rank, steps, run_dir / "rehearsal" / f"rank{rank}", out),
-        name=f"rehearse-rank{rank}")
+    for job in jobs:
+        job[-1].parent.mkdir(parents=True, exist_ok=True)
+        job[-1].unlink(missing_ok=True)
+    process = multiprocessing.get_context("spawn").Process(target=rank_main, args=(jobs,), name="rehearse-ranks")
     process.start()
-    process.join(RANK_TIMEOUT_S)
+    process.join(RANK_TIMEOUT_S * len(jobs))
     if process.is_alive():
         process.kill()
         process.join()
-    if process.exitcode != 0 or not out.is_file():
+    missing = [job for job in jobs if not job[-1].is_file()]
+    if missing or process.exitcode != 0:
+        rank = missing[0][2] if missing else jobs[-1][2]
         raise RankFailedError(f"the rehearsal of rank {rank} failed (exit code {process.exitcode}); its traceback "
                               f"is above. Fix: run it alone with rehearse.ranks=[{rank}] to see it.")
-    return json.loads(out.read_text())
+    return [json.loads(job[-1].read_text()) for job in jobs]
+
+
+def _merge_times(memory: dict, timed: dict, ratios: dict[str, float], short_seq_len: int) -> dict:
+    """A rank's memory pass (at the run's length) with its time pass's times (at ``short_seq_len``),
+    scaled (``runner.rehearse.scale``)."""
+    from runner.rehearse.scale import SCALING_RULE, scale_times
+
+    return {**memory, "actions": scale_times(timed["actions"], ratios), "optimizer_s": timed["optimizer_s"],
+            "trace": timed["trace"], "profiled_step": timed["profiled_step"],
+            "times": {"measured_at_seq_len": short_seq_len, "scaled_to_seq_len": memory["seq_len"],
+                      "measured_step_s": timed["step_s"], "rule": SCALING_RULE,
+                      "ratios": {k: ratios[k] for k in sorted({f"{a['stage']}{a['kind']}" for a in timed["actions"]})},
+                      "wall_s": timed["wall_s"]}}
+
+
+def rehearse_ranks(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path, run_jobs: RunJobs | None = None) -> list[dict]:
+    """Every rank's result: measured, or with scaled times merged in. ``run_jobs`` runs
+    ``rank_main``'s jobs and returns their results (default: in one spawned process)."""
+    results = (run_jobs or _run_ranks)(_jobs(plan, cfg, run_dir))
+    if plan.short is None:
+        return results
+    from runner.rehearse.scale import flop_ratios
+
+    ratios = flop_ratios(cfg, plan.resolved, plan.short[0].seq_len)
+    return [_merge_times(m, t, ratios, plan.short[0].seq_len) for m, t in zip(results[::2], results[1::2])]
 
 
 def _device_name(resolved: ResolvedRun) -> str | None:
@@ -124,35 +246,59 @@ def _write_timeline(run_dir: Path, resolved: ResolvedRun, timeline: list, step: 
                         f"{layout.microbatches} microbatches, composed pipeline {step['pipeline_s'] * 1e3:.1f} ms")
 
 
-def rehearse(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Rehearse the run of ``cfg`` (see the module's docstring); returns what ``rehearsal.json`` holds."""
-    from runner.rehearse.compose import compose_step, memory_verdicts, step_mfu
+def _times(plan: RehearsalPlan) -> str:
+    from runner.rehearse.scale import SCALING_RULE
 
-    resolved, ranks, capacity = check_rehearsal(cfg, run_dir)
-    results = [_run_one(resolved, cfg, rank, cfg.rehearse.steps, run_dir) for rank in ranks]
-    for r in results:
-        r["trace"] = r["trace"] and os.path.relpath(r["trace"], run_dir)
-    pipeline_ranks = {r["coords"]["pp"] for r in results}
-    report: dict[str, Any] = {
-        "layout": resolved.dims.describe(), "world_size": resolved.world_size, "device": resolved.device,
-        "schedule": resolved.layout.schedule, "microbatches": resolved.layout.microbatches, "ranks": results,
-        "assumption": SYMMETRY, "capacity_bytes": capacity,
-        "memory": memory_verdicts(results, capacity, resolved.dims),
-    }
-    report["fits"] = None if capacity is None else report["memory"] == ["fits"]
-    if pipeline_ranks == set(range(resolved.pp)):
+    short = plan.short[0].seq_len if plan.short else None
+    return TIMES[plan.times].format(short=short, long=plan.resolved.seq_len, rule=SCALING_RULE)
+
+
+def _composed(report: dict[str, Any], plan: RehearsalPlan, cfg: DictConfig, run_dir: Path) -> None:
+    """The composed step into ``report`` (and its timeline beside it), or why there is none."""
+    from runner.rehearse.compose import compose_step, step_mfu
+
+    resolved, results = plan.resolved, report["ranks"]
+    missing = sorted(set(range(resolved.pp)) - {r["coords"]["pp"] for r in results})
+    report["step"] = None
+    if plan.memory_only:
+        report["step_missing"] = "rehearse.memory_only=true: nothing was timed"
+    elif missing:
+        report["step_missing"] = (f"pipeline ranks {missing} were not rehearsed: "
+                                  "no composed step (rehearse.ranks=null rehearses one of each)")
+    else:
         step, timeline = compose_step(resolved, results, latency_s=cfg.plan.comm_latency_s,
                                       bandwidth=cfg.plan.comm_bandwidth)
         step.update(step_mfu(cfg, resolved, step["step_s"], _device_name(resolved)))
+        step["times"] = plan.times
         _write_timeline(run_dir, resolved, timeline, step)
         report["step"], report["timeline"] = step, ["rehearsal_timeline.json", "rehearsal_timeline.png"]
-    else:
-        report["step"] = None
-        missing = sorted(set(range(resolved.pp)) - pipeline_ranks)
-        report["step_missing"] = (f"pipeline ranks {missing} were not rehearsed: "
-                                  "no composed step (rehearse.ranks=null rehearses one of each)")
+
+
+def rehearse(cfg: DictConfig, run_dir: Path, run_jobs: RunJobs | None = None) -> dict[str, Any]:
+    """Rehearse the run of ``cfg`` (see the module's docstring); returns what ``rehearsal.json``
+    holds. ``run_jobs``: as ``rehearse_ranks`` takes it (the tests' in-process ranks)."""
+    from runner.rehearse.compose import memory_verdicts
+
+    plan = check_rehearsal(cfg, run_dir)
+    resolved = plan.resolved
+    results = rehearse_ranks(plan, cfg, run_dir, run_jobs)
+    for r in results:
+        r["trace"] = r["trace"] and os.path.relpath(r["trace"], run_dir)
+    report: dict[str, Any] = {
+        "layout": resolved.dims.describe(), "world_size": resolved.world_size, "device": resolved.device,
+        "schedule": resolved.layout.schedule, "microbatches": resolved.layout.microbatches,
+        "seq_len": resolved.seq_len, "times": plan.times, "times_are": _times(plan), "ranks": results,
+        "assumption": SYMMETRY, "capacity_bytes": plan.capacity,
+        "memory": memory_verdicts(results, plan.capacity, resolved.dims),
+    }
+    report["fits"] = None if plan.capacity is None else report["memory"] == ["fits"]
+    _composed(report, plan, cfg, run_dir)
     (run_dir / "rehearsal.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def format_rehearsal(report: dict[str, Any]) -> str:
@@ -169,17 +315,20 @@ def format_rehearsal(report: dict[str, Any]) -> str:
         lines.append(f"{r['rank']:>5} {c['pp']:>3},{c['dp']},{c['tp']:<3} {held['params'] / mib:>11.2f} "
                      f"{held['grads'] / mib:>10.2f} {held['optimizer_state'] / mib:>10.2f} "
                      f"{p['activations_and_rest'] / mib:>13.2f} {p['total'] / mib:>9.2f} "
-                     f"{sum(a['seconds'] for a in r['actions']):>10.3f} {r['optimizer_s']:>8.3f} {n_coll:>12}")
+                     f"{_seconds(r['actions'] and sum(a['seconds'] for a in r['actions'])):>10} "
+                     f"{_seconds(r['optimizer_s']):>8} {n_coll:>12}")
     step = report.get("step")
     if step:
-        lines.append(f"composed step: {step['step_s']:.3f} s (pipeline {step['pipeline_s']:.3f} s, collectives "
+        scaled = " (from scaled times: an estimate)" if step.get("times") == "scaled" else ""
+        lines.append(f"composed step{scaled}: {step['step_s']:.3f} s (pipeline {step['pipeline_s']:.3f} s, collectives "
                      f"{step['collectives_s']:.3f} s, optimizer {step['optimizer_s']:.3f} s), bubble "
                      f"{step['bubble']:.1%}, {step['tokens_per_s']:.0f} tokens/s, "
                      + (f"MFU {step['mfu']:.1%} of {step['peak_of']}" if step.get("mfu") is not None
                         else f"MFU unknown ({step.get('mfu_unknown')})"))
     else:
         lines.append(f"composed step: none ({report.get('step_missing')})")
-    lines.append("memory: " + "; ".join(report["memory"]))
+    lines.append(f"times: {report['times_are']}")
+    lines.append("memory: " + "; ".join(report["memory"]) + " (measured at train.seq_len)")
     lines.append(f"assumed: {report['assumption']}")
     return "\n".join(lines)
 

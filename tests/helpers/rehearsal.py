@@ -72,7 +72,8 @@ def _map_large_allocations() -> None:
 
 
 def rehearse_under_a_memory_limit(cfg_dict: dict, rank: int, budget: int | None, out: str) -> None:
-    """A forked process's target: rehearse ``rank`` of the run for one step with this process's
+    """A forked process's target: rehearse ``rank`` of the run for one step (its memory pass: AdamW's
+    state made, one tracked step) with this process's
     address space limited to what it holds now plus ``budget`` bytes (``RLIMIT_AS``; None:
     unlimited, to calibrate), then build the whole model with its AdamW state under the same
     limit. Writes what happened (JSON) to ``out``."""
@@ -86,18 +87,18 @@ def rehearse_under_a_memory_limit(cfg_dict: dict, rank: int, budget: int | None,
     import runner.train  # noqa: F401  (what the rank imports, before the baseline)
     from runner.models.split import build_meta_model, materialize
     from runner.rehearse.launch import check_rehearsal
-    from runner.rehearse.rank import run_rank
+    from runner.rehearse.rank import RankPass, run_rank
 
     torch.set_num_threads(1)  # no thread pool to start under the limit
     _map_large_allocations()
     cfg = OmegaConf.create(cfg_dict)
     run_dir = Path(out).parent / "run"
-    resolved, _, _ = check_rehearsal(cfg, run_dir)
+    resolved = check_rehearsal(cfg, run_dir).resolved
     baseline = _vm_bytes("VmSize")
     if budget is not None:
         resource.setrlimit(resource.RLIMIT_AS, (baseline + budget, resource.getrlimit(resource.RLIMIT_AS)[1]))
     report: dict[str, Any] = {"baseline": baseline, "budget": budget}
-    result = run_rank(resolved, cfg, rank, 1, run_dir / f"rank{rank}")
+    result = run_rank(resolved, cfg, rank, RankPass(tracked=1, timed=False, profiled=False), run_dir / f"rank{rank}")
     report.update(held_bytes=result["held_bytes"], losses=result["losses"], rank_peak=_vm_bytes("VmPeak") - baseline)
     del result
     try:
