@@ -55,7 +55,8 @@ from runner.ranks.dist import pick_device, resolve_device
 from runner.ranks.host import usable_cpus
 from runner.validate import validate
 
-__all__ = ["Candidate", "PlanResult", "check_plan_keys", "check_schedules", "plan", "tried_schedules"]
+__all__ = ["Candidate", "PlanResult", "check_plan_keys", "check_schedules",
+           "plan", "tried_schedules"]
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,8 @@ class PlanResult(NamedTuple):
 
 def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
     """(schedule, microbatches, stages per rank): every torch schedule (or those of
-    ``plan.schedules``) at every ``plan.microbatches`` that divides the batch, and the run's own CSV schedule if it has one (its file decides the
-    microbatches and the stages per rank)."""
+    ``plan.schedules``) at every ``plan.microbatches`` that divides the batch, and the run's own CSV
+    schedule if it has one (its file decides the microbatches and the stages per rank)."""
     replica_batch = cfg.train.batch_size // cfg.parallel.dp
     out: list[tuple[str, int, int | None]] = []
     for name in tried_schedules(cfg):
