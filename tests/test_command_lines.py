@@ -50,6 +50,7 @@ def test_the_planners_own_keys_are_checked_once_before_anything_is_timed(tmp_pat
     check_plan_keys(compose(*common, "plan.memory_limit=2GB"))  # a valid one passes
 
 
+@pytest.mark.timeout(120)
 def test_plan_schedules_limits_the_candidates_to_the_schedules_named(tmp_path):
     common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8"]
     with pytest.raises(ConfigError, match=r"plan.schedules=\['1f1b', 'onef1b'\]: 'onef1b' is not a built-in "

@@ -181,13 +181,19 @@ def _render_planner_tp(res: Mapping[str, Any] | None) -> list[str]:
         lines += ["Failed: " + "; ".join(failed) + ".", ""]
     if None not in each.values():
         lines += [_ranking(each) + _took(plans["pp2xtp2-rehearsed"], plans["pp2xtp2"]), ""]
+    within = plans["pp2xtp2-rehearsed"].get("model_step_s")
+    if within is not None and model["pp2xtp2"]:
+        lines += [f"The `plan.rehearse=true` plan predicts the same candidate by the tp cost model first: "
+                  f"{num(within)} s, {within / model['pp2xtp2']:.2f}x the separate plan's {num(model['pp2xtp2'])} s; "
+                  "the two differ only in when the children were timed (`plan.repeats=1`, in each plan's own "
+                  "process).", ""]
     return lines
 
 
 def _ranking(each: Mapping[str, float]) -> str:
     """Which way round each ranks the layouts, in words from the numbers."""
     def way(ratio: float) -> str:
-        return f"{ratio:.2f}x {'slower' if ratio > 1 else 'faster'} than pp=4"
+        return f"{ratio:.2f}x slower than pp=4" if ratio >= 1 else f"{1 / ratio:.2f}x faster than pp=4"
 
     agree = {k: (each[k] > 1) == (each["measured"] > 1) for k in ("model", "rehearsal")}
     return (f"The runs measured pp=2 x tp=2 {way(each['measured'])}; the tp cost model plans it {way(each['model'])} "
