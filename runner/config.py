@@ -100,6 +100,10 @@ class PlanConfig(TargetPlanConfig):
     """``python -m runner.plan``: candidates, costs and limits (ignored by training runs)."""
 
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
+    # The built-in schedules to try (names as schedule=<name>: gpipe, 1f1b, ...); null = every one.
+    # Fewer schedules, fewer candidates: e.g. a plan.rehearse=true plan of one schedule. The run's
+    # own CSV schedule (schedule=csv) is tried whatever this holds.
+    schedules: Optional[List[str]] = None
     # Before predicting, a few steps of real runs of this model (1F1B, interleaved 1F1B and ZBV
     # at the smallest microbatch count, 1F1B at the largest: runner.plan.probe), each this many
     # seconds of steps as predicted (8-60 steps), fit the cost model to how its actions run in a

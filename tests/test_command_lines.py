@@ -16,8 +16,9 @@ import torch
 from runner.errors import ConfigError
 from runner.exits import expand_home
 from runner.launch import launch
+from runner.pipeline.schedule import SCHEDULES
 from runner.plan.__main__ import _no_valid_candidate
-from runner.plan.planner import Candidate, check_plan_keys, plan
+from runner.plan.planner import Candidate, check_plan_keys, check_schedules, plan, tried_schedules
 from runner.ranks.dist import init_distributed
 from runner.validate import validate
 
@@ -47,6 +48,25 @@ def test_the_planners_own_keys_are_checked_once_before_anything_is_timed(tmp_pat
     with pytest.raises(ConfigError, match=r"plan.microbatches=\[\]"):
         check_plan_keys(compose(*common, "plan.microbatches=[]"))
     check_plan_keys(compose(*common, "plan.memory_limit=2GB"))  # a valid one passes
+
+
+@pytest.mark.timeout(120)
+def test_plan_schedules_limits_the_candidates_to_the_schedules_named(tmp_path):
+    common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8"]
+    with pytest.raises(ConfigError, match=r"plan.schedules=\['1f1b', 'onef1b'\]: 'onef1b' is not a built-in "
+                                          r"schedule\. Fix: plan.schedules=\[<some of gpipe, 1f1b, .*>\], or "
+                                          r"plan.schedules=null"):
+        check_plan_keys(compose(*common, "plan.schedules=[1f1b,onef1b]"))
+    with pytest.raises(ConfigError, match=r"plan.schedules=\[\]: no schedule to try\. Fix: "):
+        check_plan_keys(compose(*common, "plan.schedules=[]"))
+    with pytest.raises(ConfigError, match=r"plan.schedules=\['gpipe'\] with plan.target=h100: .*Fix: "):
+        check_schedules(compose(*common, "plan.schedules=[gpipe]", "plan.target=h100"))
+    assert tried_schedules(compose(*common)) == list(SCHEDULES)
+    assert tried_schedules(compose(*common, "plan.schedules=[zbv,1f1b]")) == ["1f1b", "zbv"]
+    candidates, _, _, _ = plan(compose(*common, "plan.schedules=[1f1b]", "plan.microbatches=[2,4]",
+                                       "plan.repeats=1"))
+    assert sorted((c.schedule, c.microbatches, c.stages_per_rank) for c in candidates if c.split_points is None) \
+        == [("1f1b", 2, 1), ("1f1b", 4, 1)]
 
 
 def test_when_no_candidate_can_run_the_shared_reason_is_given_once():

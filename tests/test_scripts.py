@@ -358,3 +358,39 @@ def test_bench_optimizer_sync_section_reports_each_mode_against_the_barrier_and_
     assert "| 1 | post_validate | failed: RunnerError: x |" in text
     assert "- `deferred` over `barrier`, step time: 0.880, 0.950 (median 0.915)." in text
     assert "- `post_validate` over `barrier`, step time: 0.960 (median 0.960)." in text
+
+
+@pytest.mark.timeout(60)
+def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_without_rehearsal(tmp_path):
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+
+    def plan(name, layout, rehearse, step, wall):
+        return {"plan": name, "layout": layout, "rehearse": rehearse, "status": "ok", "step_s": step,
+                "wall_s": wall, "under_load": False}
+
+    planner = {"model": ["model.dim=32"], "layouts": {"pp2xtp2": ["parallel.pp=2", "parallel.tp=2"],
+                                                      "pp4": ["parallel.pp=4"]},
+               "plan_keys": ["plan.schedules=[1f1b]"], "steps": 10,
+               "runs": [{"layout": "pp2xtp2", "status": "ok", "step_time_s": 0.5, "under_load": True},
+                        {"layout": "pp4", "status": "ok", "step_time_s": 0.0625, "under_load": False}],
+               "plans": [plan("pp2xtp2", "pp2xtp2", False, 0.024, 12.0),
+                         {**plan("pp2xtp2-rehearsed", "pp2xtp2", True, 0.45, 96.0), "model_step_s": 0.06},
+                         plan("pp4", "pp4", False, 0.032, 9.0)]}
+    _section(results, "rehearsal", {"overrides": [], "layouts": {}, "runs": [], "rehearsals": [],
+                                    "planner": planner})
+    text = render(results, out)
+    assert "| pp2xtp2* | 0.500 | 0.024 | 0.05 | 0.450 | 0.90 |" in text
+    assert "| pp4 | 0.062 | 0.032 | 0.51 | (0.032: not rehearsed) | 0.51 |" in text
+    assert "| pp2xtp2 / pp4 | 8.00 | 0.75 | | 14.06 | |" in text
+    assert ("The runs measured pp=2 x tp=2 8.00x slower than pp=4; the tp cost model plans it 1.33x faster than pp=4 "
+            "(the wrong way round), the rehearsal 14.06x slower than pp=4 (the right way round). The "
+            "`plan.rehearse=true` plan took 96 s") in text
+    assert "by the tp cost model first: 0.060 s, 2.50x the separate plan's 0.024 s" in text
+    # A plan that failed says so, and leaves its cells empty.
+    planner["plans"][1] = {"plan": "pp2xtp2-rehearsed", "layout": "pp2xtp2", "rehearse": True, "status": "failed",
+                           "error": "exit code 1: the rehearsal failed"}
+    _section(results, "rehearsal", {"overrides": [], "layouts": {}, "runs": [], "rehearsals": [],
+                                    "planner": planner})
+    text = render(results, out)
+    assert "| pp2xtp2* | 0.500 | 0.024 | 0.05 |  |  |" in text
+    assert "Failed: pp2xtp2-rehearsed: exit code 1: the rehearsal failed." in text and "way round" not in text

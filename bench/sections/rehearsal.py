@@ -1,6 +1,8 @@
 """Rehearsal (``rehearse=on``, docs/rehearsal.md): the benchmark model on three small layouts, each
 run for real and rehearsed rank by rank; the composed step against the measured one, as ratios from
-the same run of this section."""
+the same run of this section. Then the planner's tp prediction (docs/planner.md): a tiny model at
+pp=2 x tp=2 and pp=4, each run for real and planned, pp=2 x tp=2 both by the tp cost model and
+with ``plan.rehearse=true``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, Mapping
 
 from bench.common import MODEL, median
 from bench.markdown import meta_line, num, star
-from bench.runs import Context, alternating_runs, error_line, run_cli
+from bench.runs import Context, alternating_runs, error_line, read_run, run_cli
 from bench.section import Page, Section
 
 # One thread per rank, real or rehearsed: a rehearsed rank runs alone, and would otherwise take every
@@ -49,7 +51,56 @@ def rehearsal_vs_runs(ctx: Context) -> dict[str, Any]:
     for name in REHEARSAL_RUNS:
         rehearsals.append(_rehearse(ctx, name, common))
         print(f"[bench] rehearsal {name}: {rehearsals[-1].get('step_s') or rehearsals[-1].get('error')}", flush=True)
-    return {"overrides": common, "layouts": REHEARSAL_RUNS, "runs": runs, "rehearsals": rehearsals}
+    return {"overrides": common, "layouts": REHEARSAL_RUNS, "runs": runs, "rehearsals": rehearsals,
+            "planner": planner_tp(ctx)}
+
+
+# The planner's tp prediction: a model small enough that tp's all-reduces dominate its step, its link
+# and runtime fixed (no calibration, no probes), one candidate per layout (1F1B at m=4; the planner
+# also lists the split balancing measured time where it differs: only the run's own split is read).
+PLAN_MODEL = ["model.dim=32", "model.n_layers=6", "train.seq_len=16", "data.vocab_size=48", "train.batch_size=8",
+              "schedule=1f1b", "parallel.microbatches=4", "profile.enabled=false"]
+PLAN_LAYOUTS = {"pp2xtp2": ["parallel.pp=2", "parallel.tp=2"], "pp4": ["parallel.pp=4"]}
+PLAN_STEPS = 10
+PLAN_KEYS = ["plan.microbatches=[4]", "plan.schedules=[1f1b]", "plan.repeats=1", "plan.probe_seconds=0",
+             "plan.comm_latency_s=2e-4", "plan.comm_bandwidth=1e9", "plan.action_overhead_s=0",
+             "plan.corunning_slowdown=1", "plan.comm_busy_delay_s=0", "plan.action_jitter=0"]
+PLANS = {"pp2xtp2": ["pp2xtp2", False], "pp2xtp2-rehearsed": ["pp2xtp2", True], "pp4": ["pp4", False]}
+
+
+def _planned(ctx: Context, name: str, layout: str, rehearse: bool) -> dict[str, Any]:
+    """One ``python -m runner.plan``: its 1F1B m=4 candidate at the run's split."""
+    out, started = ctx.work / f"rehearsal-plan-{name}", time.time()
+    done = run_cli(ctx, *PLAN_MODEL, *PLAN_LAYOUTS[layout], *PLAN_KEYS, f"plan.rehearse={str(rehearse).lower()}",
+                   f"hydra.run.dir={out}", module="runner.plan")
+    found = None
+    if (out / "plan.json").is_file():
+        found = next((c for c in json.loads((out / "plan.json").read_text()) if c["schedule"] == "1f1b"
+                      and c["microbatches"] == 4 and not c.get("split_points")), None)
+    if done.returncode != 0 or found is None or not found.get("valid"):
+        reason = (found or {}).get("reason") or error_line(out, done)
+        return {"plan": name, "layout": layout, "rehearse": rehearse, "status": "failed", "error": reason}
+    return ctx.mark({"plan": name, "layout": layout, "rehearse": rehearse, "status": "ok",
+                     "started_at": started, "finished_at": time.time(), "wall_s": time.time() - started,
+                     "step_s": found["predicted_step_time_s"], "costed_by": found.get("costed_by"),
+                     "model_step_s": (found.get("rehearsal") or {}).get("model_step_s")})
+
+
+def planner_tp(ctx: Context) -> dict[str, Any]:
+    """Each layout run for real (``PLAN_STEPS`` steps: its summary's step time, what the planner
+    predicts) and planned; pp=2 x tp=2 also with ``plan.rehearse=true``."""
+    runs = []
+    for layout, overrides in PLAN_LAYOUTS.items():
+        run_dir = ctx.work / f"rehearsal-plan-real-{layout}"
+        done = run_cli(ctx, *PLAN_MODEL, *overrides, f"train.steps={PLAN_STEPS}", f"hydra.run.dir={run_dir}")
+        runs.append(ctx.mark({"layout": layout, **read_run(run_dir, done)}))
+        print(f"[bench] planner tp: {layout} ran {runs[-1].get('step_time_s') or runs[-1].get('error')}", flush=True)
+    plans = []
+    for name, (layout, rehearse) in PLANS.items():
+        plans.append(_planned(ctx, name, layout, rehearse))
+        print(f"[bench] planner tp: plan {name}: {plans[-1].get('step_s') or plans[-1].get('error')}", flush=True)
+    return {"model": PLAN_MODEL, "layouts": PLAN_LAYOUTS, "plan_keys": PLAN_KEYS, "steps": PLAN_STEPS,
+            "runs": runs, "plans": plans}
 
 
 def render(data: Mapping[str, Any], page: Page) -> list[str]:
@@ -86,7 +137,73 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
         lines += ["", "Every run of this section shared the machine with other work: the ratios measure the load as "
                       "much as the rehearsal (a real run's ranks and a rehearsed rank were slowed by different "
                       "amounts at different times). Re-run it on a quiet machine before reading them as accuracy."]
-    return lines + ["", _MEANING, ""]
+    return lines + ["", _MEANING, "", *_render_planner_tp(res.get("planner"))]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _render_planner_tp(res: Mapping[str, Any] | None) -> list[str]:
+    """The planner's tp prediction: measured / tp cost model / rehearsal per layout, and pp=2 x tp=2
+    against pp=4 each way (a section run before this part existed has none)."""
+    if not res:
+        return []
+    runs = {r["layout"]: r for r in res["runs"]}
+    plans = {p["plan"]: p for p in res["plans"]}
+    measured = {k: r.get("step_time_s") if r.get("status") == "ok" else None for k, r in runs.items()}
+    model = {"pp2xtp2": plans["pp2xtp2"].get("step_s"), "pp4": plans["pp4"].get("step_s")}
+    rehearsed = {"pp2xtp2": plans["pp2xtp2-rehearsed"].get("step_s"), "pp4": model["pp4"]}  # pp4: no tp, no FSDP
+    failed = [f"{k}: {r['error']}" for k, r in {**runs, **plans}.items() if r.get("status") != "ok"]
+    loaded = {k: star({"under_load": any(r.get("under_load") for r in [runs[k], *plans.values()]
+                                         if r.get("layout") == k)}) for k in runs}
+    lines = ["### The planner's tp prediction: costed by rehearsal, by the tp cost model, and measured", "",
+             "The tiny built-in transformer (`" + " ".join(res["model"]) + "`) at pp=2 x tp=2 (`"
+             + " ".join(res["layouts"]["pp2xtp2"]) + "`) and pp=4 (`" + " ".join(res["layouts"]["pp4"])
+             + f"`), 4 ranks each. Measured: `summary.json`'s `step_time_s` of a {res['steps']}-step real run. "
+               "Planned: `python -m runner.plan` with `" + " ".join(res["plan_keys"]) + "` (the link and runtime "
+               "fixed: no calibration, no probes; `plan.schedules=[1f1b]` keeps one candidate per split), the 1F1B "
+               "m=4 candidate at the run's split; pp=2 x tp=2 planned twice, by the tp cost model and with "
+               "`plan.rehearse=true` (pp=4 has no tp or FSDP: the model costs it either way).", "",
+             "| layout | measured (s) | planned, tp cost model (s) | / measured | planned, rehearsal (s) "
+             "| / measured |",
+             "|---|---|---|---|---|---|"]
+    for k in ("pp2xtp2", "pp4"):
+        shown = num(rehearsed[k]) if k == "pp2xtp2" else f"({num(rehearsed[k])}: not rehearsed)"
+        lines.append(f"| {k}{loaded[k]} | {num(measured[k])} | {num(model[k])} | "
+                     f"{num(_ratio(model[k], measured[k]), '.2f')} | {shown} "
+                     f"| {num(_ratio(rehearsed[k], measured[k]), '.2f')} |")
+    each = {name: _ratio(v["pp2xtp2"], v["pp4"]) for name, v in
+            (("measured", measured), ("model", model), ("rehearsal", rehearsed))}
+    lines += [f"| pp2xtp2 / pp4 | {num(each['measured'], '.2f')} | {num(each['model'], '.2f')} | "
+              f"| {num(each['rehearsal'], '.2f')} | |", ""]
+    if failed:
+        lines += ["Failed: " + "; ".join(failed) + ".", ""]
+    if None not in each.values():
+        lines += [_ranking(each) + _took(plans["pp2xtp2-rehearsed"], plans["pp2xtp2"]), ""]
+    within = plans["pp2xtp2-rehearsed"].get("model_step_s")
+    if within is not None and model["pp2xtp2"]:
+        lines += [f"The `plan.rehearse=true` plan predicts the same candidate by the tp cost model first: "
+                  f"{num(within)} s, {within / model['pp2xtp2']:.2f}x the separate plan's {num(model['pp2xtp2'])} s; "
+                  "the two differ only in when the children were timed (`plan.repeats=1`, in each plan's own "
+                  "process).", ""]
+    return lines
+
+
+def _ranking(each: Mapping[str, float]) -> str:
+    """Which way round each ranks the layouts, in words from the numbers."""
+    def way(ratio: float) -> str:
+        return f"{ratio:.2f}x slower than pp=4" if ratio >= 1 else f"{1 / ratio:.2f}x faster than pp=4"
+
+    agree = {k: (each[k] > 1) == (each["measured"] > 1) for k in ("model", "rehearsal")}
+    return (f"The runs measured pp=2 x tp=2 {way(each['measured'])}; the tp cost model plans it {way(each['model'])} "
+            f"({'the right' if agree['model'] else 'the wrong'} way round), the rehearsal {way(each['rehearsal'])} "
+            f"({'the right' if agree['rehearsal'] else 'the wrong'} way round). ")
+
+
+def _took(rehearsed: Mapping[str, Any], modelled: Mapping[str, Any]) -> str:
+    return (f"The `plan.rehearse=true` plan took {num(rehearsed.get('wall_s'), '.0f')} s (its rehearsals run every "
+            f"pipeline rank's real step), the tp cost model's {num(modelled.get('wall_s'), '.0f')} s.")
 
 
 # How to read the table (the same words whatever the numbers: the ratios say how much).

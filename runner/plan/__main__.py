@@ -38,7 +38,7 @@ from runner.launch import launch  # runs the probes
 from runner.outputs.timeline import simulated_slices, write_chrome_trace
 from runner.plan.from_costs import plan_from_costs
 from runner.plan.given import is_costs_file, read_costs
-from runner.plan.planner import Candidate, plan
+from runner.plan.planner import Candidate, check_schedules, plan
 from runner.plan.rehearsed import rehearse_by_cli
 from runner.plan.report import fit_line, label, rehearsal_report, search_report, table, within_error
 from runner.plan.target_report import run_target
@@ -59,6 +59,7 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
     ``plan.json`` holds them, fastest first), ``recommended`` (the chosen one, of those) and
     ``command`` (the ``python -m runner ...`` line that runs it). Raises ``ConfigError`` when no
     candidate can run, ``RunnerError`` when none fits the memory limit."""
+    check_schedules(cfg)
     from_file = bool(cfg.plan.costs) and is_costs_file(cfg.plan.costs)
     if not cfg.plan.barrier and (cfg.plan.target or not from_file):
         raise ConfigError("plan.barrier=false: scoring overlapping steps applies to plans from a costs file "

@@ -55,7 +55,8 @@ from runner.ranks.dist import pick_device, resolve_device
 from runner.ranks.host import usable_cpus
 from runner.validate import validate
 
-__all__ = ["Candidate", "PlanResult", "check_plan_keys", "plan"]
+__all__ = ["Candidate", "PlanResult", "check_plan_keys", "check_schedules",
+           "plan", "tried_schedules"]
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,12 @@ class PlanResult(NamedTuple):
 
 
 def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
-    """(schedule, microbatches, stages per rank): every torch schedule at every ``plan.microbatches``
-    that divides the batch, and the run's own CSV schedule if it has one (its file decides the
-    microbatches and the stages per rank)."""
+    """(schedule, microbatches, stages per rank): every torch schedule (or those of
+    ``plan.schedules``) at every ``plan.microbatches`` that divides the batch, and the run's own CSV
+    schedule if it has one (its file decides the microbatches and the stages per rank)."""
     replica_batch = cfg.train.batch_size // cfg.parallel.dp
     out: list[tuple[str, int, int | None]] = []
-    for name in SCHEDULES:
+    for name in tried_schedules(cfg):
         for m in cfg.plan.microbatches:
             if replica_batch % m == 0:
                 for spr in [1] if is_single_stage(name) else [2, 3, 4]:
@@ -129,6 +130,32 @@ def _candidates(cfg: DictConfig) -> list[tuple[str, int, int | None]]:
             m = cfg.parallel.microbatches  # an unreadable file: validate() says what is wrong with it
         out.append(("csv", m, None))
     return out
+
+
+def tried_schedules(cfg: DictConfig) -> list[str]:
+    """The built-in schedules the plan tries: ``plan.schedules`` (checked by ``check_schedules``),
+    or every one, in the order of ``SCHEDULES``."""
+    chosen = cfg.plan.get("schedules")
+    return [name for name in SCHEDULES if chosen is None or name in chosen]
+
+
+def check_schedules(cfg: DictConfig) -> None:
+    """``plan.schedules``: null, or a non-empty list of built-in schedule names, for a plan of this
+    host (a target's plan and a costs file's try every schedule)."""
+    chosen = cfg.plan.get("schedules")
+    if chosen is None:
+        return
+    elsewhere = ("plan.target", cfg.plan.target) if cfg.plan.target else \
+        ("plan.costs", cfg.plan.costs) if cfg.plan.costs and is_costs_file(cfg.plan.costs) else None
+    if elsewhere:
+        raise ConfigError(f"plan.schedules={list(chosen)} with {elsewhere[0]}={elsewhere[1]}: plan.schedules limits "
+                          f"a plan of this host only; {elsewhere[0]} tries every schedule. Fix: "
+                          f"plan.schedules=null, or drop {elsewhere[0]}.")
+    unknown = [name for name in chosen if name not in SCHEDULES]
+    if unknown or not chosen:
+        what = f"{', '.join(map(repr, unknown))} is not a built-in schedule" if unknown else "no schedule to try"
+        raise ConfigError(f"plan.schedules={list(chosen)}: {what}. Fix: plan.schedules=[<some of "
+                          f"{', '.join(SCHEDULES)}>], or plan.schedules=null for every one.")
 
 
 def _overrides(name: str, m: int, spr: int | None, csv: str | None, split_points: Sequence[str] | None) -> list[str]:
@@ -443,6 +470,7 @@ def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
     otherwise fail alike, or the calibration run first)."""
     memory_limit("plan.memory_limit", cfg.plan.memory_limit)
+    check_schedules(cfg)
     elsewhere = ("plan.target", cfg.plan.target) if cfg.plan.target else \
         ("plan.costs", cfg.plan.costs) if cfg.plan.costs and is_costs_file(cfg.plan.costs) else None
     if cfg.plan.get("rehearse") and elsewhere:
