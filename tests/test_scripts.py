@@ -336,18 +336,21 @@ def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_
     assert "### equal, pp=2" in text and "Not measured: the plan failed." in text
 
 
-def _sync_run(step, overlapped, costs=None):
+def _sync_run(step, overlapped, costs=None, simulated=2.0):
     """One optimizer_sync run: steady step = ``step``; simulated 2.0 s at a floor of 1.6 s."""
     return {"steady_s": step, "bubble_per_step": 0.2, "simulated_barrier_step_s": 2.3, "post_validate": None,
             "costs_s": costs, "steady": {"step_s": step, "per_rank": [0.1, 0.3], "mean": 0.2,
-                                         "overlapped_steps": overlapped, "simulated_step_s": 2.0, "floor_s": 1.6}}
+                                         "overlapped_steps": overlapped, "simulated_step_s": simulated,
+                                         "floor_s": 1.6}}
 
 
 def test_bench_optimizer_sync_section_reports_each_schedule_and_mode_against_the_simulator_and_the_paper(tmp_path):
     results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
-    # Four equal stages, F = I = 100 ms, W = 50 ms: the paper's ZB-H2 bubble 3 (F + I - 2W) = 300 ms over
-    # m (F + I + W) = 2000 ms plus itself, 0.130; with W = 100 ms, 2W covers F + I: 0.
-    costs = {f"{s}{k}": v for s in range(4) for k, v in (("F", 0.1), ("I", 0.1), ("W", 0.05))}
+    # Stages 1-3 at F = I = 100 ms, W = 50 ms: the paper's ZB-H2 bubble 3 (F + I - 2W) = 300 ms over
+    # m (F + I + W) = 2000 ms plus itself, 0.130 (stage 0's, all W, not averaged in: with it, 0); with
+    # W = 100 ms, 2W covers F + I: 0.
+    costs = {f"{s}{k}": v for s in range(1, 4) for k, v in (("F", 0.1), ("I", 0.1), ("W", 0.05))}
+    costs.update({"0F": 0.1, "0I": 0.0, "0W": 0.2})
     even = {f"{s}{k}": 0.1 for s in range(4) for k in "FIW"}
     rounds = [{"repeat": 0, "under_load": True,
                "runs": {"zbh2": {"barrier": _sync_run(2.5, 0, costs), "post_validate": _sync_run(2.4, 0, costs),
@@ -356,7 +359,8 @@ def test_bench_optimizer_sync_section_reports_each_schedule_and_mode_against_the
               {"repeat": 1, "under_load": False,
                "runs": {"zbh2": {"barrier": _sync_run(2.0, 0, even), "post_validate": {"error": "RunnerError: x"},
                                  "deferred": _sync_run(1.9, 4, even)},
-                        "synthesized": {"barrier": _sync_run(2.0, 0), "deferred": {"error": "RunnerError: y"}}}}]
+                        "synthesized": {"barrier": _sync_run(2.0, 0, simulated=1.6 - 1e-12),  # at its floor
+                                        "deferred": {"error": "RunnerError: y"}}}}]
     synth = {"csv": "/tmp/w/sync-plan/s.csv", "order": "0F0,0B0\n1F0,1I0,1W0\n", "memory_limit": "2x1f1b",
              "origin": "rounds(fit the first gradient, eager W) + moves", "evaluated": 200, "seconds": 0.3,
              "weight_grad_fraction": 0.568, "costs_s": {"0F": 0.045, "1W": 0.0765},
@@ -375,6 +379,8 @@ def test_bench_optimizer_sync_section_reports_each_schedule_and_mode_against_the
     # vs the synthesized order's own barrier run; no closed form for a searched order
     row = "| 0* | synthesized | deferred | 2100 | 0.875 | 2100 | 3 | 0.200 | 2000 | 1600 | 1.05 | 0.238 | 0.200 | - |"
     assert row in text
+    assert "| 1 | synthesized | barrier | 2000 | 1 | 2000 | 0 | 0.200 | 1600 | 1600 | 1.25 | 0.200 | 0.000 | - |" \
+        in text  # at the floor, to rounding: 0.000, not -0.000
     assert "| 1 | zbh2 | post_validate | failed: RunnerError: x |" in text
     assert "| 1 | synthesized | deferred | failed: RunnerError: y |" in text
     assert "- zbh2 `deferred` over `barrier`, step time: 0.880, 0.950 (median 0.915)." in text

@@ -118,11 +118,17 @@ def _ms(seconds: float | None) -> str:
 
 
 def _formula(costs_s: Mapping[str, float] | None) -> float | None:
-    """The paper's ZB-H2 bubble rate (``zbh2_bubble``) for the stages' mean F, I and W."""
+    """The paper's ZB-H2 bubble rate (``zbh2_bubble``) for equal stages of the mean F, I and W of
+    the stages that pass a gradient back (1..p-1): stage 0's input takes none, so its I is nothing
+    and its W the whole backward, which the formula's equal stages do not have."""
     if not costs_s:
         return None
-    f, i, w = (statistics.fmean(costs_s.get(f"{s}{k}", 0.0) for s in range(PP)) for k in "FIW")
+    f, i, w = (statistics.fmean(costs_s.get(f"{s}{k}", 0.0) for s in range(1, PP)) for k in "FIW")
     return zbh2_bubble(PP, MICROBATCHES, f, i, w)
+
+
+def _rate(x: float) -> str:
+    return f"{x:.3f}".replace("-0.000", "0.000")  # a step at its floor, to rounding
 
 
 def _row(r: Mapping[str, Any], schedule: str, mode: str, base: float | None) -> str:
@@ -136,8 +142,8 @@ def _row(r: Mapping[str, Any], schedule: str, mode: str, base: float | None) -> 
         f"{r['repeat']}{star(r)}", schedule, mode, _ms(run["steady_s"]),
         f"{run['steady_s'] / base:.3f}" if base and mode != "barrier" else "1", _ms(step),
         str(st.get("overlapped_steps", "-")), f"{st['mean']:.3f}" if st else "-", _ms(sim), _ms(floor),
-        f"{step / sim:.2f}" if step and sim else "-", f"{1 - floor / step:.3f}" if step and floor else "-",
-        f"{1 - floor / sim:.3f}" if sim and floor else "-", "-" if formula is None else f"{formula:.3f}"]) + " |"
+        f"{step / sim:.2f}" if step and sim else "-", _rate(1 - floor / step) if step and floor else "-",
+        _rate(1 - floor / sim) if sim and floor else "-", "-" if formula is None else _rate(formula)]) + " |"
 
 
 def render(data: Mapping[str, Any], page: Page) -> list[str]:
@@ -156,8 +162,9 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
              "the order as run with the run's own mean action times, and its floor (the busiest rank's compute per "
              "step). The last three columns are the paper's bubble rate, 1 - floor / step: of the *measured* steady "
              "step, of the *simulated* one, and ZB-H2's by the *paper's formula* (its Table 2, (p - 1)(F + I - "
-             "2W) over m(F+I+W) plus itself, `bench.sections.zb_paper.zbh2_bubble`, with the run's mean F, I and W "
-             "over the four stages; zbh2 rows only).", "",
+             "2W) over m(F+I+W) plus itself, `bench.sections.zb_paper.zbh2_bubble`, for equal stages of the run's "
+             "mean F, I and W over stages 1-3, those that pass a gradient back: stage 0's I is nothing and its W the "
+             "whole backward; zbh2 rows only).", "",
              "| round | schedule | mode | step (ms) | vs barrier | steady step (ms) | overlapped | bubble | "
              "simulated (ms) | floor (ms) | steady / simulated | bubble: measured | simulated | paper's formula |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
