@@ -161,7 +161,7 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
              "the previous one ended on another; *simulated*: the simulator's steady step without the barrier for "
              "the order as run with the run's own mean action times, and its floor (the busiest rank's compute per "
              "step). The last three columns are the paper's bubble rate, 1 - floor / step: of the *measured* steady "
-             "step, of the *simulated* one, and ZB-H2's by the *paper's formula* (its Table 2, (p - 1)(F + I - "
+             "step, of the *simulated* one, and ZB-H2's by the *paper's formula* (its section 2, (p - 1)(F + I - "
              "2W) over m(F+I+W) plus itself, `bench.sections.zb_paper.zbh2_bubble`, for equal stages of the run's "
              "mean F, I and W over stages 1-3, those that pass a gradient back: stage 0's I is nothing and its W the "
              "whole backward; zbh2 rows only).", "",
