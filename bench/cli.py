@@ -75,7 +75,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--synthesis-rounds", type=int, default=4, help="alternating rounds of every configuration")
     parser.add_argument("--synthesis-steps", type=int, default=16)
     parser.add_argument("--sync-steps", type=int, default=12, help="steps per run of the optimizer_sync section")
-    parser.add_argument("--sync-repeats", type=int, default=2, help="alternating rounds of the three modes")
+    parser.add_argument("--sync-repeats", type=int, default=2,
+                        help="alternating rounds of zbh2 in three modes and the synthesized order in two")
     parser.add_argument("--quick", action="store_true",
                         help="planner and synthesis on tiny models, one round of 3 steps, results into the work "
                              "directory: checks that the sections run, measures nothing worth keeping")

@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from bench.sections.zb_paper import TABLE5_ZBH2, TABLE9  # Table 9: (model, p, m) -> T_F, T_B, T_W, T_comm (ms)
+# Table 9: (model, p, m) -> T_F, T_B, T_W, T_comm (ms)
+from bench.sections.zb_paper import TABLE5_ZBH2, TABLE9, zbh2_bubble
 from runner.errors import ConfigError
 from runner.pipeline.ops import Op
 from runner.pipeline.simulate import compute_floor, peak_in_flight, simulate, stage_spans, steady_step
@@ -122,6 +123,7 @@ def test_zbh2_by_the_papers_measure_is_its_table5_bubble_and_the_steady_step_wit
         assert floor * 1e3 == pytest.approx(m * (f + b + w), rel=1e-12)
         assert span * 1e3 == pytest.approx(m * (f + b + w) + (p - 1) * (f + b + 2 * comm - 2 * w), rel=1e-12)
         assert round(1 - floor / span, 4) == TABLE5_ZBH2[setting], setting
+        assert round(zbh2_bubble(p, m, f, b, w, comm), 4) == TABLE5_ZBH2[setting], setting  # the closed form
         assert makespan >= span
         if makespan > span * (1 + 1e-9):  # the last rank ends last: its late start on top of the floor
             longer.append(setting)

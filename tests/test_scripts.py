@@ -336,28 +336,74 @@ def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_
     assert "### equal, pp=2" in text and "Not measured: the plan failed." in text
 
 
-def test_bench_optimizer_sync_section_reports_each_mode_against_the_barrier_and_the_simulator(tmp_path):
+def _sync_run(step, overlapped, costs=None, simulated=2.0):
+    """One optimizer_sync run: steady step = ``step``; simulated 2.0 s at a floor of 1.6 s."""
+    return {"steady_s": step, "bubble_per_step": 0.2, "simulated_barrier_step_s": 2.3, "post_validate": None,
+            "costs_s": costs, "steady": {"step_s": step, "per_rank": [0.1, 0.3], "mean": 0.2,
+                                         "overlapped_steps": overlapped, "simulated_step_s": simulated,
+                                         "floor_s": 1.6}}
+
+
+def test_bench_optimizer_sync_section_reports_each_schedule_and_mode_against_the_simulator_and_the_paper(tmp_path):
     results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
-
-    def run(step, steady_step, overlapped):
-        return {"steady_s": step, "bubble_per_step": 0.2, "simulated_barrier_step_s": 2.3, "post_validate": None,
-                "steady": {"step_s": steady_step, "per_rank": [0.1, 0.3], "mean": 0.2, "overlapped_steps": overlapped,
-                           "simulated_step_s": 2.0, "floor_s": 1.6}}
-
+    # Stages 1-3 at F = I = 100 ms, W = 50 ms: the paper's ZB-H2 bubble 3 (F + I - 2W) = 300 ms over
+    # m (F + I + W) = 2000 ms plus itself, 0.130 (stage 0's, all W, not averaged in: with it, 0); with
+    # W = 100 ms, 2W covers F + I: 0.
+    costs = {f"{s}{k}": v for s in range(1, 4) for k, v in (("F", 0.1), ("I", 0.1), ("W", 0.05))}
+    costs.update({"0F": 0.1, "0I": 0.0, "0W": 0.2})
+    even = {f"{s}{k}": 0.1 for s in range(4) for k in "FIW"}
     rounds = [{"repeat": 0, "under_load": True,
-               "runs": {"barrier": run(2.5, 2.5, 0), "post_validate": run(2.4, 2.4, 0), "deferred": run(2.2, 2.2, 3)}},
+               "runs": {"zbh2": {"barrier": _sync_run(2.5, 0, costs), "post_validate": _sync_run(2.4, 0, costs),
+                                 "deferred": _sync_run(2.2, 3, costs)},
+                        "synthesized": {"barrier": _sync_run(2.4, 0), "deferred": _sync_run(2.1, 3)}}},
               {"repeat": 1, "under_load": False,
-               "runs": {"barrier": run(2.0, 2.0, 0), "post_validate": {"error": "RunnerError: x"},
-                        "deferred": run(1.9, 1.9, 4)}}]
-    _section(results, "optimizer_sync", {"layout": ["schedule=zbh2", "parallel.pp=4", "parallel.microbatches=8",
-                                                    "train.grad_clip=0"], "steps": 12, "rounds": rounds})
+               "runs": {"zbh2": {"barrier": _sync_run(2.0, 0, even), "post_validate": {"error": "RunnerError: x"},
+                                 "deferred": _sync_run(1.9, 4, even)},
+                        "synthesized": {"barrier": _sync_run(2.0, 0, simulated=1.6 - 1e-12),  # at its floor
+                                        "deferred": {"error": "RunnerError: y"}}}}]
+    synth = {"csv": "/tmp/w/sync-plan/s.csv", "order": "0F0,0B0\n1F0,1I0,1W0\n", "memory_limit": "2x1f1b",
+             "origin": "rounds(fit the first gradient, eager W) + moves", "evaluated": 200, "seconds": 0.3,
+             "weight_grad_fraction": 0.568, "costs_s": {"0F": 0.045, "1W": 0.0765},
+             "peak_activation_mb": [7.568, 7.136, 5.84, 4.976], "floor_s": 2.6074,
+             "spans_s": {"synthesized": 2.6074, "zbh2": 2.6189, "zbh1": 2.7821},
+             "best_round": {"span_s": 2.6074, "rounds": "rounds(until the first gradient, eager W)"}}
+    layout = ["schedule=zbh2", "parallel.pp=4", "parallel.microbatches=8", "train.grad_clip=0"]
+    _section(results, "optimizer_sync", {"layout": layout, "steps": 12, "rounds": rounds, "synthesized": synth})
     text = render(results, out)
     assert "## The optimizer step without the barrier" in text
-    assert "| 0* | deferred | 2200 | 0.880 | 2200 | 0.200 | 3 | 2000 | 1600 | 1.10 |" in text
-    assert "| 1 | barrier | 2000 | 1 | 2000 | 0.200 | 0 | 2000 | 1600 | 1.00 |" in text
-    assert "| 1 | post_validate | failed: RunnerError: x |" in text
-    assert "- `deferred` over `barrier`, step time: 0.880, 0.950 (median 0.915)." in text
-    assert "- `post_validate` over `barrier`, step time: 0.960 (median 0.960)." in text
+    # measured 1 - 1.6 / 2.2, simulated 1 - 1.6 / 2.0, the paper's formula from the run's costs
+    assert "| 0* | zbh2 | deferred | 2200 | 0.880 | 2200 | 3 | 0.200 | 2000 | 1600 | 1.10 | 0.273 | 0.200 | 0.130 |" \
+        in text
+    assert "| 1 | zbh2 | barrier | 2000 | 1 | 2000 | 0 | 0.200 | 2000 | 1600 | 1.00 | 0.200 | 0.200 | 0.000 |" \
+        in text
+    # vs the synthesized order's own barrier run; no closed form for a searched order
+    row = "| 0* | synthesized | deferred | 2100 | 0.875 | 2100 | 3 | 0.200 | 2000 | 1600 | 1.05 | 0.238 | 0.200 | - |"
+    assert row in text
+    assert "| 1 | synthesized | barrier | 2000 | 1 | 2000 | 0 | 0.200 | 1600 | 1600 | 1.25 | 0.200 | 0.000 | - |" \
+        in text  # at the floor, to rounding: 0.000, not -0.000
+    assert "| 1 | zbh2 | post_validate | failed: RunnerError: x |" in text
+    assert "| 1 | synthesized | deferred | failed: RunnerError: y |" in text
+    assert "- zbh2 `deferred` over `barrier`, step time: 0.880, 0.950 (median 0.915)." in text
+    assert "- zbh2 `post_validate` over `barrier`, step time: 0.960 (median 0.960)." in text
+    assert "- synthesized `deferred` over `barrier`, step time: 0.875 (median 0.875)." in text
+    assert "- synthesized over zbh2, `barrier`, step time: 0.960, 1.000 (median 0.980)." in text
+    assert "- synthesized over zbh2, `deferred`, step time: 0.955 (median 0.955)." in text
+    assert ("mean action times (ms: 0F 45.0, 1W 76.5), messages at 0, M_W / M_B = 0.568 (measured on the model, "
+            "`runner.plan.weight_memory`), at twice 1F1B's memory (peak in microbatches' activations per rank: 7.568, "
+            "7.136, 5.84, 4.976, limit 8). It grew from rounds(fit the first gradient, eager W) + moves.") in text
+    assert ("2607 ms against zbh2's 2619 ms, zbh1's 2782 ms and the floor's 2607 ms; the best round schedule alone "
+            "(rounds(until the first gradient, eager W)) 2607 ms. The order as run (`schedule.csv`):\n\n```\n"
+            "0F0,0B0\n1F0,1I0,1W0\n```") in text
+
+    failed = {"error": "no costs: the zbh2 barrier run failed (RunnerError: z)"}
+    _section(results, "optimizer_sync", {"layout": layout, "steps": 12, "synthesized": failed, "rounds": [
+        {"repeat": 0, "under_load": False, "runs": {"zbh2": {"barrier": {"error": "RunnerError: z"}},
+                                                    "synthesized": {m: {"error": "no synthesized schedule: x"}
+                                                                    for m in ("barrier", "deferred")}}}]})
+    text = render(results, out)
+    assert "| 0 | zbh2 | deferred | failed: not run |" in text
+    assert "| 0 | synthesized | barrier | failed: no synthesized schedule: x |" in text
+    assert "The synthesized order: not built (no costs: the zbh2 barrier run failed (RunnerError: z))." in text
 
 
 @pytest.mark.timeout(60)

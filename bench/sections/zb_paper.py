@@ -43,6 +43,15 @@ def paper_step_s(key: tuple[str, int, int], bubble: float) -> float:
     return m * (f + b + w) / 1e3 / (1 - bubble)
 
 
+def zbh2_bubble(p: int, m: int, f: float, b: float, w: float, comm: float = 0.0) -> float:
+    """The paper's closed form for ZB-H2's bubble rate (its section 2: a bubble of (p - 1)(T_F + T_B -
+    2 T_W) over stages of equal costs, T_B the input gradient), with the two messages per microbatch
+    its per-stage span also waits for (+ 2 T_comm: Table 9's costs then give Table 5's figures to the
+    last digit): bubble / (m(F+B+W) + bubble), and 0 where 2W covers F + B + 2 T_comm."""
+    bubble = max(0.0, (p - 1) * (f + b + 2 * comm - 2 * w))
+    return bubble / (m * (f + b + w) + bubble)
+
+
 def zb_paper(ctx: Context) -> dict[str, Any]:
     from runner.pipeline.simulate import simulate
     from runner.plan.from_costs import builtin_orders, given_problem
