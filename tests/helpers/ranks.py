@@ -37,6 +37,8 @@ from runner.train import train
 from runner.validate import validate
 from runner.verify.hook import gather, gather_grads
 
+from helpers import tier
+
 POOLED = (2, 4)  # the world sizes whose ranks are kept between calls (8 ranks: spawned per call)
 
 
@@ -46,6 +48,7 @@ def spawn(world: int, fn, *args, threads_left_because: str | None = None, fresh:
     (``runner.ranks.dist.cleanup`` warns; a rank with such threads could abort after all its work),
     unless ``threads_left_because`` says why a test accepts them (its ranks are its own, then).
     ``fresh``: ranks of this call's own, started now (a test that sets the ranks' environment)."""
+    tier.check("runs ranks")  # pooled ranks start no process: the marker is checked here too
     directory = Path(args[0])
     directory.mkdir(parents=True, exist_ok=True)
     if world in POOLED and not fresh and threads_left_because is None:
