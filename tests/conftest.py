@@ -46,6 +46,14 @@ def pytest_runtest_teardown(item):
         torch.set_num_threads(_threads.pop())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pooled_ranks():
+    """The ranks ``helpers.ranks`` keeps between spawns end with the session, each leaving cleanly."""
+    yield
+    if "helpers.ranks" in sys.modules:
+        sys.modules["helpers.ranks"].close_pools()
+
+
 @pytest.fixture(scope="session")
 def trained_llama(tmp_path_factory) -> Path:
     """One tiny Llama trained 2 steps by the runner (``helpers.trained.train_tiny_llama``): the

@@ -24,7 +24,7 @@ from runner.models.shards import param_layouts, shard_range
 
 from helpers.config import compose, resolved
 from helpers.hf import hf_training, write_model
-from helpers.ranks import spawn
+from helpers.ranks import spawn, validate_once
 
 VOCAB = 63  # odd: the vocabulary's shards differ (torch.chunk: 32 and 31 rows)
 # The Llama plan's sharded modules, by the last part of their name, and the dimension each weight
@@ -107,13 +107,14 @@ class _Loaded(Hook):
 
 def _train_cases(env, out_dir: str, cases: dict[str, tuple[str, dict]]) -> None:
     from runner.train import train
-    from runner.validate import validate
 
     for name, (path, cfg_dict) in cases.items():
         cfg = OmegaConf.create(cfg_dict)
         run_dir = Path(out_dir) / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        result = train(validate(cfg, run_dir), cfg, env, hooks=[_Loaded(Path(path), run_dir)])
+        resolved = validate_once(cfg, run_dir, env)
+        assert not isinstance(resolved, dict), resolved  # refused: the error and its traceback
+        result = train(resolved, cfg, env, hooks=[_Loaded(Path(path), run_dir)])
         if env.is_main:
             torch.save({"losses": result.losses, "summary": result.summary}, run_dir / "result.pt")
 
