@@ -1,27 +1,23 @@
 """The benchmark's tensor-parallelism section: four layouts of the same 4 ranks, rendered as
 ratios to pp=4 from the same run."""
 
-import json
 
 from bench.cli import parse_args, ranks_needed
 from bench.document import render
 from bench.sections.tp import TP_RUNS
+
+from helpers.bench import write_section
 
 MIB = 2**20
 
 
 def test_bench_tp_section_renders_ratios_to_pp4_and_needs_four_ranks(tmp_path):
     results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
-    results.mkdir()
     runs = [{"config": c, "repeat": 0, "status": "ok", "steady_s": s, "tokens_per_s": 4096 / s,
              "peak_mem_bytes": [m * MIB] * 4}
             for c, s, m in [("pp4", 1.0, 400), ("pp2-tp2", 1.25, 420), ("dp2-pp2", 1.1, 460)]]
     runs.append({"config": "tp4", "repeat": 0, "status": "failed", "error": "ConfigError: heads"})
-    meta = {"date": "2026-01-01 00:00", "command": "python scripts/bench.py --only tp", "duration_s": 60.0,
-            "waits": [], "load": {"pytest_samples": 0, "samples": 4, "foreign_cpu_share": 0.01},
-            "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
-    payload = {"overrides": ["model.dim=256"], "layouts": TP_RUNS, "runs": runs}
-    (results / "tp.json").write_text(json.dumps({"meta": meta, "results": payload}))
+    write_section(results, "tp", {"overrides": ["model.dim=256"], "layouts": TP_RUNS, "runs": runs})
     text = render(results, out)
     assert "## Tensor parallelism: pp x tp x dp on the same ranks" in text
     assert "| pp4 | 1.000 | 1.00 | 4096 | 1.00 | 400, 400, 400, 400 | 1.00 |" in text
@@ -36,7 +32,6 @@ def test_bench_rehearsal_section_renders_the_composed_step_over_the_measured_one
     from bench.sections.rehearsal import REHEARSAL_RUNS
 
     results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
-    results.mkdir()
     runs = [{"config": c, "repeat": r, "status": "ok", "steady_s": s, "pipeline_step_s": p}
             for r in range(2) for c, s, p in [("pp2", 2.0, 1.6), ("pp2-tp2", 4.0, 3.5)]]
     runs.append({"config": "dp2-pp2-fsdp", "repeat": 0, "status": "failed", "error": "RankFailedError: x"})
@@ -44,11 +39,9 @@ def test_bench_rehearsal_section_renders_the_composed_step_over_the_measured_one
                    "under_load": True},
                   {"config": "pp2-tp2", "status": "ok", "step_s": 2.0, "pipeline_s": 1.75, "wall_s": 41.0},
                   {"config": "dp2-pp2-fsdp", "status": "ok", "step_s": 1.0, "pipeline_s": 0.8, "wall_s": 20.0}]
-    meta = {"date": "2026-01-01 00:00", "command": "python scripts/bench.py --only rehearsal", "duration_s": 60.0,
-            "waits": [], "load": {"pytest_samples": 3, "samples": 4, "foreign_cpu_share": 0.5},
-            "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
-    payload = {"overrides": ["model.dim=256"], "layouts": REHEARSAL_RUNS, "runs": runs, "rehearsals": rehearsals}
-    (results / "rehearsal.json").write_text(json.dumps({"meta": meta, "results": payload}))
+    write_section(results, "rehearsal", {"overrides": ["model.dim=256"], "layouts": REHEARSAL_RUNS, "runs": runs,
+                                         "rehearsals": rehearsals},
+                  load={"pytest_samples": 3, "samples": 4, "foreign_cpu_share": 0.5})
     text = render(results, out)
     assert "## Rehearsal: the composed step against the real run" in text
     assert "| pp2* | 2.000 | 1.800 | 0.90 | 1.600 | 1.200 | 0.75 | 30 |" in text

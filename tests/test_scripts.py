@@ -20,6 +20,7 @@ from runner.pipeline.schedule import (
     schedule_order,
 )
 
+from helpers.bench import write_section
 from helpers.cli import run_cli
 from helpers.config import ROOT
 
@@ -64,14 +65,6 @@ def test_bench_fit_and_steady():
     assert steady([9.0], skip=1) is None
 
 
-def _section(results, name, payload, **meta):
-    results.mkdir(exist_ok=True)
-    meta = {"date": "2026-01-01 00:00", "command": "python scripts/bench.py", "duration_s": 60.0, "waits": [],
-            "load": {"pytest_samples": 0, "samples": 4, "foreign_cpu_share": 0.01},
-            "machine": {"cpu": "test", "cores": 2, "torch": "x"}, **meta}
-    (results / f"{name}.json").write_text(json.dumps({"meta": meta, "results": payload}))
-
-
 def _sweep_run(pp, schedule, m, **extra):
     return {"pp": pp, "schedule": schedule, "m": m, "status": "ok", "step_time_s": 2.0, "tokens_per_s": 4096.0,
             "bubble": 0.15, "bubble_per_rank": [0.2, 0.1], "bubble_theoretical": 0.11, "theoretical_source": "formula",
@@ -88,16 +81,16 @@ def test_bench_renders_whatever_results_exist(tmp_path):
             {"pp": 2, "schedule": "dualpipev", "m": 8, "status": "failed", "error": "ConfigError: nope"}]
     for r in runs[:2]:
         r["under_load"] = False
-    _section(results, "efficiency", {"model": ["model.dim=8"], "steps": 5, "runs": runs})
+    write_section(results, "efficiency", {"model": ["model.dim=8"], "steps": 5, "runs": runs})
     rows = [{"pp": 2, "m": 8, "schedule": s, "status": "ok", "step_time_s": 2.0, "peak_mem_bytes": [p, p],
              "expected_in_flight": [n, n], "expected_activation_bytes": [n * 2**20, n * 2**20]}
             for s, n, p in [("gpipe", 8, 900 * 2**20), ("1f1b", 2, 500 * 2**20), ("zbv", 4, 700 * 2**20)]]
-    _section(results, "scaling", {"rows": rows, "activation_bytes_per_sample": {"block0": 2**20}})
+    write_section(results, "scaling", {"rows": rows, "activation_bytes_per_sample": {"block0": 2**20}})
     opts = [{"config": c, "repeat": 0, "status": "ok", "steady_s": s, "first_step_s": s, "second_step_s": s,
              "peak_mem_bytes": [2**28]} for c, s in [("1f1b", 1.0), ("1f1b+ac", 1.3), ("zbv", 1.1)]]
-    _section(results, "options", {"model": [], "steps": 8, "repeats": 1, "runs": opts},
+    write_section(results, "options", {"model": [], "steps": 8, "repeats": 1, "runs": opts},
              load={"pytest_samples": 2, "samples": 4, "foreign_cpu_share": 0.4})
-    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": None}]})
+    write_section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": None}]})
     text = render(results, out)
     assert "| 2 | gpipe | 8 | 4,096 | 2.000 | 30-31 | 0.150 | 0.20/0.10 | 0.110 f | +0.040 | 500 |" in text
     assert "failed: ConfigError: nope" in text and "| 2 | zbv* | 8 |" in text
@@ -114,7 +107,7 @@ def test_bench_renders_whatever_results_exist(tmp_path):
     phases = {"compose_validate": 1.0, "spawn": 3.0, "init": 1.0, "build": 2.0, "first_step": 3.0}
     errors = {name: {"s": s, "returncode": code, "error": "x"} for name, s, code in
               [("misspelt key", 0.5, 1), ("unknown value", 0.7, 2), ("rejected combination", 0.6, 2)]}
-    _section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases,
+    write_section(results, "startup", {"pairs": [{"runner_s": 10.0, "bare_s": 4.0, "phases_s": phases,
                                              "config_errors": errors}] * 2})
     text = render(results, out)
     assert "| spawn | 3.00 | 30% |" in text and "| total | 10.00 | |" in text
@@ -153,7 +146,7 @@ def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_on
         {"schedule": "1f1b", "pp": 4, "dp": 2, "tp": 1, "dp_mode": "ddp", "microbatches": 4, "valid": True,
          "memory_per_rank": [estimate]},
         {"schedule": "gpipe", "pp": 4, "dp": 2, "tp": 1, "dp_mode": "ddp", "microbatches": 4, "valid": False}]))
-    _section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
+    write_section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
              machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda", "device_name": "1 x NVIDIA H100"})
     text = render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
     # MFU: 6 x 1e9 x 80000 over the H100's dense bf16 989.5 TFLOP/s (48.5%); fp32 over its 67.
@@ -222,7 +215,7 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     assert separated_pairs([{**gpipe, "predicted_s": 0.5}, *rows[1:]])[:2] == (0, 2)
 
     results = tmp_path / "benchmarks"
-    _section(results, "planner", res)
+    write_section(results, "planner", res)
     text = render(results, tmp_path / "BENCHMARKS.md")
     assert ("message 200 us + bytes / 1.00 GB/s, +2000 us while its sender computes, runtime overhead 500 us per "
             "action, co-running compute x1.00 (action times varying by 12%)") in text
@@ -234,7 +227,7 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     assert "Recommended per round: zbv/8 x3 (3 as a tie)." in text
     # Over model sizes: a summary row per size, with where the error sits.
     small = {**res, "rounds": [round_(2.0, 1.2, 1.1, "dualpipev/8"), round_(2.2, 0.9, 1.3)]}
-    _section(results, "planner", {"sizes": {"smoke": small, "benchmark": res}})
+    write_section(results, "planner", {"sizes": {"smoke": small, "benchmark": res}})
     text = render(results, tmp_path / "BENCHMARKS.md")
     assert "### smoke" in text and "### benchmark" in text
     # Medians over 2 rounds: gpipe 2.1 s and zbv 1.05 s measured (4.8% low), dualpipev 1.2 s (25% high). Pipeline
@@ -247,7 +240,7 @@ def test_bench_holds_the_planner_to_the_measured_order_only_beyond_the_run_to_ru
     fits = [{"forward_scale": f, "backward_scale": 1.0, "gap_s": 5e-5, "rest_scale": 2.0,
              "probes": [{"label": "zbv m=8", "microbatches": 8, "measured_step_s": 1.1}]} for f in (1.1, 1.3, 1.2)]
     probed = {**res, "rounds": [{**r, "fit": f, "plan_s": s} for r, f, s in zip(res["rounds"], fits, (30, 42, 35))]}
-    _section(results, "planner", {"sizes": {"smoke": small, "benchmark": probed}})
+    write_section(results, "planner", {"sizes": {"smoke": small, "benchmark": probed}})
     text = render(results, tmp_path / "BENCHMARKS.md")
     assert "| benchmark | `model.dim=8` | 120.00 | 2 of 3 | 0.0% | +0.0% | 12.5% |" in text
     assert ("Fitted per round to its probes (zbv m=8): forwards x1.10 to 1.30 and backwards x1.00 their timings, "
@@ -270,7 +263,7 @@ def test_bench_device_section_renders_stage_costs_and_pp1_options_and_gpu_runs_g
            "steps": 8, "repeats": 1, "limits": {}, "runs": runs,
            "stages": [{"num_stages": 2, "stage": 0, "children": ["embed", "block0"], **stage}]}
     results = tmp_path / "cuda"
-    _section(results, "device", res, machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda",
+    write_section(results, "device", res, machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda",
                                                 "device_name": "1 x NVIDIA H100"})
     text = render(results, tmp_path / "BENCHMARKS-cuda.md")
     assert "## One device (1 x NVIDIA H100): per-stage costs and the options at pp=1" in text
@@ -309,7 +302,7 @@ def test_bench_hf_section_renders_step_ratios_memory_and_weights_read_per_rank(t
             for c, s, mem, read in [("pp1", 1.0, [600 * mib], [40 * mib]),
                                     ("pp2-1f1b", 0.6, [400 * mib, 380 * mib], [22 * mib, 18 * mib])]]
     model = {"vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 8}
-    _section(results, "hf", {"model": model, "file_bytes": 40 * mib, "runs": runs})
+    write_section(results, "hf", {"model": model, "file_bytes": 40 * mib, "runs": runs})
     text = render(results, out)
     assert "40.0 MiB of fp32 weights" in text
     assert "| pp1 | 1.0500 | 1.00 | 600 | 40.0 | 1.00 |" in text
@@ -328,7 +321,7 @@ def test_bench_synthesis_section_reports_ratios_to_the_synthesized_schedule_per_
                         config("zbv/8", 0.11, [0.10, 0.13, 0.11]),  # the rounds disagree
                         config("1f1b/4", 0.09, [0.10, 0.11, 0.09])]}  # faster every round
     results = tmp_path / "benchmarks"
-    _section(results, "synthesis", {"cases": [case, {"name": "equal", "pp": 2, "error": "the plan failed"}]})
+    write_section(results, "synthesis", {"cases": [case, {"name": "equal", "pp": 2, "error": "the plan failed"}]})
     text = render(results, tmp_path / "BENCHMARKS.md")
     assert "| gpipe/4 | 120.00 | 130.00 | 0.923 | 1.200 (1.182-1.250) | 1.200 | 1.0 |" in text
     assert ("faster than 1 of 3 built-ins in every round, slower than 1f1b/4 in every round; against the other 1 the "
@@ -368,7 +361,7 @@ def test_bench_optimizer_sync_section_reports_each_schedule_and_mode_against_the
              "spans_s": {"synthesized": 2.6074, "zbh2": 2.6189, "zbh1": 2.7821},
              "best_round": {"span_s": 2.6074, "rounds": "rounds(until the first gradient, eager W)"}}
     layout = ["schedule=zbh2", "parallel.pp=4", "parallel.microbatches=8", "train.grad_clip=0"]
-    _section(results, "optimizer_sync", {"layout": layout, "steps": 12, "rounds": rounds, "synthesized": synth})
+    write_section(results, "optimizer_sync", {"layout": layout, "steps": 12, "rounds": rounds, "synthesized": synth})
     text = render(results, out)
     assert "## The optimizer step without the barrier" in text
     # measured 1 - 1.6 / 2.2, simulated 1 - 1.6 / 2.0, the paper's formula from the run's costs
@@ -396,7 +389,7 @@ def test_bench_optimizer_sync_section_reports_each_schedule_and_mode_against_the
             "0F0,0B0\n1F0,1I0,1W0\n```") in text
 
     failed = {"error": "no costs: the zbh2 barrier run failed (RunnerError: z)"}
-    _section(results, "optimizer_sync", {"layout": layout, "steps": 12, "synthesized": failed, "rounds": [
+    write_section(results, "optimizer_sync", {"layout": layout, "steps": 12, "synthesized": failed, "rounds": [
         {"repeat": 0, "under_load": False, "runs": {"zbh2": {"barrier": {"error": "RunnerError: z"}},
                                                     "synthesized": {m: {"error": "no synthesized schedule: x"}
                                                                     for m in ("barrier", "deferred")}}}]})
@@ -422,7 +415,7 @@ def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_wit
                "plans": [plan("pp2xtp2", "pp2xtp2", False, 0.024, 12.0),
                          {**plan("pp2xtp2-rehearsed", "pp2xtp2", True, 0.45, 96.0), "model_step_s": 0.06},
                          plan("pp4", "pp4", False, 0.032, 9.0)]}
-    _section(results, "rehearsal", {"overrides": [], "layouts": {}, "runs": [], "rehearsals": [],
+    write_section(results, "rehearsal", {"overrides": [], "layouts": {}, "runs": [], "rehearsals": [],
                                     "planner": planner})
     text = render(results, out)
     assert "| pp2xtp2* | 0.500 | 0.024 | 0.05 | 0.450 | 0.90 |" in text
@@ -435,7 +428,7 @@ def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_wit
     # A plan that failed says so, and leaves its cells empty.
     planner["plans"][1] = {"plan": "pp2xtp2-rehearsed", "layout": "pp2xtp2", "rehearse": True, "status": "failed",
                            "error": "exit code 1: the rehearsal failed"}
-    _section(results, "rehearsal", {"overrides": [], "layouts": {}, "runs": [], "rehearsals": [],
+    write_section(results, "rehearsal", {"overrides": [], "layouts": {}, "runs": [], "rehearsals": [],
                                     "planner": planner})
     text = render(results, out)
     assert "| pp2xtp2* | 0.500 | 0.024 | 0.05 |  |  |" in text
