@@ -19,6 +19,10 @@ from bench.section import Page, Section
 
 GB = 1e9
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
+# plan.target's candidate of the same pipeline layout as each rehearsal (the run's default schedule;
+# under DDP, dp changes neither a rank's stage nor its memory).
+SAME_LAYOUT = {"rehearse-8b-pp4": {"schedule": "1f1b", "pp": 4, "microbatches": 4, "dp_mode": "ddp"},
+               "rehearse-8b-fsdp8": {"schedule": "1f1b", "pp": 1, "microbatches": 1, "dp_mode": "fsdp"}}
 
 
 def _rehearsal(run: Path) -> dict[str, Any] | None:
@@ -33,12 +37,13 @@ def _rehearsal(run: Path) -> dict[str, Any] | None:
 
 
 def _target(run: Path) -> list[dict[str, Any]]:
-    """plan.target's valid candidates with their per-rank memory estimate."""
+    """plan.target's estimate for the layouts the rehearsals ran (``SAME_LAYOUT``), per rank."""
     plan = run / "plan.json"
     if not plan.is_file():
         return []
     keys = ("schedule", "pp", "dp", "tp", "dp_mode", "microbatches", "memory_per_rank")
-    return [{k: c[k] for k in keys} for c in json.loads(plan.read_text()) if c["valid"]]
+    return [{k: c[k] for k in keys} for c in json.loads(plan.read_text())
+            if c["valid"] and any(all(c[k] == v for k, v in layout.items()) for layout in SAME_LAYOUT.values())]
 
 
 def collect(out: Path) -> dict[str, Any]:
@@ -117,16 +122,10 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
     return lines
 
 
-# plan.target's candidate of the same pipeline layout as each rehearsal (the run's default schedule;
-# under DDP, dp changes neither a rank's stage nor its memory).
-SAME_LAYOUT = {"rehearse-8b-pp4": {"schedule": "1f1b", "pp": 4, "microbatches": 4, "dp_mode": "ddp"},
-               "rehearse-8b-fsdp8": {"schedule": "1f1b", "pp": 1, "microbatches": 1, "dp_mode": "fsdp"}}
-
-
 def _target_lines(res: Mapping[str, Any]) -> list[str]:
     out = []
     for name, reh in res["rehearsals"].items():
-        layout = SAME_LAYOUT.get(name, {})
+        layout = SAME_LAYOUT.get(name)
         match = [c for c in res["target"] if layout and all(c[k] == v for k, v in layout.items())]
         for r in reh["ranks"] if match else []:
             est, got = match[0]["memory_per_rank"][r["rank"]], r["peak_bytes"]
