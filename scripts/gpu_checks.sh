@@ -3,7 +3,8 @@
 # 9 minutes (run it with the device tool's timeout_s=560), most important first, each with its own timeout, each writing its results as it ends
 # (a run cut short still leaves the earlier ones). Results: $OUT (the device tool's folder) or
 # ./gpu-results: summary.txt (one line per check: status and seconds), <check>.log, and
-# results.json (tokens/s, MFU, memory per check) for BENCHMARKS-cuda.md.
+# results.json (what bench/sections/gpu_checks.py renders into BENCHMARKS-cuda.md: parameters, tokens/s,
+# step and memory per run, the rehearsed ranks, plan.target's estimate; MFU computed when rendered).
 #
 #   bash scripts/gpu_checks.sh            # on the GPU host, from the repository root
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh   # the same flow on CPU at toy sizes (a dry run)
@@ -85,55 +86,16 @@ check rehearse-8b-fsdp8 120 python -m runner rehearse=on "device=$DEVICE" "${HF[
 check target-8b 120 python -m runner.plan "${HF[@]}" "plan.target='NVIDIA H100'" plan.world_size=8 \
     "hydra.run.dir=$OUT/runs/target-8b"
 
-# What the runs measured, in one file: tokens/s, MFU against the device's dense peak (6 N FLOPs a
-# token), peak memory; each rehearsed rank's peak.
+# What the runs measured, in one file (the benchmark section's own reading, rendered into
+# BENCHMARKS-cuda.md: bench/sections/gpu_checks.py): per pp=1 run its parameters, tokens/s, step and
+# peak memory; the hand-written loop's steps; each rehearsed rank; plan.target's estimate beside it.
 check results 30 python - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 
-import torch
+from bench.sections.gpu_checks import collect
 
 out = Path(sys.argv[1])
-results = {}
-name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-for run in sorted((out / "runs").glob("1b-*")):
-    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else None
-    if summary is None:
-        continue
-    import yaml
-    cfg = yaml.safe_load((run / "resolved_config.yaml").read_text())
-    from runner.models.builtin import transformer
-    with torch.device("meta"):
-        model = transformer(vocab_size=cfg["data"]["vocab_size"], max_seq_len=cfg["train"]["seq_len"],
-                            dim=cfg["model"]["dim"], n_layers=cfg["model"]["n_layers"], n_heads=cfg["model"]["n_heads"],
-                            ffn_mult=cfg["model"]["ffn_mult"])
-    n = sum(p.numel() for p in model.parameters())
-    entry = {"params": n, "tokens_per_s": summary["tokens_per_s"], "step_time_s": summary["step_time_s"],
-             "peak_mem_bytes": summary["peak_mem_bytes"]}
-    if name:  # by the name CUDA gives ("NVIDIA H100 80GB HBM3": the table's "NVIDIA H100")
-        from runner.plan.roofline import lookup_peaks
-        peaks = lookup_peaks(name)
-        dtype = torch.bfloat16 if cfg["train"]["precision"] == "bf16" else torch.float32
-        entry["mfu"] = 6 * n * summary["tokens_per_s"] / peaks.peak(dtype) if peaks else f"unknown: {name}"
-    results[run.name] = entry
-# The ratios the issue asks for: the runner over the hand-written loop (median steady steps, the
-# first left out as the runner's summary leaves it), bf16 and compile against fp32 eager.
-import statistics
-loop = out / "loop-1b-bf16.json"
-if loop.is_file() and "1b-bf16" in results:
-    loop_s = statistics.median(json.loads(loop.read_text())[1:])
-    results["1b-bf16"]["hand_loop_step_time_s"] = loop_s
-    results["1b-bf16"]["runner_over_hand_loop"] = results["1b-bf16"]["step_time_s"] / loop_s
-if "1b-fp32" in results:
-    for name in ("1b-bf16", "1b-bf16-compile"):
-        if name in results:
-            results[name]["speedup_over_fp32"] = results[name]["tokens_per_s"] / results["1b-fp32"]["tokens_per_s"]
-for run in sorted((out / "runs").glob("rehearse-*")):
-    report = run / "rehearsal.json"
-    if report.is_file():
-        data = json.loads(report.read_text())
-        results[run.name] = {"ranks": [{"rank": r["rank"], "peak_bytes": r["peak_bytes"]} for r in data["ranks"]],
-                             "step": data.get("step")}
-(out / "results.json").write_text(json.dumps(results, indent=1))
-print(json.dumps(results, indent=1))
+(out / "results.json").write_text(json.dumps(collect(out), indent=1))
+print((out / "results.json").read_text())
 EOF

@@ -22,7 +22,7 @@ from runner.pipeline.schedule import (
 
 from helpers.bench import write_section
 from helpers.cli import run_cli
-from helpers.config import ROOT
+from helpers.config import ROOT, TINY, compose
 
 
 def _run(monkeypatch, *args: str) -> int:
@@ -133,10 +133,20 @@ def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_on
     (out / "runs" / "rehearse-8b-pp4" / "rehearsal").mkdir(parents=True)
     (out / "runs" / "target-8b").mkdir(parents=True)
     (out / "summary.txt").write_text("1b-bf16: exit 0 in 30 s\nrehearse-8b-pp4: exit 124 in 200 s\n")
-    pp1 = {"params": 10**9, "peak_mem_bytes": [40 * 10**9]}
-    (out / "results.json").write_text(json.dumps({
-        "1b-bf16": {**pp1, "tokens_per_s": 80000.0, "step_time_s": 0.2},
-        "1b-fp32": {**pp1, "tokens_per_s": 8000.0, "step_time_s": 2.0}, "rehearse-x": {}}))
+    # Two pp=1 runs of the tiny model (its parameters counted from its config on meta), tokens/s
+    # chosen for an MFU of 50% in bf16 on the H100's dense 989.5 TFLOP/s, and 50% x 989.5 / 67 in fp32.
+    from omegaconf import OmegaConf
+
+    from runner.models.split import build_meta_model
+
+    params = sum(p.numel() for p in build_meta_model(compose(*TINY).model).module.parameters())
+    bf16_tokens = 0.5 * 989.5e12 / (6 * params)
+    runs = [("1b-bf16", "bf16", bf16_tokens, 0.2), ("1b-fp32", "fp32", bf16_tokens / 10, 2.0)]
+    for name, precision, tokens, step in runs:
+        (out / "runs" / name).mkdir(parents=True)
+        OmegaConf.save(compose(*TINY, f"train.precision={precision}"), out / "runs" / name / "resolved_config.yaml")
+        (out / "runs" / name / "summary.json").write_text(json.dumps(
+            {"tokens_per_s": tokens, "step_time_s": step, "peak_mem_bytes": [40 * 10**9]}))
     (out / "loop-1b-bf16.json").write_text(json.dumps([1.0, 0.25, 0.25, 0.26]))
     peak = {"params": 8e9, "grads": 8e9, "optimizer_state": 16e9, "activations_and_rest": 10e9, "total": 42e9}
     (out / "runs" / "rehearse-8b-pp4" / "rehearsal" / "rank0.json").write_text(
@@ -149,9 +159,8 @@ def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_on
     write_section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
              machine={"cpu": "x", "cores": 16, "torch": "2.13", "device": "cuda", "device_name": "1 x NVIDIA H100"})
     text = render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
-    # MFU: 6 x 1e9 x 80000 over the H100's dense bf16 989.5 TFLOP/s (48.5%); fp32 over its 67.
-    assert "| 1b-bf16 | 0.200 | 80,000 | 49% | 10.00 | 40.0 |" in text
-    assert "| 1b-fp32 | 2.000 | 8,000 | 72% | 1.00 | 40.0 |" in text
+    assert f"| 1b-bf16 | 0.200 | {bf16_tokens:,.0f} | 50% | 10.00 | 40.0 |" in text
+    assert f"| 1b-fp32 | 2.000 | {bf16_tokens / 10:,.0f} | 74% | 1.00 | 40.0 |" in text  # 0.05 x 989.5 / 67
     assert "0.250 s a step; the runner's step is 0.80x it" in text
     assert "| rehearse-8b-pp4 (partial) | 0 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.900 |" in text
     assert "rank 0: `plan.target` estimates 42.0 GB (36.0 GB of weights" in text and "rehearsed 42.0 GB (32.0" in text

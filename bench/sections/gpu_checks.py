@@ -46,14 +46,28 @@ def _target(run: Path) -> list[dict[str, Any]]:
             if c["valid"] and any(all(c[k] == v for k, v in layout.items()) for layout in SAME_LAYOUT.values())]
 
 
+def _pp1_run(run: Path) -> dict[str, Any] | None:
+    """A pp=1 run's parameters (its model built on meta), precision, tokens/s, step and peak memory."""
+    from omegaconf import OmegaConf
+
+    from runner.models.split import build_meta_model
+
+    if not (run / "summary.json").is_file():
+        return None
+    summary = json.loads((run / "summary.json").read_text())
+    cfg = OmegaConf.load(run / "resolved_config.yaml")
+    params = sum(p.numel() for p in build_meta_model(cfg.model).module.parameters())
+    return {"params": params, "precision": cfg.train.precision,
+            **{k: summary[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes")}}
+
+
 def collect(out: Path) -> dict[str, Any]:
-    """What a run of the script left in ``out``: its summary lines, results.json (the pp=1 runs),
-    the hand-written loop's step times, the rehearsed ranks and plan.target's estimates."""
+    """What a run of the script left in ``out``: its summary lines, the pp=1 runs, the hand-written
+    loop's step times, the rehearsed ranks and plan.target's estimates."""
     runs = out / "runs"
     loop = out / "loop-1b-bf16.json"
     return {"summary": (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").is_file() else [],
-            "pp1": {k: v for k, v in json.loads((out / "results.json").read_text()).items() if k.startswith("1b-")}
-            if (out / "results.json").is_file() else {},
+            "pp1": {p.name: r for p in sorted(runs.glob("1b-*")) if (r := _pp1_run(p))},
             "hand_loop_s": json.loads(loop.read_text()) if loop.is_file() else None,
             "rehearsals": {p.name: r for p in sorted(runs.glob("rehearse-*")) if (r := _rehearsal(p))},
             "target": _target(runs / "target-8b")}
@@ -74,7 +88,7 @@ def _pp1_rows(res: Mapping[str, Any]) -> list[str]:
     fp32 = res["pp1"].get("1b-fp32")
     rows = ["| run | step (s) | tokens/s | MFU | x fp32 | peak memory (GB) |", "|---|---|---|---|---|---|"]
     for name, r in sorted(res["pp1"].items()):
-        bf16 = "bf16" in name
+        bf16 = r["precision"] == "bf16"
         mfu = "?"
         if peaks is not None:
             import torch
