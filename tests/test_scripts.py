@@ -12,6 +12,7 @@ from bench.machine import LoadMonitor
 from bench.runs import Context
 from bench.sections import SECTIONS
 from bench.sections.planner import planner_rows, separated_pairs
+from runner.models.split import build_meta_model
 from runner.pipeline.schedule import (
     SCHEDULES,
     csv_order,
@@ -136,8 +137,6 @@ def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_on
     # Two pp=1 runs of the tiny model (its parameters counted from its config on meta), tokens/s
     # chosen for an MFU of 50% in bf16 on the H100's dense 989.5 TFLOP/s, and 50% x 989.5 / 67 in fp32.
     from omegaconf import OmegaConf
-
-    from runner.models.split import build_meta_model
 
     params = sum(p.numel() for p in build_meta_model(compose(*TINY).model).module.parameters())
     bf16_tokens = 0.5 * 989.5e12 / (6 * params)
@@ -442,3 +441,28 @@ def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_wit
     text = render(results, out)
     assert "| pp2xtp2* | 0.500 | 0.024 | 0.05 |  |  |" in text
     assert "Failed: pp2xtp2-rehearsed: exit code 1: the rehearsal failed." in text and "way round" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
+    # The dry run a GPU host's first call depends on (docs/testing.md): the pp=1 run, the
+    # hand-written loop over it and plan.target, then results.json as the bench section reads it.
+    out = tmp_path / "gpu"
+    done = run_cli(program=["bash", str(ROOT / "scripts" / "gpu_checks.sh")], cwd=ROOT, timeout=280,
+                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1",
+                        "GPU_CHECKS_ONLY": "env 1b-bf16 loop-1b-bf16 target-8b results"})
+    assert done.returncode == 0, done.stderr
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["env", "1b-bf16", "loop-1b-bf16", "target-8b", "results"]
+    assert all(": exit 0 in " in line for line in lines), lines
+    results = json.loads((out / "results.json").read_text())
+    run = results["pp1"]["1b-bf16"]
+    # The toy model of GPU_CHECKS_SMALL: width 64, 2 blocks, 256-token vocabulary, sequence 64.
+    model = compose(*TINY, "model.dim=64", "model.n_layers=2", "model.n_heads=4", "data.vocab_size=256",
+                    "train.seq_len=64").model
+    assert run["params"] == sum(p.numel() for p in build_meta_model(model).module.parameters())
+    assert run["precision"] == "bf16" and run["tokens_per_s"] > 0
+    assert len(results["hand_loop_s"]) == 8 and all(t > 0 for t in results["hand_loop_s"])
+    assert results["target"] and all(c["schedule"] == "1f1b" for c in results["target"])
