@@ -89,8 +89,11 @@ class Candidate:
     peak_activation_bytes: list[int] = field(default_factory=list)  # per action: an I keeps plan.weight_grad_fraction
     peak_activation_mb: list[float] = field(default_factory=list)  # the same in microbatches' activations (M_B)
     fits_memory: bool = True
-    pipeline_s: float | None = None  # the simulated pipeline with mean action times (no jitter)
-    after_pipeline_s: float | None = None  # of the predicted step: the loss/norm all-reduce and the optimizer
+    # the simulated pipeline with mean action times (no jitter); plan.barrier=false: its steady step, steps overlapping
+    pipeline_s: float | None = None
+    # of the predicted step: the loss/norm all-reduce and the optimizer (plan.barrier=false: what the
+    # updates between a rank's steps, the deferred all-reduce and the jitter add to the steady pipeline)
+    after_pipeline_s: float | None = None
     stage_costs_s: dict[str, float] = field(default_factory=dict)  # "<stage><F|B|I|W>": seconds, as simulated
     lower_bound_s: float | None = None  # no order of this layout's actions runs its pipeline faster
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
@@ -296,7 +299,9 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None,
     A step is predicted as the simulated pipeline (compute as fitted + the runtime's per-action
     overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
-    update: what ``summary.json``'s ``step_time_s`` measures."""
+    update: what ``summary.json``'s ``step_time_s`` measures. With ``plan.barrier=false``,
+    ``train.optimizer_sync=deferred``'s steady step instead (``_predict_deferred``): what
+    ``summary.json``'s ``bubble.steady.step_s`` measures; every command then carries ``DEFERRED``."""
     check_plan_keys(cfg)
     if out is None and (launch is not None or cfg.plan.synthesize or cfg.plan.rehearse):
         raise ValueError("plan(): probe runs, rehearsals and synthesized schedules are written into a directory: "
