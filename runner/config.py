@@ -131,10 +131,11 @@ class PlanConfig(TargetPlanConfig):
     # into the plan directory and listed beside the built-in schedules.
     synthesize: bool = False
     search_budget: int = 200  # orders evaluated per searched layout: bounds the search, not the clock
-    # false: score schedules as if steps overlapped (the Zero Bubble paper's post-validation; its
-    # measure: the longest rank's span within a step, floor m(F+B+W)). Plans from a costs file only:
-    # plans of this host or a target keep the barrier (a run's steps overlap with
-    # train.optimizer_sync=deferred: its summary's bubble.steady measures them).
+    # false: score steps that overlap (the Zero Bubble paper's post-validation), which runs get with
+    # train.optimizer_sync=deferred: every candidate's command then carries it. A plan of this host
+    # or of plan.target scores deferred's steady step (each rank's update between its own steps, the
+    # loss/norm all-reduce waited for a step later; probes run deferred, their bubble.steady fitted);
+    # a costs file's, the longest rank's span within a step (floor m(F+B+W)).
     barrier: bool = True
     search_seed: int = 0
     # Also plan every other parallel.pp x parallel.dp x parallel.tp of the same number of ranks

@@ -18,7 +18,18 @@ from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.calibrate import Calibration, calibrate, solve_action_overhead
 from runner.plan.costs import ChildCost, stage_costs
 from runner.plan.planner import plan
-from runner.plan.probe import PROBED, Fit, Measured, Observation, fit, predicted_pipelines, probe_layouts, probe_steps
+from runner.plan.probe import (
+    PROBED,
+    Fit,
+    Measured,
+    Observation,
+    deferred_steps,
+    fit,
+    predicted_pipelines,
+    probe_layouts,
+    probe_steps,
+)
+from runner.plan.report import fit_line
 from runner.validate import validate
 
 from helpers.cli import run_cli
@@ -212,6 +223,28 @@ def test_the_fit_recovers_the_scales_gap_and_rest_its_runs_were_made_of():
     # The three placements at the smallest microbatch count, and 1F1B at the largest.
     assert probe_layouts([2, 4, 8]) == [("1f1b", 1, 2), ("interleaved_1f1b", 2, 2), ("zbv", 2, 2), ("1f1b", 1, 8)]
     assert probe_layouts([4]) == [("1f1b", 1, 4), ("interleaved_1f1b", 2, 4), ("zbv", 2, 4)]
+
+
+def test_without_the_barrier_the_fit_recovers_the_updates_from_the_deferred_runs_steady_steps():
+    # Probes of a plan.barrier=false plan run train.optimizer_sync=deferred: their step is
+    # summary.json's bubble.steady steady step, and the updates between a rank's steps are fitted to it.
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=3e-4, busy_delay_s=5e-4)
+    truth = Fit(forward_scale=1.3, backward_scale=1.1, gap_s=4e-4, rest_scale=1.6)
+    observations = []
+    for o in _observations(truth, calibration):
+        o = replace(o, updates_s={0: 0.004, 1: 0.001})  # rank 0 holds the embedding's update too
+        steady = deferred_steps(o, truth, calibration)
+        observations.append(replace(o, measured=replace(o.measured, deferred=True, steady_s=steady)))
+    fitted = fit(observations, calibration)
+    assert fitted.gap_s == pytest.approx(4e-4, rel=1e-3) and fitted.rest_scale == pytest.approx(1.6, rel=1e-3)
+    for probe, o in zip(fitted.probes, observations):  # measured vs predicted: the steady step, not step_time_s
+        assert probe["step"] == "bubble.steady" and probe["measured_step_s"] == o.measured.steady_s
+        assert probe["fitted_step_s"] == pytest.approx(o.measured.steady_s, rel=1e-3)
+    assert "steady steps without the barrier (train.optimizer_sync=deferred, summary.json bubble.steady) predicted" \
+        in fit_line(fitted)
+    # A steady step that the pipelines alone already fill leaves the updates nothing: 0, not negative.
+    short = [replace(o, measured=replace(o.measured, steady_s=o.measured.pipeline_s * 0.5)) for o in observations]
+    assert fit(short, calibration).rest_scale == 0.0
 
 
 def _previous_run(run_dir: Path, layout, order, *, forward_s: float, backward_s: float, pipeline_s: float,

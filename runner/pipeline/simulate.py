@@ -14,12 +14,13 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
-           "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step"]
+           "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step",
+           "deferred_step"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -73,9 +74,12 @@ def _ready(op: Op, rank: int, end: Mapping[tuple, float], rank_of: Mapping[int, 
     return None if grad is None else max(ready, grad + (comm_s if rank_of[s + 1] != rank else 0.0))
 
 
-def _replay(order: Mapping[int, Sequence[Op]], cost, num_stages: int, comm_s: float
+def _replay(order: Mapping[int, Sequence[Op]], cost, num_stages: int, comm_s: float,
+            gate: Callable[[int, int, Mapping[tuple, float]], float | None] | None = None
             ) -> tuple[dict[tuple, float], dict[Op, tuple[int, float]]]:
-    """Each action's end, and its rank and start: the ranks in the given orders."""
+    """Each action's end, and its rank and start: the ranks in the given orders. ``gate(rank,
+    position, end)``, where given, is the earliest the rank's action at that position may start
+    beyond its inputs (None: not known yet), e.g. a step boundary's optimizer update."""
     rank_of = {op.stage: rank for rank, ops in order.items() for op in ops}
     position = {rank: 0 for rank in order}
     free_at = {rank: 0.0 for rank in order}
@@ -88,6 +92,9 @@ def _replay(order: Mapping[int, Sequence[Op]], cost, num_stages: int, comm_s: fl
             while position[rank] < len(ops):
                 op = ops[position[rank]]
                 ready = _ready(op, rank, end, rank_of, comm_s, num_stages - 1)
+                if ready is not None and gate is not None:
+                    held = gate(rank, position[rank], end)
+                    ready = None if held is None else max(ready, held)
                 if ready is None:
                     break
                 begin = max(free_at[rank], ready)
@@ -219,6 +226,67 @@ def steady_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str
     step = ends[1] - ends[0]
     work = _work(order, costs)
     return step, {rank: 1.0 - w / step for rank, w in sorted(work.items())}
+
+
+def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[int, float], reduce_s: float):
+    """``train.optimizer_sync=deferred``'s step boundary (``runner.train.Trainer.step``): rank r's
+    step k+1 begins after its own step k's forward and backward end (``e(r, k)``: its last action),
+    then the wait for step k-1's loss and norm all-reduce (``R(k-1)``, done ``reduce_s`` after the
+    last rank started it), then step k's update (``update_s[r]``: the norm's squares that start
+    step k's all-reduce, the snapshot, AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) =
+    max_r s(r, k) + reduce_s`` and step k+1 starts at ``s(r, k) + update_s[r]``."""
+    size = {rank: len(ops) for rank, ops in order.items()}
+    last = {rank: (ops[-1].stage, ops[-1].kind, ops[-1].microbatch) for rank, ops in order.items() if ops}
+    started: dict[tuple[int, int], float] = {}  # (rank, step) -> s(r, k)
+    reduced: dict[int, float] = {-1: -math.inf}  # step -> R(k)
+
+    def start(rank: int, k: int, end: Mapping[tuple, float]) -> float | None:
+        if (rank, k) not in started:
+            s, kind, mb = last[rank]
+            own, before = end.get((s, kind, k * m + mb)), reduce_done(k - 1, end)
+            if own is None or before is None:
+                return None
+            started[rank, k] = max(own, before)
+        return started[rank, k]
+
+    def reduce_done(k: int, end: Mapping[tuple, float]) -> float | None:
+        if k not in reduced:
+            starts = [start(rank, k, end) for rank in last]
+            if any(t is None for t in starts):
+                return None
+            reduced[k] = max(t for t in starts if t is not None) + reduce_s
+        return reduced[k]
+
+    def gate(rank: int, position: int, end: Mapping[tuple, float]) -> float | None:
+        k, at = divmod(position, size[rank])
+        if at or not k:
+            return 0.0
+        began = start(rank, k - 1, end)
+        return None if began is None else began + update_s.get(rank, 0.0)
+
+    return gate
+
+
+def deferred_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+                  *, num_stages: int, comm_s: float = 0.0, update_s: Mapping[int, float] | None = None,
+                  reduce_s: float = 0.0, jitter: float = 0.0, samples: int = 16, steps: int = 8) -> float:
+    """The steady step of ``train.optimizer_sync=deferred`` (no barrier between steps): ``steps``
+    copies of ``order`` replayed back to back (``repeat_steps``) with each rank's update and the
+    deferred validation's wait between its steps (``_deferred_gate``; messages at the step boundary
+    cost ``comm_s`` as any), measured as ``bubble.steady`` measures a run: the time between the
+    pipeline's ends (the last action of a step on any rank) of step ``steps // 2`` and the last,
+    per step (the first steps settle). With ``jitter``, the mean over ``samples`` draws: every
+    step then waits for its slowest rank's draw, as a run does."""
+    m = 1 + max(op.microbatch for ops in order.values() for op in ops)
+    repeated = repeat_steps(order, steps)
+    first = steps // 2
+    periods = []
+    for seed in range(samples if jitter else 1):
+        end, _ = _replay(repeated, _cost_of(costs, jitter, seed), num_stages, comm_s,
+                         _deferred_gate(order, m, update_s or {}, reduce_s))
+        ends = {k: max(t for op, t in end.items() if op[2] // m == k) for k in (first - 1, steps - 1)}
+        periods.append((ends[steps - 1] - ends[first - 1]) / (steps - first))
+    return statistics.fmean(periods)
 
 
 def rank_span(actions: Sequence[SimAction]) -> float:

@@ -38,7 +38,7 @@ from runner.launch import launch  # runs the probes
 from runner.outputs.timeline import simulated_slices, write_chrome_trace
 from runner.plan.from_costs import plan_from_costs
 from runner.plan.given import is_costs_file, read_costs
-from runner.plan.planner import Candidate, check_schedules, plan
+from runner.plan.planner import Candidate, check_barrier_free, check_schedules, plan
 from runner.plan.rehearsed import rehearse_by_cli
 from runner.plan.report import fit_line, label, rehearsal_report, search_report, table, within_error
 from runner.plan.target_report import run_target
@@ -60,13 +60,8 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
     ``command`` (the ``python -m runner ...`` line that runs it). Raises ``ConfigError`` when no
     candidate can run, ``RunnerError`` when none fits the memory limit."""
     check_schedules(cfg)
+    check_barrier_free(cfg, overrides)  # plan.barrier=false: commands that run deferred
     from_file = bool(cfg.plan.costs) and is_costs_file(cfg.plan.costs)
-    if not cfg.plan.barrier and (cfg.plan.target or not from_file):
-        raise ConfigError("plan.barrier=false: scoring overlapping steps applies to plans from a costs file "
-                          "(plan.costs=<file.yaml|json>) only; a plan of this host or a target is scored with the "
-                          "barrier (the runs it measures keep it; a run's own overlap under "
-                          "train.optimizer_sync=deferred is in its summary's bubble.steady). Fix: "
-                          "drop plan.barrier=false, or plan from a costs file.")
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.launch.threads_per_rank or 1)  # as one rank of the run would
     quiet = [logging.getLogger(name) for name in ("runner.validate", "runner.parallel.tied", "runner.startup")]
@@ -100,7 +95,8 @@ def where_plan(out: Path) -> str:
 def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
     """Plan with this host's measured costs (probe runs); returns the best candidate's command."""
     # The user's overrides, less the planner's own and the ones each candidate sets itself.
-    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=")
+    chosen = ("plan.", "schedule", "parallel.microbatches=", "parallel.stages_per_rank=", "parallel.split_points=",
+              *(() if cfg.plan.barrier else ("train.optimizer_sync=",)))  # plan.barrier=false: each one's own
     kept = [o for o in overrides if not o.startswith(chosen)]
     candidates, timelines, calibration, model = plan(cfg, out, launch,
                                                      rehearse_by_cli(kept) if cfg.plan.rehearse else None)
@@ -118,6 +114,10 @@ def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
     if model is not None and model.probes:
         (out / "fit.json").write_text(json.dumps(asdict(model), indent=2) + "\n")
         print(fit_line(model))
+    if not cfg.plan.barrier:
+        print("steps without the barrier (plan.barrier=false): train.optimizer_sync=deferred's steady step, each "
+              "rank's update between its own steps and the loss/norm all-reduce waited for a step later, action "
+              "times varying as calibrated (docs/planner.md)")
     print(table(candidates))
     for line in search_report(candidates):
         print(line)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from runner._torch import pp as _torch_pp
 from runner.losses import build_loss
 from runner.models.split import StageModule, build_meta_model, materialize
+from runner.optim import UpdateSnapshot
 from runner.ranks.dist import synchronize
 
 __all__ = ["ChildCost", "measure_child_costs", "stage_costs"]
@@ -32,6 +33,9 @@ class ChildCost:
     output_bytes: int  # what the child sends on
     update_s: float = 0.0  # the optimizer step of its parameters, with the global-norm clip's share
     params: int = 0  # parameters it holds (the whole-rank memory estimate: runner.plan.memory)
+    # train.optimizer_sync=post_validate/deferred: the copy of its parameters and AdamW state taken
+    # before each update (runner.optim.UpdateSnapshot: 12 bytes per parameter)
+    snapshot_s: float = 0.0
 
 
 def _timed(fn, repeats: int, device: torch.device, setup=lambda: None) -> float:
@@ -76,17 +80,18 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
                          setup=forward)
         weight_s = _timed(lambda groups: _torch_pp.backward_weight(child, groups), repeats, device,
                           setup=lambda: _torch_pp.backward_input(forward(), grad, [inp], child))
-    update_s = _update_s(list(child.parameters()), repeats, device)  # the backwards above left gradients
+    update_s, snapshot_s = _update_s(list(child.parameters()), repeats, device)  # the backwards left gradients
     child.zero_grad(set_to_none=True)
     return ChildCost(forward_s, backward_s, input_s, weight_s, saved[0], out.numel() * out.element_size(), update_s,
-                     sum(p.numel() for p in child.parameters()))
+                     sum(p.numel() for p in child.parameters()), snapshot_s)
 
 
-def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.device) -> float:
+def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.device) -> tuple[float, float]:
     """What the runner does to these parameters after backward: their share of the global norm,
-    the clip, and AdamW (with a negligible learning rate: the planner's model stays as it is)."""
+    the clip, and AdamW (with a negligible learning rate: the planner's model stays as it is); and
+    the snapshot ``post_validate`` and ``deferred`` take before it (the runner's own)."""
     if not params:
-        return 0.0
+        return 0.0, 0.0
     optimizer = torch.optim.AdamW(params, lr=1e-12)
 
     def update() -> None:
@@ -94,7 +99,9 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.devi
         torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
         optimizer.step()
 
-    return _timed(lambda _: update(), repeats, device)
+    update_s = _timed(lambda _: update(), repeats, device)  # AdamW's state exists from here on
+    snapshot = UpdateSnapshot(optimizer)
+    return update_s, _timed(lambda _: snapshot.take(), repeats, device)
 
 
 def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,

@@ -14,7 +14,7 @@ from runner.pipeline.ops import Op
 from runner.pipeline.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
 from runner.pipeline.simulate import peak_in_flight, rank_span, simulate
 from runner.plan.given import GivenCosts, memory_limit
-from runner.plan.planner import Candidate, _mark_ties
+from runner.plan.planner import DEFERRED, Candidate, _mark_ties
 from runner.plan.problem import Problem, lower_bound
 from runner.plan.synthesize import synthesize
 
@@ -99,6 +99,9 @@ def plan_from_costs(given: GivenCosts, out: Path, *, budget: int, seed: int, tie
                     "seconds": round(found.seconds, 3), "seed": seed}
         results.append(c)
         timelines[id(c)] = timeline
+    if not barrier:  # what was scored: runs of these commands overlap their steps
+        for c in results:
+            c.overrides.append(DEFERRED)
     ranked = sorted(results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     _mark_ties(ranked, tie_tolerance)
     return ranked, timelines

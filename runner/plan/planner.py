@@ -27,7 +27,9 @@ from omegaconf import DictConfig
 
 from runner.errors import ConfigError
 from runner.layout import Layout, ResolvedRun
+from runner.models.hf import resolve_verify
 from runner.models.split import split_by_cost
+from runner.options import OptimizerSync
 from runner.outputs.timeline import write_schedule_csv
 from runner.parallel.dims import ParallelDims
 from runner.pipeline.config import CsvScheduleConfig
@@ -41,13 +43,13 @@ from runner.pipeline.schedule import (
     read_csv_schedule,
     schedule_order,
 )
-from runner.pipeline.simulate import expected_makespan, peak_in_flight, simulate
+from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
 from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.memory import annotate_memory, rank_params
-from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, read_run, rest_s, sent_bytes
+from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, rank_updates, read_run, rest_s, sent_bytes
 from runner.plan.rehearsed import Rehearse, cost_from_rehearsal, link_overrides, needs_rehearsal, rehearsal_key
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction
@@ -55,10 +57,14 @@ from runner.ranks.dist import pick_device, resolve_device
 from runner.ranks.host import usable_cpus
 from runner.validate import validate
 
-__all__ = ["Candidate", "PlanResult", "check_plan_keys", "check_schedules",
+__all__ = ["Candidate", "PlanResult", "DEFERRED", "check_barrier_free", "check_plan_keys", "check_schedules",
            "plan", "tried_schedules"]
 
 log = logging.getLogger(__name__)
+
+# plan.barrier=false scores train.optimizer_sync=deferred's overlapping steps: every candidate's
+# command carries it, so that running it gets the overlap scored.
+DEFERRED = "train.optimizer_sync=deferred"
 
 
 class Prediction(NamedTuple):
@@ -83,8 +89,11 @@ class Candidate:
     peak_activation_bytes: list[int] = field(default_factory=list)  # per action: an I keeps plan.weight_grad_fraction
     peak_activation_mb: list[float] = field(default_factory=list)  # the same in microbatches' activations (M_B)
     fits_memory: bool = True
-    pipeline_s: float | None = None  # the simulated pipeline with mean action times (no jitter)
-    after_pipeline_s: float | None = None  # of the predicted step: the loss/norm all-reduce and the optimizer
+    # the simulated pipeline with mean action times (no jitter); plan.barrier=false: its steady step, steps overlapping
+    pipeline_s: float | None = None
+    # of the predicted step: the loss/norm all-reduce and the optimizer (plan.barrier=false: what the
+    # updates between a rank's steps, the deferred all-reduce and the jitter add to the steady pipeline)
+    after_pipeline_s: float | None = None
     stage_costs_s: dict[str, float] = field(default_factory=dict)  # "<stage><F|B|I|W>": seconds, as simulated
     lower_bound_s: float | None = None  # no order of this layout's actions runs its pipeline faster
     tie: bool = False  # predicted within plan.tie_tolerance of the fastest that fits
@@ -211,12 +220,18 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
         busy[a.rank] += a.end - a.start
     candidate.valid = True
     rank_stages = {r: layout.stages_on(r) for r in range(layout.pp)}
-    candidate.after_pipeline_s = model.rest_scale * rest_s(rank_stages, layout.stages, child, calibration)
-    candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
-    candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
-    candidate.pipeline_s = max(a.end for a in timeline)
-    problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child))
+    if plan_cfg.barrier:
+        candidate.after_pipeline_s = model.rest_scale * rest_s(rank_stages, layout.stages, child, calibration)
+        candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
+        candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
+        candidate.pipeline_s = max(a.end for a in timeline)
+    else:
+        _predict_deferred(candidate, layout, order, costs, comm_s,
+                          model.scaled_updates(rank_updates(rank_stages, layout.stages, child, calibration)),
+                          calibration, sum(busy.values()))
+    problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
+                      barrier=plan_cfg.barrier)
     candidate.lower_bound_s = lower_bound(problem)
     fraction = plan_cfg.weight_grad_fraction
     counts, nbytes = peak_in_flight(order), peak_in_flight(order, problem.stage_bytes, fraction)
@@ -229,6 +244,22 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     limit = memory_limit("plan.memory_limit", plan_cfg.memory_limit, problem)
     candidate.fits_memory = limit is None or max(nbytes.values()) <= limit * (1 + 1e-9)
     return timeline
+
+
+def _predict_deferred(candidate: Candidate, layout: Layout, order: dict[int, list[Op]],
+                      costs: Mapping[tuple[int, str], float], comm_s: float, updates: Mapping[int, float],
+                      calibration: Calibration, busy_s: float) -> None:
+    """``plan.barrier=false``: the step is ``train.optimizer_sync=deferred``'s steady step
+    (``deferred_step``: steps back to back, each rank's update between its own steps, the loss/norm
+    all-reduce one message waited for a step later), its mean with action times varying as
+    calibrated; the pipeline is that steady step without updates or all-reduce and mean times
+    (what ``vs bound`` holds against the busiest rank's compute), the rest is what they add."""
+    candidate.predicted_step_time_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                                    update_s=updates, reduce_s=calibration.latency_s,
+                                                    jitter=calibration.action_jitter)
+    candidate.pipeline_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
+    candidate.after_pipeline_s = candidate.predicted_step_time_s - candidate.pipeline_s
+    candidate.bubble = 1 - busy_s / (layout.pp * candidate.pipeline_s)
 
 
 @dataclass
@@ -268,7 +299,9 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None,
     A step is predicted as the simulated pipeline (compute as fitted + the runtime's per-action
     overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
-    update: what ``summary.json``'s ``step_time_s`` measures."""
+    update: what ``summary.json``'s ``step_time_s`` measures. With ``plan.barrier=false``,
+    ``train.optimizer_sync=deferred``'s steady step instead (``_predict_deferred``): what
+    ``summary.json``'s ``bubble.steady.step_s`` measures; every command then carries ``DEFERRED``."""
     check_plan_keys(cfg)
     if out is None and (launch is not None or cfg.plan.synthesize or cfg.plan.rehearse):
         raise ValueError("plan(): probe runs, rehearsals and synthesized schedules are written into a directory: "
@@ -282,6 +315,9 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None,
         _plan_candidate(state, base, name, m, spr)
     if state.cfg.plan.synthesize and state.calibration is not None and state.model is not None and out is not None:
         _plan_synthesized(state)
+    if not cfg.plan.barrier:  # what was scored: runs of these commands overlap their steps
+        for c in state.results:
+            c.overrides.append(DEFERRED)
     ranked = sorted(state.results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     _mark_ties(ranked, state.cfg.plan.tie_tolerance)
     annotate_memory(ranked, state.cfg)
@@ -492,6 +528,32 @@ def check_plan_keys(cfg: DictConfig) -> None:
         read_run(cfg.plan.costs)
 
 
+def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """``plan.barrier=false`` scores steps that overlap, which runs get with
+    ``train.optimizer_sync=deferred`` (the candidates' commands carry it): refused, before anything
+    is timed, with another ``train.optimizer_sync`` given, with ``plan.rehearse`` (a rehearsal
+    composes a step with the barrier) and where ``deferred`` cannot run (``verify`` with
+    ``checkpoint.resume``: ``runner.validate``)."""
+    if cfg.plan.barrier:
+        return
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith("train.optimizer_sync=")]
+    other = next((v for v in given if v != OptimizerSync.deferred), None)
+    if other is not None:
+        raise ConfigError(f"plan.barrier=false with train.optimizer_sync={other}: a plan without the barrier "
+                          f"scores steps that overlap, which only train.optimizer_sync=deferred runs (each "
+                          f"candidate's command carries it). Fix: drop train.optimizer_sync={other}, or "
+                          "plan.barrier=true to plan steps with the barrier.")
+    if cfg.plan.get("rehearse"):
+        raise ConfigError("plan.barrier=false with plan.rehearse=true: a rehearsal composes its layout's step with "
+                          "the barrier (its ranks run one after another), so rehearsed candidates cannot be scored "
+                          "without it. Fix: plan.rehearse=false, or plan.barrier=true.")
+    if cfg.checkpoint.resume and resolve_verify(cfg):
+        raise ConfigError(f"plan.barrier=false with verify=true and checkpoint.resume={cfg.checkpoint.resume}: "
+                          "the plan's commands run train.optimizer_sync=deferred, which a verified resumed run "
+                          "refuses (verify reads the AdamW state before the first update). Fix: verify=false, "
+                          "or plan.barrier=true.")
+
+
 def _child_costs(cfg: DictConfig, child_costs: dict[int, dict[str, ChildCost]], microbatches: int,
                  device) -> dict[str, ChildCost]:
     """The child timings at the microbatch size of ``microbatches`` (timed once per size)."""
@@ -513,7 +575,7 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
                           split_points=split_points)
     costs, comm_s = layout_costs(layout.stages, child, calibration, model)
     problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
-                      weight_grad_fraction=cfg.plan.weight_grad_fraction)
+                      weight_grad_fraction=cfg.plan.weight_grad_fraction, barrier=cfg.plan.barrier)
     problem = replace(problem, memory_limit=memory_limit("plan.memory_limit", cfg.plan.memory_limit, problem))
 
     def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns

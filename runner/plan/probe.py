@@ -27,18 +27,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
-from runner.pipeline.simulate import expected_makespan, simulate
+from runner.pipeline.simulate import deferred_step, expected_makespan, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost, stage_costs
 from runner.validate import validate
 
-__all__ = ["PROBED", "Fit", "Measured", "Observation", "fit", "fitted_model", "layout_costs", "predicted_pipelines",
-           "probe_config", "probe_layouts", "probe_steps", "read_run", "rest_s", "run_probe", "sent_bytes"]
+__all__ = ["PROBED", "Fit", "Measured", "Observation", "deferred_steps", "fit", "fitted_model", "layout_costs",
+           "predicted_pipelines", "probe_config", "probe_layouts", "probe_steps", "rank_updates", "read_run", "rest_s",
+           "run_probe", "sent_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class Fit:
     def unfitted(cls, calibration: Calibration) -> Fit:
         return cls(calibration.corunning_slowdown, calibration.corunning_slowdown)
 
+    def scaled_updates(self, updates: Mapping[int, float]) -> dict[int, float]:
+        """Each rank's update between its steps (``rank_updates``) as fitted."""
+        return {r: self.rest_scale * u for r, u in updates.items()}
+
     def action_costs(self, compute: Mapping[tuple[int, str], float], overhead_s: float) -> dict[tuple[int, str], float]:
         """Seconds per (stage, kind) action from the child timings' ``compute`` seconds."""
         scale = {"F": self.forward_scale, "B": self.backward_scale, "I": self.backward_scale, "W": self.backward_scale}
@@ -87,6 +92,8 @@ class Measured:
     costs_s: dict[tuple[int, str], float]  # mean per (stage, kind)
     pipeline_s: float  # median pipeline call
     step_s: float  # median step
+    steady_s: float | None = None  # bubble.steady's step: the ends of the recorded steps, per step
+    deferred: bool = False  # it ran train.optimizer_sync=deferred: its steps overlap (steady_s is its step)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ class Observation:
     compute: dict[tuple[int, str], float]  # the child timings of its stages (``stage_costs``)
     sent_bytes: int  # the largest message between its stages
     rest_s: float  # the predicted rest of its step, unscaled
+    updates_s: dict[int, float] = field(default_factory=dict)  # deferred: each rank's update, unscaled
 
 
 def read_run(path: str | Path, label: str | None = None) -> Measured:
@@ -112,17 +120,29 @@ def read_run(path: str | Path, label: str | None = None) -> Measured:
         steps = [m["step_time_s"] for m in metrics if m["step"] in recorded] or [summary["step_time_s"]]
         return Measured(label or str(run_dir), [list(v) for v in summary["stages"].values()], summary["microbatches"],
                         order, {(int(k[:-1]), k[-1]): v for k, v in bubble["mean_costs_s"].items()},
-                        bubble["pipeline_step_s"], statistics.median(steps))
+                        bubble["pipeline_step_s"], statistics.median(steps),
+                        (bubble.get("steady") or {}).get("step_s"), _ran_deferred(run_dir))
     except (OSError, KeyError, TypeError, ValueError, RecursionError) as e:  # (a summary nested past Python's limit)
         raise ConfigError(f"plan.costs={str(path)!r} is not a finished run's directory or summary.json ({e}). Fix: "
                           "point it at a run directory (outputs/<date>/<time>) with summary.json, schedule.csv and "
                           "metrics.jsonl, or leave it null to probe.") from e
 
 
+def _ran_deferred(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` ran ``train.optimizer_sync=deferred`` (its resolved_config.yaml)."""
+    try:
+        return OmegaConf.load(run_dir / "resolved_config.yaml").train.optimizer_sync == "deferred"
+    except (OSError, AttributeError, ValueError, KeyError):  # an older run's files, or hand-made ones
+        return False
+
+
 def probe_config(cfg: DictConfig, schedule: str, microbatches: int, stages_per_rank: int) -> DictConfig:
     """The run's config as a probe of this placement: its model, split and batch; nothing saved
-    or logged; the bubble recorded (profiler off). ``run_probe`` sets the steps."""
+    or logged; the bubble recorded (profiler off). ``run_probe`` sets the steps. A plan without
+    the barrier (``plan.barrier=false``) probes ``train.optimizer_sync=deferred``: what it scores."""
     trial = copy.deepcopy(cfg)
+    if not cfg.plan.barrier:
+        trial.train.optimizer_sync = "deferred"
     trial.schedule.name, trial.parallel.microbatches, trial.parallel.stages_per_rank = (schedule, microbatches,
                                                                                          stages_per_rank)
     trial.profile.enabled = False
@@ -202,15 +222,53 @@ def fit(observations: Sequence[Observation], calibration: Calibration) -> Fit:
         errors.append(sum(predicted_pipelines(observations, replace(model, gap_s=gaps[-1]), calibration)) - target)
     gap = gaps[min(range(len(gaps)), key=lambda i: abs(errors[i]))]
     model = replace(model, gap_s=gap)
-    rest_run = sum(max(0.0, o.measured.step_s - o.measured.pipeline_s) for o in observations)
-    rest_planned = sum(o.rest_s for o in observations)
-    model = replace(model, rest_scale=rest_run / rest_planned if rest_run > 0 and rest_planned > 0 else 1.0)
+    steady: list[tuple[float, float]] = []  # deferred runs: (measured, fitted) steady step
+    if all(o.measured.deferred and o.measured.steady_s for o in observations):
+        model = replace(model, rest_scale=_deferred_rest_scale(observations, model, calibration))
+        steady = [(o.measured.steady_s or 0.0, deferred_steps(o, model, calibration)) for o in observations]
+    else:
+        rest_run = sum(max(0.0, o.measured.step_s - o.measured.pipeline_s) for o in observations)
+        rest_planned = sum(o.rest_s for o in observations)
+        model = replace(model, rest_scale=rest_run / rest_planned if rest_run > 0 and rest_planned > 0 else 1.0)
     predicted = predicted_pipelines(observations, model, calibration)
-    probes = [{"label": o.measured.label, "microbatches": o.measured.microbatches,
-               "measured_pipeline_s": o.measured.pipeline_s, "measured_step_s": o.measured.step_s,
-               "fitted_pipeline_s": p, "fitted_step_s": p + o.rest_s * model.rest_scale}
-              for o, p in zip(observations, predicted)]
+    probes: list[dict] = [{"label": o.measured.label, "microbatches": o.measured.microbatches,
+                           "measured_pipeline_s": o.measured.pipeline_s, "measured_step_s": o.measured.step_s,
+                           "fitted_pipeline_s": p, "fitted_step_s": p + o.rest_s * model.rest_scale}
+                          for o, p in zip(observations, predicted)]
+    for probe, (measured, fitted) in zip(probes, steady):  # the steady step, as summary.json's bubble.steady has it
+        probe.update(measured_step_s=measured, fitted_step_s=fitted, step="bubble.steady")
     return replace(model, probes=probes)
+
+
+def deferred_steps(o: Observation, model: Fit, calibration: Calibration) -> float:
+    """A deferred run's steady step as ``model`` predicts it (as the planner predicts candidates
+    without the barrier: ``runner.pipeline.simulate.deferred_step``)."""
+    costs = model.action_costs(o.compute, calibration.action_overhead_s)
+    comm = calibration.message_s(o.sent_bytes, min(v for (_, k), v in costs.items() if k == "F"))
+    return deferred_step(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm,
+                         update_s=model.scaled_updates(o.updates_s), reduce_s=calibration.latency_s,
+                         jitter=calibration.action_jitter)
+
+
+def _deferred_rest_scale(observations: Sequence[Observation], model: Fit, calibration: Calibration) -> float:
+    """The ``rest_scale`` that makes the deferred runs' predicted steady steps add up to their
+    measured ones (``bubble.steady``): the updates run between a rank's steps, so the steady step
+    grows with them, piecewise linearly (secant steps from 0 and 1; at least 0)."""
+    target = sum(o.measured.steady_s or 0.0 for o in observations)
+
+    def error(scale: float) -> float:
+        return sum(deferred_steps(o, replace(model, rest_scale=scale), calibration) for o in observations) - target
+
+    scales, errors = [0.0, 1.0], [error(0.0), error(1.0)]
+    if errors[0] >= 0:  # the steps need no update time at all: what is left is the model's error elsewhere
+        return 0.0
+    for _ in range(4):
+        (x0, x1), (e0, e1) = scales[-2:], errors[-2:]
+        if e1 == e0 or abs(e1) <= 1e-4 * target:
+            break
+        scales.append(max(0.0, x1 - e1 * (x1 - x0) / (e1 - e0)))
+        errors.append(error(scales[-1]))
+    return scales[min(range(len(scales)), key=lambda i: abs(errors[i]))]
 
 
 def sent_bytes(stages: Sequence[Sequence[str]], child: Mapping[str, ChildCost]) -> int:
@@ -233,6 +291,15 @@ def rest_s(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[s
     return calibration.latency_s + max(calibration.corunning_slowdown * sum(child[n].update_s for s in on
                                                                              for n in stages[s])
                                        for on in rank_stages.values())
+
+
+def rank_updates(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[str]],
+                 child: Mapping[str, ChildCost], calibration: Calibration) -> dict[int, float]:
+    """Under ``train.optimizer_sync=deferred``, unfitted: what each rank does between its own steps
+    (``runner.train.Trainer._speculate``): its parameters' share of the norm, the snapshot and AdamW."""
+    return {r: calibration.corunning_slowdown * sum(child[n].update_s + child[n].snapshot_s
+                                                    for s in on for n in stages[s])
+            for r, on in rank_stages.items()}
 
 
 def fitted_model(cfg: DictConfig, calibration: Calibration, child_at: Callable[[int], Mapping[str, ChildCost]],
@@ -260,7 +327,8 @@ def fitted_model(cfg: DictConfig, calibration: Calibration, child_at: Callable[[
                               "Fix: plan with the run's model overrides, or leave plan.costs null to probe.")
         rank_stages = {r: sorted({op.stage for op in ops}) for r, ops in run.order.items()}
         observations.append(Observation(run, stage_costs(run.stages, child), sent_bytes(run.stages, child),
-                                        rest_s(rank_stages, run.stages, child, calibration)))
+                                        rest_s(rank_stages, run.stages, child, calibration),
+                                        rank_updates(rank_stages, run.stages, child, calibration)))
     return fit(observations, calibration)
 
 
@@ -284,7 +352,9 @@ def _probe(cfg: DictConfig, calibration: Calibration, unfitted: Fit, child_at: C
         predicted = max(a.end for a in simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s))
         steps, recorded = probe_steps(predicted, cfg.plan.probe_seconds)
         run = run_probe(launch, trial, steps, recorded, out / "probes" / f"{name}_m{m}", f"{name} m={m}")
-        print(f"probe: {run.label}, {steps} steps: {run.step_s * 1e3:.2f} ms per step (predicted unfitted: "
+        step = run.steady_s if run.deferred and run.steady_s else run.step_s  # deferred: bubble.steady's
+        print(f"probe: {run.label}, {steps} steps{', deferred' if run.deferred else ''}: {step * 1e3:.2f} ms per "
+              f"step (predicted unfitted: "
               f"{predicted * 1e3:.2f} ms of pipeline)", flush=True)
         runs.append(run)
     return runs

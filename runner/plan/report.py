@@ -43,10 +43,13 @@ def label(c: Candidate) -> str:
 def fit_line(model: Fit) -> str:
     """The cost model as fitted, and how close it puts the probes' own steps."""
     off = [p["fitted_step_s"] / p["measured_step_s"] - 1 for p in model.probes]
+    steady = all(p.get("step") == "bubble.steady" for p in model.probes)  # deferred runs (plan.barrier=false)
+    steps = ("steady steps without the barrier (train.optimizer_sync=deferred, summary.json bubble.steady)"
+             if steady else "steps")
     return (f"fitted to {len(model.probes)} run(s) ({', '.join(p['label'] for p in model.probes)}): forwards "
             f"x{model.forward_scale:.2f} and backwards x{model.backward_scale:.2f} their timings here, "
-            f"{model.gap_s * 1e6:+.0f} us per action, rest of step x{model.rest_scale:.2f}; their steps predicted "
-            f"{min(off):+.1%} to {max(off):+.1%}")
+            f"{model.gap_s * 1e6:+.0f} us per action, {'updates' if steady else 'rest of step'} "
+            f"x{model.rest_scale:.2f}; their {steps} predicted {min(off):+.1%} to {max(off):+.1%}")
 
 
 def table(candidates: list[Candidate]) -> str:

@@ -8,7 +8,9 @@ unit's forward, input-gradient (I) and weight-gradient (W) passes are counted op
 product is ``plan.world_size``; a tp degree is one more factor of ``Degrees``) x dp mode x schedule
 x microbatches; each is simulated as the planner simulates probed candidates
 (``runner.pipeline.simulate``), with a message of ``latency + bytes / bandwidth`` per cross-rank
-dependency, then the step's gradient synchronisation over dp and the slowest rank's AdamW update.
+dependency, then the step's gradient synchronisation over dp and the slowest rank's AdamW update; without the
+barrier (``plan.barrier=false``) the steady step of ``train.optimizer_sync=deferred`` instead, each
+rank's synchronisation and update between its own steps (``runner.pipeline.simulate.deferred_step``).
 Memory per rank is ``runner.plan.memory``'s whole-rank estimate. Nothing here needs a GPU.
 """
 
@@ -35,14 +37,17 @@ from runner.pipeline.schedule import (
     placement,
     schedule_order,
 )
-from runner.pipeline.simulate import peak_in_flight, simulate
+from runner.pipeline.simulate import deferred_step, peak_in_flight, simulate
 from runner.plan.memory import FP32, rank_memory, rank_params
+from runner.plan.planner import DEFERRED
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
 
 __all__ = ["UnitCount", "Degrees", "TargetCandidate", "Link", "count_units", "degrees", "plan_target"]
 
 _KINDS = ("F", "I", "W")
 _ADAMW_BYTES = 9 * FP32  # per parameter: read p, g, m, v and write p, m, v; the norm and clip read/write g
+# train.optimizer_sync=deferred's update: AdamW's bytes and the snapshot's (read p, m, v, write their copies)
+_SNAPSHOT = (_ADAMW_BYTES + 6 * FP32) / _ADAMW_BYTES
 
 
 @dataclass(frozen=True)
@@ -243,9 +248,16 @@ def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount],
     compute_bytes = 2 if cfg.train.precision == "bf16" else FP32
     params = rank_params(stages, {n: counts[n].params for n in names}, to_rank, c.pp)
     shards = c.dp if c.dp_mode == "fsdp" else 1
-    c.sync_s = max(_sync_s(p, c.dp, c.dp_mode, compute_bytes, link) for p in params)
-    c.optimizer_s = max(p / shards * _ADAMW_BYTES / (peaks.bandwidth * eff) for p in params)
+    syncs = [_sync_s(p, c.dp, c.dp_mode, compute_bytes, link) for p in params]
+    updates = [p / shards * _ADAMW_BYTES / (peaks.bandwidth * eff) for p in params]
+    c.sync_s, c.optimizer_s = max(syncs), max(updates)
     c.step_time_s = c.pipeline_s + c.sync_s + c.optimizer_s
+    if not cfg.plan.barrier:  # train.optimizer_sync=deferred: each rank's sync and update between its own steps
+        c.pipeline_s = deferred_step(order, costs, num_stages=num_stages, comm_s=link.seconds(message))
+        c.bubble = 1 - sum(a.end - a.start for a in timeline) / (c.pp * c.pipeline_s)
+        c.step_time_s = deferred_step(order, costs, num_stages=num_stages, comm_s=link.seconds(message),
+                                      update_s={r: syncs[r] + updates[r] * _SNAPSHOT for r in range(c.pp)},
+                                      reduce_s=link.latency_s)
     held = peak_in_flight(order, {s: sum(counts[n].saved_bytes for n in names) for s, names in enumerate(stages)})
     c.memory_per_rank = [rank_memory(p, held[r], dp=c.dp, dp_mode=c.dp_mode, compute_bytes=compute_bytes)
                          for r, p in enumerate(params)]
@@ -299,7 +311,8 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     counted: dict[tuple[int, bool], dict[str, UnitCount]] = {}
     out = []
     for deg, mode, name, m, spr in _layouts(cfg, world_size, num_units):
-        c = TargetCandidate(name, deg.pp, deg.dp, deg.tp, mode, m, spr, _overrides(deg, mode, name, m, spr))
+        c = TargetCandidate(name, deg.pp, deg.dp, deg.tp, mode, m, spr,
+                            _overrides(deg, mode, name, m, spr) + ([] if cfg.plan.barrier else [DEFERRED]))
         out.append(c)
         try:
             if name != "none":

@@ -18,6 +18,10 @@ from runner.plan.target import TargetCandidate, TargetPlan, plan_target
 __all__ = ["header", "target_table", "tie_line", "run_target"]
 
 GIB = 2**30
+_STEPS_WITH_BARRIER = "steps: with the barrier (every rank waits for the step's all-reduce before its next step)"
+_STEPS_WITHOUT = ("steps: barrier-free (plan.barrier=false): train.optimizer_sync=deferred's steady step, each rank's "
+                  "dp sync and AdamW between its own steps, the loss/norm all-reduce waited for a step later; the "
+                  "commands run deferred")
 
 
 def label(c: TargetCandidate) -> str:
@@ -34,7 +38,8 @@ def header(p: TargetPlan, cfg: DictConfig) -> list[str]:
             f"{cfg.plan.efficiency:.0%} (plan.efficiency) of its roofline; interconnect "
             f"{p.link.latency_s * 1e6:.0f} us + bytes / {p.link.bandwidth / 1e9:.1f} GB/s (plan.comm_latency_s, "
             f"plan.comm_bandwidth); train.precision={cfg.train.precision}, "
-            f"train.activation_checkpointing={cfg.train.activation_checkpointing}"]
+            f"train.activation_checkpointing={cfg.train.activation_checkpointing}",
+            _STEPS_WITH_BARRIER if cfg.plan.barrier else _STEPS_WITHOUT]
 
 
 def target_table(candidates: Sequence[TargetCandidate]) -> str:
@@ -87,7 +92,7 @@ def run_target(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
                           f"least is {label(least)}'s, {need / GIB:.1f} GiB (table above; plan.json in {out}). Fix: "
                           "more ranks (plan.world_size), a smaller train.batch_size or more plan.microbatches, or "
                           "train.activation_checkpointing=full.")
-    chosen = ("plan.", "schedule", "parallel.")
+    chosen = ("plan.", "schedule", "parallel.", *(() if cfg.plan.barrier else ("train.optimizer_sync=",)))
     kept = [o for o in overrides if not o.startswith(chosen)]
     command = f"python -m runner {shlex.join(kept + best.overrides)}"
     print(f"\n{'best (tied)' if best.tie else 'best'}: {command}")

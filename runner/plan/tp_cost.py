@@ -173,7 +173,8 @@ def tp_child_costs(child: Mapping[str, ChildCost], cfg: DictConfig, calibration:
         out[name] = dataclasses.replace(
             c, forward_s=c.forward_s * share + forward, backward_s=c.backward_s * share + backward,
             input_backward_s=c.input_backward_s * share + backward, weight_backward_s=c.weight_backward_s * share,
-            saved_bytes=round(c.saved_bytes * share), update_s=c.update_s * share)
+            saved_bytes=round(c.saved_bytes * share), update_s=c.update_s * share,
+            snapshot_s=c.snapshot_s * share)
     return out
 
 
