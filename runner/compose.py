@@ -158,11 +158,14 @@ def _check_choices(cfg: DictConfig) -> None:
             if "choices" not in f.metadata or f.name not in node:
                 continue
             key, value, values = f"{path}{f.name}", node[f.name], allowed(f.metadata["choices"])
+            if value is None and f.default is None:  # an optional one unset (plan.schedules=null: every schedule)
+                continue
             if isinstance(value, ListConfig):
                 unknown = [v for v in value if v not in values]
                 if unknown:
+                    unset = f", or {key}=null" if f.default is None else ""
                     raise ConfigError(f"{key}={list(value)} has unknown values {unknown}. "
-                                      f"Fix: a subset of {list(values)}.")
+                                      f"Fix: a subset of {list(values)}{unset}.")
             elif value not in values:
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(values)}. "
                                   f"Fix: {f.metadata['set_as'] or key}=<one of them>.")

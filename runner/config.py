@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 
 from runner.errors import ConfigError, shown
 from runner.options import ActivationCheckpointing, LRSchedule, NoDecay, OptimizerSync, Precision, choices
+from runner.pipeline.registry import SCHEDULES
 
 __all__ = ["TrainConfig", "EvalConfig", "PlanConfig", "TargetPlanConfig", "parse_bytes"]
 
@@ -102,8 +103,9 @@ class PlanConfig(TargetPlanConfig):
     microbatches: List[int] = field(default_factory=lambda: [2, 4, 8, 16])  # counts to try
     # The built-in schedules to try (names as schedule=<name>: gpipe, 1f1b, ...); null = every one.
     # Fewer schedules, fewer candidates: e.g. a plan.rehearse=true plan of one schedule. The run's
-    # own CSV schedule (schedule=csv) is tried whatever this holds.
-    schedules: Optional[List[str]] = None
+    # own CSV schedule (schedule=csv) is tried whatever this holds. Names outside the registry
+    # (runner.pipeline.registry) are refused before anything runs.
+    schedules: Optional[List[str]] = field(default=None, metadata=choices(SCHEDULES))
     # Before predicting, a few steps of real runs of this model (1F1B, interleaved 1F1B and ZBV
     # at the smallest microbatch count, 1F1B at the largest: runner.plan.probe), each this many
     # seconds of steps as predicted (8-60 steps), fit the cost model to how its actions run in a

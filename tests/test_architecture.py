@@ -49,6 +49,8 @@ SCHEMA = "config"
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # (an annotation only: the launcher passes them)
     ("ranks", "parallel"): "the watchdog's table holds each rank's Coords",
+    # (the registry imports nothing: names and closed forms)
+    ("config", "pipeline"): "plan.schedules' choices are the schedule registry's names",
 }
 
 
@@ -193,6 +195,62 @@ def test_no_function_is_longer_than_a_screen():
                 if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                     long.add(f"{path.relative_to(ROOT)}:{node.name}")
     assert long == LONG_FUNCTIONS, (long - LONG_FUNCTIONS, LONG_FUNCTIONS - long)
+
+
+def _private(names: list[str]) -> bool:
+    return any(n.startswith("_") and not (n.startswith("__") and n.endswith("__")) for n in names)
+
+
+def private_torch_uses(source: str) -> list[str]:
+    """Each use of torch's private internals in ``source`` (by line): an import of a torch module
+    through a private name (``torch._inductor``, ``torch.utils._pytree``) or of a private name from
+    one (``_Action``), and an attribute path through a private name from ``torch`` or a torch module
+    imported under another name (``torch.ops.aten._unsafe_view``, ``dist._functional_collectives``)."""
+    tree = ast.parse(source)
+    roots = {"torch"} | {a.asname for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+                         if a.asname and a.name.split(".")[0] == "torch"}
+    found: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            private = _private(node.module.split(".")) or _private([a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            private = any(a.name.split(".")[0] == "torch" and _private(a.name.split(".")) for a in node.names)
+        elif isinstance(node, ast.Attribute):
+            chain, base = [], node
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            private = isinstance(base, ast.Name) and base.id in roots and _private(chain)
+        else:
+            continue
+        if private and node.lineno not in found:  # (an attribute path's outermost node first)
+            found[node.lineno] = f"{node.lineno}: {ast.unparse(node)}"
+    return [found[line] for line in sorted(found)]
+
+
+def test_torchs_private_internals_are_used_in_runner_torch_only():
+    # A torch upgrade touches runner/_torch/ only: e.g. the datasheet table plan.target reads
+    # (runner/_torch/datasheet.py), not runner/plan/roofline.py.
+    checked = [p for p in RUNNER.rglob("*.py") if p.relative_to(RUNNER).parts[0] != "_torch"]
+    assert RUNNER / "plan" / "roofline.py" in checked and RUNNER / "plan" / "target.py" in checked
+    found = [f"{p.relative_to(ROOT)}:{use}" for p in checked for use in private_torch_uses(p.read_text())]
+    assert not found, "\n".join(found) + "\nFix: move these into a module of runner/_torch/."
+    # The rule sees what roofline.py held before the datasheet moved, and lets public names through.
+    before = ("import torch\nimport torch.distributed as dist\nfrom torch.utils._pytree import tree_flatten\n"
+              "from torch.utils.flop_counter import flop_registry\n"
+              "from torch.distributed.pipelining.schedules import _Action, get_schedule_class\n"
+              "def known():\n    from torch._inductor.analysis.device_info import _device_mapping\n"
+              "VIEW = {torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default}\n"
+              "dist._functional_collectives.all_reduce\nimport torch._dynamo\n"
+              "print(torch.__version__, torch.__config__.parallel_info(), dist.get_rank(), func._overloadpacket)\n")
+    assert private_torch_uses(before) == [
+        "3: from torch.utils._pytree import tree_flatten",
+        "5: from torch.distributed.pipelining.schedules import _Action, get_schedule_class",
+        "7: from torch._inductor.analysis.device_info import _device_mapping",
+        "8: torch.ops.aten._unsafe_view.default",
+        "9: dist._functional_collectives.all_reduce",
+        "10: import torch._dynamo",
+    ]
 
 
 def test_the_schedule_registry_agrees_with_torch_and_every_schedule_has_its_config():

@@ -20,7 +20,7 @@ from runner.pipeline.schedule import SCHEDULES
 from runner.plan.__main__ import _no_valid_candidate
 from runner.plan.planner import Candidate, check_plan_keys, check_schedules, plan, tried_schedules
 from runner.ranks.dist import init_distributed
-from runner.validate import validate
+from runner.validate import check_config, validate
 
 from helpers.cli import finish, start_cli
 from helpers.config import TINY, compose
@@ -50,19 +50,35 @@ def test_the_planners_own_keys_are_checked_once_before_anything_is_timed(tmp_pat
     check_plan_keys(compose(*common, "plan.memory_limit=2GB"))  # a valid one passes
 
 
+@pytest.mark.timeout(60)
+def test_a_name_in_plan_schedules_that_is_no_schedule_fails_with_the_config_checks():
+    # check_config: what python -m runner, python -m runner.plan, runner.run and runner.plan run first.
+    common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8"]
+    listed = r"\['gpipe', '1f1b', 'interleaved_1f1b', .*'zbv', .*\]"
+    for typo, shown in (("[1f1b,onef1b]", r"\['1f1b', 'onef1b'\] has unknown values \['onef1b'\]"),
+                        ("[csv]", r"\['csv'\] has unknown values \['csv'\]")):  # csv: the run's own file only
+        cfg = compose(*common, f"plan.schedules={typo}")
+        for check in (check_config, check_plan_keys):  # and plan() checks it before anything is timed
+            with pytest.raises(ConfigError, match=rf"^plan\.schedules={shown}\. Fix: a subset of {listed}, or "
+                                                  r"plan\.schedules=null\.$"):
+                check(cfg)
+    check_config(compose(*common))  # null: every schedule
+    check_config(compose(*common, "plan.schedules=[zbv,1f1b]"))
+    assert tried_schedules(compose(*common, "plan.schedules=[zbv,1f1b]")) == ["1f1b", "zbv"]
+    # A list option that takes no null says no null.
+    with pytest.raises(ConfigError, match=r"train\.no_decay=\['gain'\] has unknown values \['gain'\]\. Fix: a subset "
+                                          r"of \['bias', 'norm', 'embedding'\]\.$"):
+        check_config(compose(*common, "train.no_decay=[gain]"))
+
+
 @pytest.mark.timeout(120)
 def test_plan_schedules_limits_the_candidates_to_the_schedules_named(tmp_path):
     common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8"]
-    with pytest.raises(ConfigError, match=r"plan.schedules=\['1f1b', 'onef1b'\]: 'onef1b' is not a built-in "
-                                          r"schedule\. Fix: plan.schedules=\[<some of gpipe, 1f1b, .*>\], or "
-                                          r"plan.schedules=null"):
-        check_plan_keys(compose(*common, "plan.schedules=[1f1b,onef1b]"))
     with pytest.raises(ConfigError, match=r"plan.schedules=\[\]: no schedule to try\. Fix: "):
         check_plan_keys(compose(*common, "plan.schedules=[]"))
     with pytest.raises(ConfigError, match=r"plan.schedules=\['gpipe'\] with plan.target=h100: .*Fix: "):
         check_schedules(compose(*common, "plan.schedules=[gpipe]", "plan.target=h100"))
     assert tried_schedules(compose(*common)) == list(SCHEDULES)
-    assert tried_schedules(compose(*common, "plan.schedules=[zbv,1f1b]")) == ["1f1b", "zbv"]
     candidates, _, _, _ = plan(compose(*common, "plan.schedules=[1f1b]", "plan.microbatches=[2,4]",
                                        "plan.repeats=1"))
     assert sorted((c.schedule, c.microbatches, c.stages_per_rank) for c in candidates if c.split_points is None) \

@@ -113,9 +113,11 @@ def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():
     # with-sparsity H100 figures.
     info = datasheet.lookup_device_info("NVIDIA H100")
     old_info = SimpleNamespace(tops=info.tops, dram_bw_gbs=info.dram_bw_gbs, dram_gb=info.dram_gb)
+    read = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasheet, "lookup_device_info", lambda name: old_info)
+        mp.setattr(datasheet, "lookup_device_info", lambda name: read.append(name) or old_info)
         assert device_peaks("NVIDIA H100").flops["torch.bfloat16"] == 989.5e12
+    assert read == ["NVIDIA H100"]  # the 2.11 table was the one read (runner._torch.datasheet)
     with pytest.raises(ConfigError, match=r"plan.target='H100' is not a device.*Fix: plan.target=<one of .*'NVIDIA H1"):
         plan_target(compose(*TINY, "plan.target=H100"))
     with pytest.raises(ConfigError, match="plan.efficiency=1.5"):

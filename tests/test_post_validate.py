@@ -4,8 +4,10 @@ norm needed clipping, undone and refused where a value is not finite). The bar: 
 numbers, bit for bit (losses, norms, final weights and AdamW moments), with clipping binding on some
 steps and not on others, and today's error at the same step for a non-finite gradient.
 
-One 2-rank spawn runs every pp=2 case; pp=4 and dp=2 (DDP, FSDP) are in the slow tier, as is the
-job ending in bounded time when a rank dies while its peers wait in the overlapped reduction."""
+One 2-rank spawn runs every pp=2 case, and deferred against the barrier on a pretrained Hugging Face
+Llama (bf16 on disk, embedding and head tied) under ZBV, also held to transformers' own training;
+pp=4 and dp=2 (DDP, FSDP) are in the slow tier, as is the job ending in bounded time when a rank
+dies while its peers wait in the overlapped reduction."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from runner._torch.dcp import read_model_tensors
 from runner.errors import ConfigError, NonFiniteLossError
@@ -29,6 +32,8 @@ from runner.validate import _check_optimizer_sync, validate
 
 from helpers.cli import start_cli
 from helpers.config import TINY, compose, resolved
+from helpers.hf import hf_training, write_model
+from helpers.parity import assert_matches
 from helpers.plan import round_schedule_csv
 from helpers.ranks import final_weights, run_cases
 
@@ -43,6 +48,16 @@ SPECULATIVE = MODES[1:]  # the modes that update before the norm is known
 STEPS = 20
 NANGRAD = "nangrad:1:2"  # a finite loss and a NaN gradient on rank 1 at step 2
 NANGRAD_STEPS = 3  # step 2 is not the last: deferred validates it during step 3
+# A pretrained Hugging Face Llama stored in bf16 (trained in fp32) with its embedding and head tied,
+# under ZBV at pp=2: both ends on rank 0, one parameter of its first and its last stage.
+HF_STEPS = 6
+HF_CLIP = 1.25  # the norms: 1.1-1.5; it binds on steps 3, 4 and 6
+
+
+def _hf(path: Path, mode: str) -> list[str]:
+    return ["device=cpu", "model=hf", f"model.path={path}", "model.pretrained=true", "data.vocab_size=64",
+            "train.seq_len=16", f"train.steps={HF_STEPS}", "profile.enabled=false", "schedule=zbv", *PP2,
+            f"train.grad_clip={HF_CLIP}", f"train.optimizer_sync={mode}"]
 
 
 def _cases(layout: list[str], schedules: list[str], *, clip: float,
@@ -64,20 +79,23 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _assert_same_run(out: Path, records: dict[str, dict], name: str, clip: float) -> None:
-    """``name``'s post_validate and deferred runs are the barrier's, bit for bit; clipping bound on
-    some steps and not on others, and both rolled back exactly the clipped ones; deferred ran again
-    each step that followed a rolled-back step it had not validated at its own end (all but the last)."""
+def _assert_same_run(out: Path, records: dict[str, dict], name: str, clip: float, *,
+                     speculative: list[str] = SPECULATIVE, steps: int = STEPS) -> None:
+    """``name``'s ``speculative`` runs (post_validate, deferred) are the barrier's, bit for bit;
+    clipping bound on some steps and not on others, and each rolled back exactly the clipped ones;
+    deferred ran again each step that followed a rolled-back step it had not validated at its own
+    end (all but the last)."""
     barrier = records[f"{name}-barrier"]
-    for mode in MODES:
+    modes = ["barrier", *speculative]
+    for mode in modes:
         assert "error" not in records[f"{name}-{mode}"], records[f"{name}-{mode}"].get("traceback")
     want = _metrics(out / f"{name}-barrier")
     clipped = [clip_coefficient(clip, m["grad_norm"]) < 1 for m in want]
-    assert 0 < sum(clipped) < STEPS, f"{name}: the clip must bind on some steps and not on others ({clipped})"
-    final = {mode: torch.load(out / f"{name}-{mode}" / "weights.pt", weights_only=True) for mode in MODES}
-    for mode in SPECULATIVE:
+    assert 0 < sum(clipped) < steps, f"{name}: the clip must bind on some steps and not on others ({clipped})"
+    final = {mode: torch.load(out / f"{name}-{mode}" / "weights.pt", weights_only=True) for mode in modes}
+    for mode in speculative:
         post = records[f"{name}-{mode}"]
-        assert len(post["losses"]) == STEPS and post["losses"] == barrier["losses"], (name, mode)
+        assert len(post["losses"]) == steps and post["losses"] == barrier["losses"], (name, mode)
         got = _metrics(out / f"{name}-{mode}")
         assert [(m["step"], m["loss"], m["grad_norm"], m["lr"]) for m in got] == \
             [(m["step"], m["loss"], m["grad_norm"], m["lr"]) for m in want], (name, mode)
@@ -111,6 +129,8 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     csv = ["schedule=csv", f"schedule.csv={out / 'rounds.csv'}", *PP2]
     round_schedule_csv(out / "rounds.csv")
     cases, faults = _cases(PP2, SCHEDULES, clip=CLIP[8], extra={"rounds": csv})
+    llama = write_model(out / "llama", "llama", weights=True, dtype=torch.bfloat16, tie_word_embeddings=True)
+    cases |= {f"hf-{mode}": resolved(*_hf(llama, mode)) for mode in ("barrier", "deferred")}
     return out, run_cases(out, 2, cases, more_hooks=final_weights, faults=faults)
 
 
@@ -126,6 +146,21 @@ def test_post_validation_trains_bit_identically_to_the_barrier_at_pp2(pp2, name)
 @pytest.mark.parametrize("name", [*SCHEDULES, "rounds"])
 def test_a_non_finite_gradient_stops_both_modes_at_the_same_step_with_the_same_error(pp2, name):
     _assert_same_refusal(pp2[1], name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_deferred_trains_a_bf16_hugging_face_llama_with_tied_ends_bit_identically_to_the_barrier(pp2):
+    out, records = pp2
+    stored = load_file(out / "llama" / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16} and "lm_head.weight" not in stored  # tied
+    _assert_same_run(out, records, "hf", HF_CLIP, speculative=["deferred"], steps=HF_STEPS)
+    weights = torch.load(out / "hf-deferred" / "weights.pt", weights_only=True)["weights"]
+    assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights  # the tied weight once
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    # The barrier's run is transformers' own unsplit training from the same bf16 weights.
+    reference = hf_training(compose(*_hf(out / "llama", "barrier")), steps=HF_STEPS)
+    assert_matches(records["hf-barrier"], reference, "hf-barrier", steps=HF_STEPS)
 
 
 @pytest.mark.slow

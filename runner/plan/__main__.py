@@ -43,6 +43,7 @@ from runner.plan.rehearsed import rehearse_by_cli
 from runner.plan.report import fit_line, label, rehearsal_report, search_report, table, within_error
 from runner.plan.target_report import run_target
 from runner.ranks.console import quiet_libraries
+from runner.validate import check_config
 
 _STARTED: list[bool] = []
 
@@ -50,6 +51,7 @@ _STARTED: list[bool] = []
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     _STARTED.append(True)  # past Hydra's run directory: an OSError from here on is no config error
+    check_config(cfg)  # as runner.plan() and python -m runner check it: a wrong value fails at once
     plan_in(cfg, Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -20,7 +20,7 @@ from runner.models.split import StageModule, build_meta_model, materialize
 from runner.optim import UpdateSnapshot
 from runner.ranks.dist import synchronize
 
-__all__ = ["ChildCost", "measure_child_costs", "stage_costs"]
+__all__ = ["ChildCost", "UnitOnMicrobatch", "units_on_a_microbatch", "measure_child_costs", "stage_costs"]
 
 
 @dataclass(frozen=True)
@@ -104,23 +104,39 @@ def _update_s(params: list[torch.nn.Parameter], repeats: int, device: torch.devi
     return update_s, _timed(lambda _: snapshot.take(), repeats, device)
 
 
-def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
-                        device: torch.device) -> dict[str, ChildCost]:
-    """Time every top-level child's forward, backward and input-only backward on one microbatch."""
+class UnitOnMicrobatch(NamedTuple):
+    name: str  # the pipeline unit's
+    unit: StageModule  # the unit alone, as a stage of its own
+    inputs: torch.Tensor  # what it takes: the microbatch through the units before it
+    targets: torch.Tensor  # the microbatch's, for the loss after the last unit
+    last: bool  # whether its output goes to the loss
+
+
+def units_on_a_microbatch(cfg: DictConfig, microbatch_size: int,
+                          device: torch.device) -> Iterator[UnitOnMicrobatch]:
+    """Every pipeline unit of ``cfg``'s model (built on ``device`` under the run's seed) in order,
+    with its input on one microbatch of ``microbatch_size`` random token rows; the next unit's input
+    is computed once the caller is done with this one."""
     meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
     model = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=device)
     vocab = cfg.data.get("vocab_size") or 2
     x = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
     targets = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
-    costs, loss_fn = {}, build_loss(cfg.loss)
     names = meta.unit_names
     for i, name in enumerate(names):
         unit = StageModule(meta.spec, [name], {n: model.get_submodule(n) for n in [*meta.spec.unit(name).modules,
                                                                                    *meta.spec.shared]})
-        costs[name] = _measure_child(unit, x, targets, loss_fn=loss_fn, last=i == len(names) - 1, repeats=repeats)
+        yield UnitOnMicrobatch(name, unit, x, targets, i == len(names) - 1)
         with torch.no_grad():
             x = unit(x)
-    return costs
+
+
+def measure_child_costs(cfg: DictConfig, microbatch_size: int, repeats: int,
+                        device: torch.device) -> dict[str, ChildCost]:
+    """Time every top-level child's forward, backward and input-only backward on one microbatch."""
+    loss_fn = build_loss(cfg.loss)
+    return {u.name: _measure_child(u.unit, u.inputs, u.targets, loss_fn=loss_fn, last=u.last, repeats=repeats)
+            for u in units_on_a_microbatch(cfg, microbatch_size, device)}
 
 
 def stage_costs(stages: Sequence[Sequence[str]], child: Mapping[str, ChildCost]) -> dict[tuple[int, str], float]:

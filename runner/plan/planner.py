@@ -25,6 +25,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from omegaconf import DictConfig
 
+from runner.compose import check_schema
 from runner.errors import ConfigError
 from runner.layout import Layout, ResolvedRun
 from runner.models.hf import resolve_verify
@@ -149,8 +150,9 @@ def tried_schedules(cfg: DictConfig) -> list[str]:
 
 
 def check_schedules(cfg: DictConfig) -> None:
-    """``plan.schedules``: null, or a non-empty list of built-in schedule names, for a plan of this
-    host (a target's plan and a costs file's try every schedule)."""
+    """``plan.schedules``: null, or a non-empty list, for a plan of this host (a target's plan and a
+    costs file's try every schedule). Its names are the schema's choices, refused before this
+    (``runner.compose.check_schema``, the first check of ``runner.validate.check_config``)."""
     chosen = cfg.plan.get("schedules")
     if chosen is None:
         return
@@ -160,10 +162,8 @@ def check_schedules(cfg: DictConfig) -> None:
         raise ConfigError(f"plan.schedules={list(chosen)} with {elsewhere[0]}={elsewhere[1]}: plan.schedules limits "
                           f"a plan of this host only; {elsewhere[0]} tries every schedule. Fix: "
                           f"plan.schedules=null, or drop {elsewhere[0]}.")
-    unknown = [name for name in chosen if name not in SCHEDULES]
-    if unknown or not chosen:
-        what = f"{', '.join(map(repr, unknown))} is not a built-in schedule" if unknown else "no schedule to try"
-        raise ConfigError(f"plan.schedules={list(chosen)}: {what}. Fix: plan.schedules=[<some of "
+    if not chosen:
+        raise ConfigError(f"plan.schedules={list(chosen)}: no schedule to try. Fix: plan.schedules=[<some of "
                           f"{', '.join(SCHEDULES)}>], or plan.schedules=null for every one.")
 
 
@@ -504,7 +504,9 @@ def _plan_synthesized(state: _Planning) -> None:
 
 def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
-    otherwise fail alike, or the calibration run first)."""
+    otherwise fail alike, or the calibration run first); first the schema's checks (a name in
+    ``plan.schedules`` that is no schedule), which the command line and the API ran already."""
+    check_schema(cfg)
     memory_limit("plan.memory_limit", cfg.plan.memory_limit)
     check_schedules(cfg)
     elsewhere = ("plan.target", cfg.plan.target) if cfg.plan.target else \

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 from runner.pipeline.schedule import V_SHAPED
 from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
 
-__all__ = ["label", "table", "search_report", "rehearsal_report", "fit_line", "MEASURED_ERRORS", "MEASURED_ERROR",
-           "within_error"]
+__all__ = ["label", "table", "candidate_table", "mark", "search_report", "rehearsal_report", "fit_line",
+           "MEASURED_ERRORS", "MEASURED_ERROR", "within_error"]
 
 # The planner's error on single plans (over every round and configuration of all model sizes), per
 # subset: the configurations it did not probe, those it probed (fitted its cost model to a run of)
@@ -58,24 +58,48 @@ def table(candidates: list[Candidate]) -> str:
     *peak act*: the most activations a rank holds, per action (an I keeps the weight gradient's
     share), in microbatches' activations and in MiB ("-" where no bytes are known); *rank mem*: the
     whole-rank estimate of the fullest rank (``runner.plan.memory``)."""
-    rows = ["  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  rank mem (MiB)  "
-            "children per stage"]
-    for c in candidates:
-        if c.valid:
-            split = "/".join(map(str, c.stage_sizes))
-            mark = "*" if c.recommended else "=" if c.tie else " "
-            p = c.prediction()
-            held = max(c.peak_activation_mb) if c.peak_activation_mb else max(c.peak_activations)
-            nbytes = max(c.peak_activation_bytes)
-            rows.append(f"{mark} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
-                        f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
-                        f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {held:13.4g}  "
-                        f"{f'{nbytes / 2**20:14.2f}' if nbytes else '-':>14}  "
-                        f"{max(c.rank_memory_bytes or [0]) / 2**20:14.1f}  {split}{_degrees(c)}"
-                        f"{'' if c.fits_memory else '  over limit'}")
-    invalid = [c for c in candidates if not c.valid]
+    def row(c: Candidate) -> str:
+        p = c.prediction()
+        held = max(c.peak_activation_mb) if c.peak_activation_mb else max(c.peak_activations)
+        nbytes = max(c.peak_activation_bytes)
+        return (f"{mark(c)} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
+                f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
+                f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {held:13.4g}  "
+                f"{f'{nbytes / 2**20:14.2f}' if nbytes else '-':>14}  "
+                f"{max(c.rank_memory_bytes or [0]) / 2**20:14.1f}  {'/'.join(map(str, c.stage_sizes))}{_degrees(c)}"
+                f"{'' if c.fits_memory else '  over limit'}")
+
+    return candidate_table("  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  "
+                           "rank mem (MiB)  children per stage", candidates, row)
+
+
+class Ranked(Protocol):
+    """A candidate as a table ranks it (the planner's ``Candidate``, ``plan.target``'s)."""
+
+    @property
+    def valid(self) -> bool: ...
+
+    @property
+    def recommended(self) -> bool: ...
+
+    @property
+    def tie(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Ranked)
+
+
+def mark(c: Ranked) -> str:
+    """A row's first column: ``*`` the recommended candidate, ``=`` one tied with it."""
+    return "*" if c.recommended else "=" if c.tie else " "
+
+
+def candidate_table(header: str, candidates: Sequence[R], row: Callable[[R], str]) -> str:
+    """``header``, a ``row`` per valid candidate, then how many are invalid (their reasons: plan.json)."""
+    invalid = sum(not c.valid for c in candidates)
+    rows = [header, *(row(c) for c in candidates if c.valid)]
     if invalid:
-        rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
+        rows.append(f"({invalid} invalid candidates; their reasons are in plan.json)")
     return "\n".join(rows)
 
 

@@ -10,42 +10,26 @@ fake CPU tensor dispatches to (its FLOPs are those of the GPU kernels it stands 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
+from runner._torch.datasheet import datasheet_names, read_datasheet
+from runner._torch.dispatch import CPU_ATTENTION_FLOPS, METADATA_OPS, TorchDispatchMode, tree_flatten
 from runner.errors import ConfigError
 
 __all__ = ["DevicePeaks", "device_peaks", "lookup_peaks", "known_devices", "OpCounter"]
 
-# torch's datasheet figures for tensor-core dtypes include 2:4 structured sparsity on some devices
-# (tops_sparsity_factor: the H100's bf16 1979 TFLOPS are 989.5 dense); fp32 and fp64 figures are
-# dense already (the H100's fp32 67 TFLOPS is its datasheet's dense figure).
-_TENSOR_CORE = {torch.bfloat16, torch.float16, "torch.tf32"}
-_ATTENTION: dict[Any, Callable[..., int]] = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
-        lambda q, k, v, *a, **kw: sdpa_flop_count(q.shape, k.shape, v.shape),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
-}
-
 # Entries of torch 2.13's table that disagree with the vendor's datasheet, corrected here (and said
 # in the plan's header): the L4's bandwidth is an H100's, and its bf16/fp16 figures include
-# sparsity without a sparsity factor (datasheet: 300 GB/s; 121 dense bf16 TFLOPS).
-# torch before 2.12 (2.11 on the GPU image) has no tops_sparsity_factor, and its H100 entry's
-# tensor-core figures are already the with-sparsity ones (bf16 1979 TFLOPS, read there).
-_SPARSE_BEFORE_FACTOR = {"NVIDIA H100": 2}
+# sparsity without a sparsity factor (datasheet: 300 GB/s; 121 dense bf16 TFLOPS). (The table's
+# sparse figures, and torch 2.11's table without the factor: runner._torch.datasheet.)
 _CORRECTIONS = {"NVIDIA L4": {"bandwidth": 300e9, "torch.bfloat16": 121e12, "torch.float16": 121e12}}
-_METADATA = {torch.ops.aten._unsafe_view.default}
 
 
 def known_devices() -> list[str]:
-    from torch._inductor.analysis.device_info import _device_mapping
-
-    return sorted(_device_mapping)
+    return datasheet_names()
 
 
 @dataclass(frozen=True)
@@ -63,20 +47,14 @@ class DevicePeaks:
 
 def device_peaks(name: str) -> DevicePeaks:
     """The named device's dense peak FLOP/s, memory bandwidth and memory, from torch's datasheet
-    table (``torch._inductor.analysis.device_info``: exact names, any case)."""
-    from torch._inductor.analysis.device_info import lookup_device_info
-
-    info = lookup_device_info(name)
-    if info is None:
+    table (``runner._torch.datasheet``: exact names, any case), corrected where it is wrong."""
+    sheet = read_datasheet(name)
+    if sheet is None:
         raise ConfigError(f"plan.target={name!r} is not a device torch's datasheet table knows (exact names only). "
                           f"Fix: plan.target=<one of {', '.join(repr(n) for n in known_devices())}>.")
-    sparsity = getattr(info, "tops_sparsity_factor", None) or _SPARSE_BEFORE_FACTOR.get(name.upper(), 1)
-    flops = {str(dtype): tops * 1e12 / (sparsity if dtype in _TENSOR_CORE else 1)
-             for dtype, tops in info.tops.items() if dtype in (torch.float32, torch.bfloat16, torch.float16)}
-    fixes = _CORRECTIONS.get(name.upper(), {})
-    flops.update({k: v for k, v in fixes.items() if k != "bandwidth"})
-    return DevicePeaks(name.upper(), flops, fixes.get("bandwidth", info.dram_bw_gbs * 1e9), int(info.dram_gb * 2**30),
-                       tuple(fixes))
+    fixes = _CORRECTIONS.get(sheet.name, {})
+    flops = {**sheet.flops, **{k: v for k, v in fixes.items() if k != "bandwidth"}}
+    return DevicePeaks(sheet.name, flops, fixes.get("bandwidth", sheet.bandwidth), sheet.memory_bytes, tuple(fixes))
 
 
 def lookup_peaks(device_name: str) -> DevicePeaks | None:
@@ -107,12 +85,12 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if func.is_view or func in _METADATA or not outputs:  # a view, detach, a device query: no traffic
+        if func.is_view or func in METADATA_OPS or not outputs:  # a view, detach, a device query: no traffic
             return out
-        if func in _ATTENTION:
-            flops = _ATTENTION[func](*args, **kwargs)
-        elif func._overloadpacket in flop_registry:
-            flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        if func in CPU_ATTENTION_FLOPS:
+            flops = CPU_ATTENTION_FLOPS[func](*args, **kwargs)
+        elif func.overloadpacket in flop_registry:
+            flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
         else:
             flops = 0
         nbytes = _nbytes(tree_flatten((args, kwargs))[0]) + _nbytes(outputs)

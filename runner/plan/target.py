@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 from omegaconf import DictConfig, open_dict
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from runner._torch.dispatch import FakeTensorMode
 from runner.errors import ConfigError
 from runner.losses import build_loss
 from runner.models.split import StageModule, build_meta_model, split_by_cost

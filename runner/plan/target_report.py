@@ -13,6 +13,7 @@ from typing import Sequence
 from omegaconf import DictConfig
 
 from runner.errors import RunnerError
+from runner.plan.report import candidate_table, mark
 from runner.plan.target import TargetCandidate, TargetPlan, plan_target
 
 __all__ = ["header", "target_table", "tie_line", "run_target"]
@@ -45,24 +46,18 @@ def header(p: TargetPlan, cfg: DictConfig) -> list[str]:
 def target_table(candidates: Sequence[TargetCandidate]) -> str:
     """One row per valid candidate: step time and its parts in seconds, the fullest rank's memory
     in GiB (its parts: parameters + gradients + AdamW, what FSDP gathers, activations)."""
-    rows = ["  schedule          pp  dp  dp mode   m  v  step (s)  pipeline  sync  bubble   MFU  memory/rank (GiB)  "
-            "p+g+opt  gathered  activations"]
-    for c in candidates:
-        if not c.valid:
-            continue
+    def row(c: TargetCandidate) -> str:
         assert c.step_time_s is not None and c.pipeline_s is not None and c.sync_s is not None
         top = max(c.memory_per_rank, key=lambda m: m["total"])
         state = top["params"] + top["grads"] + top["optimizer"]
-        mark = "*" if c.recommended else "=" if c.tie else " "
-        rows.append(f"{mark} {c.schedule:<16} {c.pp:>3} {c.dp:>3}  {c.dp_mode:<6} {c.microbatches:>3} "
-                    f"{c.stages_per_rank:>2}  {c.step_time_s:8.3f}  {c.pipeline_s:8.3f}  {c.sync_s:4.2f}  "
-                    f"{c.bubble or 0:6.3f}  {c.mfu or 0:4.0%}  {top['total'] / GIB:17.1f}  {state / GIB:7.1f}  "
-                    f"{top['gathered'] / GIB:8.1f}  {top['activations'] / GIB:11.1f}"
-                    f"{'' if c.fits_device else '  over device memory'}")
-    invalid = [c for c in candidates if not c.valid]
-    if invalid:
-        rows.append(f"({len(invalid)} invalid candidates; their reasons are in plan.json)")
-    return "\n".join(rows)
+        return (f"{mark(c)} {c.schedule:<16} {c.pp:>3} {c.dp:>3}  {c.dp_mode:<6} {c.microbatches:>3} "
+                f"{c.stages_per_rank:>2}  {c.step_time_s:8.3f}  {c.pipeline_s:8.3f}  {c.sync_s:4.2f}  "
+                f"{c.bubble or 0:6.3f}  {c.mfu or 0:4.0%}  {top['total'] / GIB:17.1f}  {state / GIB:7.1f}  "
+                f"{top['gathered'] / GIB:8.1f}  {top['activations'] / GIB:11.1f}"
+                f"{'' if c.fits_device else '  over device memory'}")
+
+    return candidate_table("  schedule          pp  dp  dp mode   m  v  step (s)  pipeline  sync  bubble   MFU  "
+                           "memory/rank (GiB)  p+g+opt  gathered  activations", candidates, row)
 
 
 def tie_line(tied: Sequence[str], tolerance: float, error: str) -> str:

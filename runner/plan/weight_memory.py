@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from runner.losses import build_loss
-from runner.models.split import StageModule, build_meta_model, materialize
+from runner.plan.costs import units_on_a_microbatch
 
 __all__ = ["saved_split", "measure_weight_grad_fraction"]
 
@@ -66,21 +66,11 @@ def saved_split(output: torch.Tensor, params: list[torch.nn.Parameter]) -> tuple
 
 def measure_weight_grad_fraction(cfg: DictConfig, microbatch_size: int, device: torch.device) -> float:
     """M_W / M_B over the whole model on one microbatch of ``microbatch_size`` samples."""
-    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))
-    model = materialize(meta, meta.unit_names, seed=cfg.train.seed, device=device)
-    vocab = cfg.data.get("vocab_size") or 2
-    x = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
-    targets = torch.randint(vocab, (microbatch_size, cfg.train.seq_len), device=device)
-    loss_fn, names = build_loss(cfg.loss), meta.unit_names
+    loss_fn = build_loss(cfg.loss)
     total = weight = 0
-    for i, name in enumerate(names):
-        unit = StageModule(meta.spec, [name], {n: model.get_submodule(n) for n in [*meta.spec.unit(name).modules,
-                                                                                   *meta.spec.shared]})
-        inp = x.detach().requires_grad_(x.is_floating_point())
-        out = unit(inp)
-        out = loss_fn(out, targets) if i == len(names) - 1 else out
-        saved, needed = saved_split(out, list(unit.parameters()))
+    for u in units_on_a_microbatch(cfg, microbatch_size, device):
+        out = u.unit(u.inputs.detach().requires_grad_(u.inputs.is_floating_point()))
+        out = loss_fn(out, u.targets) if u.last else out
+        saved, needed = saved_split(out, list(u.unit.parameters()))
         total, weight = total + saved, weight + needed
-        with torch.no_grad():
-            x = unit(x)
     return weight / total if total else 0.0

@@ -34,10 +34,10 @@ def reference(tmp_path: Path, *overrides: str) -> dict:
             "summary": result.summary}
 
 
-def assert_matches(got: dict, ref: dict, case: str) -> None:
-    """5 losses and the first step's gradients, before and after the global clip, by name."""
+def assert_matches(got: dict, ref: dict, case: str, steps: int = 5) -> None:
+    """``steps`` losses and the first step's gradients, before and after the global clip, by name."""
     assert "error" not in got, f"{case}: {got.get('traceback')}"
-    assert len(got["losses"]) == len(ref["losses"]) == 5
+    assert len(got["losses"]) == len(ref["losses"]) == steps
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{case} losses: {m}")
     for kind in ("grads", "clipped"):  # after the first backward, and after the global clip
