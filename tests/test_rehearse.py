@@ -324,7 +324,8 @@ def _fixed_ranks(resolved, update_s: dict[int, float]) -> list[dict]:
     return [{"rank": p, "coords": {"pp": p, "dp": 0, "tp": 0},
              "actions": [{"stage": op.stage, "kind": op.kind, "microbatch": op.microbatch, "seconds": ACTION_S[op.kind]}
                          for op in ops],
-             "collectives": {"world": {"all_reduce": {"count": 1, "bytes": 8}}, "pp": {"send": {"count": 8, "bytes": 8}}},
+             "collectives": {"world": {"all_reduce": {"count": 1, "bytes": 8}},
+                             "pp": {"send": {"count": 8, "bytes": 8}}},
              "optimizer_s": 0.4e-3, "snapshot_s": 0.1e-3, "update_s": update_s.get(p, 0.5e-3)}
             for p, ops in _order(resolved).items()]
 

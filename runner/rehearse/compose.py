@@ -18,9 +18,9 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from runner.layout import ResolvedRun
+from runner.options import OptimizerSync
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
-from runner.options import OptimizerSync
 from runner.pipeline.simulate import SimAction, deferred_step, simulate
 
 __all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH", "VALIDATION_BYTES"]

@@ -208,7 +208,8 @@ def _merge_times(memory: dict, timed: dict, ratios: dict[str, float], short_seq_
     from runner.rehearse.scale import SCALING_RULE, scale_times
 
     return {**memory, "actions": scale_times(timed["actions"], ratios), "optimizer_s": timed["optimizer_s"],
-            "update_s": timed["update_s"], "snapshot_s": timed["snapshot_s"], "trace": timed["trace"], "profiled_step": timed["profiled_step"],
+            "update_s": timed["update_s"], "snapshot_s": timed["snapshot_s"], "trace": timed["trace"],
+            "profiled_step": timed["profiled_step"],
             "times": {"measured_at_seq_len": short_seq_len, "scaled_to_seq_len": memory["seq_len"],
                       "measured_step_s": timed["step_s"], "rule": SCALING_RULE,
                       "ratios": {k: ratios[k] for k in sorted({f"{a['stage']}{a['kind']}" for a in timed["actions"]})},
