@@ -375,6 +375,28 @@ def test_a_deferred_rehearsal_composes_its_steady_step_with_each_ranks_update_wh
             in table) and f"{step['tokens_per_s']:.0f} tokens/s" in table
 
 
+def test_pipeline_messages_are_messages_where_the_pipeline_group_is_the_world(tmp_path):
+    """At pp = world size the rehearsal names the pipeline group "world": its sends are still the
+    pipeline's messages (their size costs each message), not collectives after the pipeline or
+    between a deferred rank's steps."""
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "schedule=1f1b", "train.optimizer_sync=deferred", "rehearse=on")
+    resolved = check_rehearsal(cfg, tmp_path).resolved
+    apart = _fixed_ranks(resolved, {})
+    for r in apart:
+        r["collectives"]["pp"] = {"send": {"count": 4, "bytes": 4e6}, "recv": {"count": 4, "bytes": 4e6}}
+    world = [{**r, "collectives": {"world": {**r["collectives"]["world"], **r["collectives"]["pp"]}}} for r in apart]
+    link = {"latency_s": 1e-5, "bandwidth": 1e9}
+    (expected, _), (got, _) = compose_step(resolved, apart, **link), compose_step(resolved, world, **link)
+    assert got == expected and got["message_s"] == pytest.approx(1e-5 + 1e6 / 1e9)
+    assert got["collectives_s"] == pytest.approx(1e-5 + 8 / 1e9)  # the loss/norm all-reduce alone
+    assert got["deferred"]["update_collectives_s"] == {"0": pytest.approx(0.0), "1": pytest.approx(0.0)}
+
+
 def test_a_deferred_composition_refuses_ranks_rehearsed_with_the_barrier(tmp_path):
     from runner.rehearse.compose import compose_step
     from runner.rehearse.launch import check_rehearsal

@@ -28,6 +28,8 @@ __all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "
 DEFAULT_LATENCY_S = 10e-6
 DEFAULT_BANDWIDTH = 50e9  # bytes/s: a 400 Gbit/s link per device
 VALIDATION_BYTES = 8  # the step's loss/norm all-reduce over the world: two float32 (runner.train.start_reduce)
+# The schedule's messages, whatever dimension their group is named by (at pp = world size: "world").
+P2P = ("send", "recv", "vote_send", "vote_recv")
 GiB = 2**30
 MiB = 2**20
 
@@ -53,8 +55,8 @@ def _stage_costs(ranks: Sequence[dict]) -> dict[tuple[int, str], float]:
 def _collective_s(r: dict, latency: float, bandwidth: float) -> float:
     """What the rank's tp/dp/world collectives of one step would cost on the link, one after the
     other (the rehearsal answered them at once, so the measured actions hold none of it)."""
-    return sum(k["count"] * latency + k["bytes"] / bandwidth
-               for dim, kinds in r["collectives"].items() if dim != "pp" for k in kinds.values())
+    return sum(k["count"] * latency + k["bytes"] / bandwidth for dim, kinds in r["collectives"].items() if dim != "pp"
+               for kind, k in kinds.items() if kind not in P2P)
 
 
 def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[int, str], float], comm_s: float,
@@ -96,7 +98,8 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     missing = sorted({s for s in range(resolved.layout.num_stages)} - {s for s, _ in costs})
     if missing:
         raise ValueError(f"no rehearsed rank ran stage(s) {missing}: rehearse one rank of each pipeline rank")
-    sends = [(k["bytes"] / k["count"]) for r in ranks for k in [r["collectives"].get("pp", {}).get("send")] if k]
+    sends = [k["bytes"] / k["count"] for r in ranks for kinds in r["collectives"].values()
+             for kind, k in kinds.items() if kind == "send"]
     comm_s = latency + (max(sends) / bw if sends else 0.0)
     timeline = simulate(_order(resolved), costs, num_stages=resolved.layout.num_stages, comm_s=comm_s)
     pipeline_s = max(a.end for a in timeline)
