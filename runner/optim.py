@@ -163,10 +163,14 @@ class UpdateSnapshot:
         """The parameters' elements on this rank."""
         return sum(_local(p).numel() for p in self.params)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The copies on this rank (local shards): none before the first ``take``."""
+        copies = [*self.values, *(v for s in self.state if s for v in s.values() if isinstance(v, torch.Tensor))]
+        return [_local(t) for t in copies]
+
     def nbytes(self) -> int:
         """The memory the copies take on this rank."""
-        tensors = [*self.values, *(v for s in self.state if s for v in s.values() if isinstance(v, torch.Tensor))]
-        return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _copy_state(state: dict | None, kept: dict[str, object] | None) -> dict[str, object] | None:

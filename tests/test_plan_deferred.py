@@ -99,7 +99,6 @@ def test_a_plan_of_this_host_without_the_barrier_scores_the_deferred_steady_step
 def test_plan_barrier_false_refuses_what_cannot_run_deferred(tmp_path):
     cases = [
         (["train.optimizer_sync=barrier"], r"plan.barrier=false with train.optimizer_sync=barrier.*Fix: drop"),
-        (["plan.rehearse=true"], r"plan.barrier=false with plan.rehearse=true.*Fix: plan.rehearse=false"),
         (["verify=true", "checkpoint.resume=latest"], r"verify=true and checkpoint.resume=latest.*Fix: verify=false"),
     ]
     for overrides, message in cases:
@@ -155,3 +154,44 @@ def test_plan_cli_without_the_barrier_probes_deferred_and_its_recommendation_run
     # Loose on purpose, as the barrier's CLI test: 2 shared cores and a millisecond-scale model.
     print(f"predicted / measured steady step without the barrier: {ratio:.2f}")
     assert 0.1 < ratio < 10
+
+
+def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady_step_with_their_updates():
+    """``plan.rehearse=true plan.barrier=false``: accepted, and a rehearsed candidate's step is
+    ``deferred_step`` of the rehearsal's action costs (times the slowdown) in its order, each pipeline
+    rank's rehearsed update (times the slowdown) plus its collectives between its steps, and the
+    all-reduce (one message) a step later: ZB-H2 at pp=4 then beats its barrier step, 1F1B does not."""
+    from types import SimpleNamespace
+
+    from runner.plan.calibrate import Calibration
+    from runner.plan.planner import check_barrier_free
+    from runner.plan.rehearsed import cost_from_rehearsal
+
+    check_barrier_free(compose(*TINY, "plan.barrier=false", "plan.rehearse=true"), ["plan.rehearse=true"])
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0, corunning_slowdown=2.0)
+    stage_costs = {f"{s}{k}": v * 1e-3 for s in range(P) for k, v in COSTS.items()}
+    updates = {str(p): 0.25e-3 for p in range(P)}
+    step = {"step_s": 1.0, "stage_costs_s": stage_costs, "collectives_s": 1e-4, "optimizer_s": 0.2e-3,
+            "deferred": {"update_s": updates, "update_collectives_s": {str(p): 0.5e-3 for p in range(P)}}}
+    report = {"step": step, "ranks": [{"rank": p} for p in range(P)]}
+    layout = SimpleNamespace(num_stages=P, pp=P, microbatches=M, stage_to_rank={s: s for s in range(P)})
+    costs = {(s, k): v * 2e-3 for s in range(P) for k, v in COSTS.items()}
+    for name in ("zbh2", "1f1b"):
+        order = schedule_order(name, P, M, 1)
+        free, kept = SimpleNamespace(predicted_step_time_s=None), SimpleNamespace(predicted_step_time_s=None)
+        cost_from_rehearsal(free, layout, order, report, calibration, 1e-4, {s: 1.0 for s in range(P)}, None,
+                            barrier=False)
+        cost_from_rehearsal(kept, layout, order, report, calibration, 1e-4, {s: 1.0 for s in range(P)}, None)
+        expected = deferred_step(order, costs, num_stages=P, comm_s=1e-4, update_s={p: 1e-3 for p in range(P)},
+                                 reduce_s=1e-4)
+        assert free.predicted_step_time_s == pytest.approx(expected, rel=1e-12)
+        assert free.pipeline_s == pytest.approx(deferred_step(order, costs, num_stages=P, comm_s=1e-4), rel=1e-12)
+        assert free.rehearsal["scored_by"] == "deferred steady step" and kept.rehearsal["scored_by"] == "barrier"
+        if name == "zbh2":
+            assert free.predicted_step_time_s < kept.predicted_step_time_s * 0.95
+        else:
+            assert free.predicted_step_time_s > kept.predicted_step_time_s
+    with pytest.raises(ValueError, match="no deferred step"):
+        cost_from_rehearsal(SimpleNamespace(predicted_step_time_s=None), layout, order,
+                            {"step": {k: v for k, v in step.items() if k != "deferred"}}, calibration, 1e-4, {}, None,
+                            barrier=False)

@@ -200,14 +200,18 @@ def _rehearse_in_process(resolved, cfg, rank: int, run_dir, rank_pass=None) -> d
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["zbh1", "zbv"])
-def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_the_profiled_step(schedule, tmp_path):
+@pytest.mark.parametrize("schedule,sync", [("zbh1", "barrier"), ("zbv", "deferred")])
+def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_the_profiled_step(schedule, sync,
+                                                                                                  tmp_path):
     """Issue #35: the zero-bubble schedules' I action (``autograd.grad`` for a stage's received
     input, a leaf) failed under the memory tracker; and the step whose action times are composed
     was the one the torch profiler recorded (several times slower on a tiny model). Each pipeline
     rank at pp=2 x tp=2, in this process over the rehearsal group: AdamW's state made, step 1
     tracked, its actions from step 2 (timed), its chrome trace from step 3 alone, and the composed
-    step replays every stage's F, I and W."""
+    step replays every stage's F, I and W. With ``train.optimizer_sync=deferred`` the rank runs the
+    deferred path: its update (snapshot and AdamW between its pipeline and its next step) is timed,
+    its tracked peak holds the snapshot's copies and the previous step's gradients, and the composed
+    step is deferred's steady step, the barrier's beside it."""
     import json
 
     from runner.rehearse.compose import compose_step
@@ -216,7 +220,7 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
     from helpers.config import TINY, compose
 
     cfg = compose(*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.tp=2", f"schedule={schedule}",
-                  "rehearse=on", "profile.enabled=true")
+                  "rehearse=on", "profile.enabled=true", f"train.optimizer_sync={sync}")
     plan = check_rehearsal(cfg, tmp_path)
     resolved = plan.resolved
     results = [_rehearse_in_process(resolved, cfg, rank, tmp_path / f"rank{rank}") for rank in plan.ranks]
@@ -234,13 +238,28 @@ def test_zero_bubble_ranks_at_pp2_tp2_rehearse_with_their_times_taken_outside_th
         # The tracked step held AdamW's state from its start (made before it): a steady step's peak.
         assert peak["params"] == held["params"] and peak["optimizer_state"] == held["optimizer_state"]
         assert peak["total"] >= sum(held.values())
+        assert r["optimizer_sync"] == sync
+        if sync == "deferred":  # 12 bytes per parameter (fp32), and AdamW's step counts
+            assert r["snapshot_bytes"] >= 3 * held["params"] and 0 < r["snapshot_s"] < r["update_s"]
+            assert r["optimizer_s"] == pytest.approx(r["update_s"] - r["snapshot_s"])
+            assert peak["total"] >= sum(held.values()) + r["snapshot_bytes"] + held["params"]
+        else:
+            assert r["update_s"] is None and r["snapshot_bytes"] is None and r["optimizer_s"] > 0
     step, timeline = compose_step(resolved, results)
     stages = range(resolved.layout.num_stages)
     assert {(a.op.stage, a.op.kind) for a in timeline} == {(s, k) for s in stages for k in "FIW"}
     costs, microbatches = step["stage_costs_s"], resolved.layout.microbatches
     busy = max(sum(costs[f"{s}{k}"] for s in r["stages"] for k in "FIW") * microbatches for r in results)
-    assert busy <= step["pipeline_s"] * (1 + 1e-9) and step["pipeline_s"] < step["step_s"]
-    assert 0 < step["bubble"] < 1
+    assert busy <= step["pipeline_s"] * (1 + 1e-9) and step["pipeline_s"] < step["barrier_step_s"]
+    assert 0 < step["bubble"] < 1 and step["optimizer_sync"] == sync
+    if sync == "deferred":
+        deferred = step["deferred"]
+        assert step["step_s"] == deferred["step_s"] and busy <= deferred["pipeline_s"] * (1 + 1e-9)
+        assert deferred["update_s"] == {str(r["coords"]["pp"]): r["update_s"] for r in results}
+        assert deferred["step_s"] >= deferred["pipeline_s"] + min(r["update_s"] for r in results) * (1 - 1e-9)
+    else:
+        assert step["step_s"] == step["barrier_step_s"] and "deferred" not in step
+    assert step["tokens_per_s"] == resolved.tokens_per_step / step["step_s"]
 
 
 def _in_process(jobs: list[tuple]) -> list[dict]:
@@ -291,6 +310,104 @@ def test_memory_only_and_short_sequence_rehearsals_measure_the_full_ones_memory_
     assert "times: estimated: measured at rehearse.time_seq_len=8 and scaled to train.seq_len=16" in table
     assert "times: not measured (rehearse.memory_only=true)" in format_rehearsal(memory)
     assert json.loads((tmp_path / "short" / "rehearsal.json").read_text())["times_are"].startswith("estimated")
+
+
+ACTION_S = {"F": 1e-3, "B": 2e-3, "I": 1e-3, "W": 1e-3}
+
+
+def _fixed_ranks(resolved, update_s: dict[int, float]) -> list[dict]:
+    """One rehearsed rank per pipeline rank, as ``run_rank`` records it, with fixed times: each action
+    ``ACTION_S``, AdamW 0.4 ms, the snapshot 0.1 ms (an update of 0.5 ms, or ``update_s``'s), the
+    loss/norm all-reduce over the world."""
+    from runner.rehearse.compose import _order
+
+    return [{"rank": p, "coords": {"pp": p, "dp": 0, "tp": 0},
+             "actions": [{"stage": op.stage, "kind": op.kind, "microbatch": op.microbatch, "seconds": ACTION_S[op.kind]}
+                         for op in ops],
+             "collectives": {"world": {"all_reduce": {"count": 1, "bytes": 8}},
+                             "pp": {"send": {"count": 8, "bytes": 8}}},
+             "optimizer_s": 0.4e-3, "snapshot_s": 0.1e-3, "update_s": update_s.get(p, 0.5e-3)}
+            for p, ops in _order(resolved).items()]
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "zbh2", "1f1b", "gpipe"])
+def test_a_deferred_rehearsal_composes_its_steady_step_with_each_ranks_update_where_the_code_runs_it(schedule,
+                                                                                                      tmp_path):
+    """``train.optimizer_sync=deferred`` at pp=4, 8 microbatches, from fixed rehearsed ranks (in
+    process): the steady step is the barrier's but for what overlaps. ZB-H2's drain runs under the
+    next step's warm-up: shorter than the barrier's step, snapshot and all; ZB-H1, 1F1B and GPipe
+    overlap nothing at these costs: the barrier's step with each update's snapshot (0.1 ms) added.
+    A rank's update runs between its own steps (``Trainer.step``: after its backward, before its
+    next forward): the first rank's delays the next step's first forward, so all of it is on the
+    step; 1F1B's last rank waits for the next step's activations anyway, so its update is hidden
+    (ZB-H2's last rank is on the overlapped path: not hidden). The loss/norm all-reduce is waited
+    for a step later: on a slow link (50 ms a message) the barrier pays it every step, deferred not."""
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal, format_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "model.n_layers=4", "parallel.pp=4", f"schedule={schedule}", "parallel.microbatches=8",
+                  "train.batch_size=8", "train.optimizer_sync=deferred", "rehearse=on")
+    resolved = check_rehearsal(cfg, tmp_path).resolved
+    free = {"latency_s": 0.0, "bandwidth": 1e15}
+    step, _ = compose_step(resolved, _fixed_ranks(resolved, {}), **free)
+    deferred, barrier = step["deferred"], step["barrier_step_s"]
+    assert step["optimizer_sync"] == "deferred" and step["step_s"] == deferred["step_s"]
+    assert step["tokens_per_s"] == resolved.tokens_per_step / deferred["step_s"]
+    assert deferred["update_s"] == {str(p): 0.5e-3 for p in range(4)} and deferred["reduce_s"] == pytest.approx(8e-15)
+    if schedule == "zbh2":
+        assert deferred["step_s"] < barrier * 0.95
+    else:
+        assert deferred["step_s"] == pytest.approx(barrier + 0.1e-3, rel=1e-9)
+    first, _ = compose_step(resolved, _fixed_ranks(resolved, {0: 1.5e-3}), **free)
+    last, _ = compose_step(resolved, _fixed_ranks(resolved, {3: 1.5e-3}), **free)
+    assert first["step_s"] - deferred["step_s"] == pytest.approx(1e-3, rel=1e-6)
+    assert last["step_s"] - deferred["step_s"] == pytest.approx(1e-3 if schedule == "zbh2" else 0.0, abs=1e-9)
+    slow, _ = compose_step(resolved, _fixed_ranks(resolved, {}), latency_s=50e-3, bandwidth=1e15)
+    if schedule != "zbh2":  # the same pipeline either way: only the all-reduce and the snapshot differ
+        assert slow["barrier_step_s"] - slow["step_s"] == pytest.approx(50e-3 - 0.1e-3, rel=1e-6)
+    table = format_rehearsal({"layout": "pp=4", "world_size": 4, "device": "cpu", "schedule": schedule,
+                              "microbatches": 8, "ranks": [], "times_are": "measured", "memory": ["fits"],
+                              "assumption": "-", "step": {**step, "mfu": None, "mfu_unknown": "cpu"}})
+    assert f"composed barrier step (train.optimizer_sync=barrier): {barrier:.3f} s" in table
+    assert (f"composed deferred steady step (train.optimizer_sync=deferred, the run's): {deferred['step_s']:.3f} s"
+            in table) and f"{step['tokens_per_s']:.0f} tokens/s" in table
+
+
+def test_pipeline_messages_are_messages_where_the_pipeline_group_is_the_world(tmp_path):
+    """At pp = world size the rehearsal names the pipeline group "world": its sends are still the
+    pipeline's messages (their size costs each message), not collectives after the pipeline or
+    between a deferred rank's steps."""
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "schedule=1f1b", "train.optimizer_sync=deferred", "rehearse=on")
+    resolved = check_rehearsal(cfg, tmp_path).resolved
+    apart = _fixed_ranks(resolved, {})
+    for r in apart:
+        r["collectives"]["pp"] = {"send": {"count": 4, "bytes": 4e6}, "recv": {"count": 4, "bytes": 4e6}}
+    world = [{**r, "collectives": {"world": {**r["collectives"]["world"], **r["collectives"]["pp"]}}} for r in apart]
+    link = {"latency_s": 1e-5, "bandwidth": 1e9}
+    (expected, _), (got, _) = compose_step(resolved, apart, **link), compose_step(resolved, world, **link)
+    assert got == expected and got["message_s"] == pytest.approx(1e-5 + 1e6 / 1e9)
+    assert got["collectives_s"] == pytest.approx(1e-5 + 8 / 1e9)  # the loss/norm all-reduce alone
+    assert got["deferred"]["update_collectives_s"] == {"0": pytest.approx(0.0), "1": pytest.approx(0.0)}
+
+
+def test_a_deferred_composition_refuses_ranks_rehearsed_with_the_barrier(tmp_path):
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "parallel.pp=2", "schedule=1f1b", "train.optimizer_sync=deferred", "rehearse=on")
+    resolved = check_rehearsal(cfg, tmp_path).resolved
+    ranks = [{**r, "update_s": None} for r in _fixed_ranks(resolved, {})]
+    with pytest.raises(ValueError, match="rank 0 was not rehearsed with train.optimizer_sync=deferred"):
+        compose_step(resolved, ranks)
 
 
 def check_rehearsal_of(cfg, run_dir):

@@ -258,15 +258,16 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def peak_tracker(modules, optimizer):
-    """A ``MemTracker`` (enter it around the steps) following ``modules`` and ``optimizer``. The
+def peak_tracker(modules, optimizer, *tensors):
+    """A ``MemTracker`` (enter it around the steps) following ``modules``, ``optimizer`` and other
+    ``tensors`` held through the steps (made before it, which it would not see otherwise). The
     tracker refuses a root module called twice in one iteration, which a pipeline stage is (once
     per microbatch): each forward of a stage module starts its module statistics afresh (only the
     device-wide peak is read, ``peak_split``)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    tracker.track_external(*modules, optimizer)
+    tracker.track_external(*modules, optimizer, *tensors)
     roots = {id(m) for m in modules}
     pre_forward = tracker._pre_fw_hook  # registered with the module tracker as the tracker is entered
 

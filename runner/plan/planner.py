@@ -470,8 +470,9 @@ def _from_rehearsal(state: _Planning, candidate: Candidate, layout: Layout, orde
     run_dir = state.out / "rehearsals" / str(len(state.rehearsals))
     if key not in state.rehearsals:
         try:
+            deferred = [] if state.cfg.plan.barrier else [DEFERRED]  # rehearsed as its command runs
             state.rehearsals[key] = {"dir": str(run_dir), "report": state.rehearse(
-                [*candidate.overrides, *link_overrides(state.calibration)], run_dir)}
+                [*candidate.overrides, *deferred, *link_overrides(state.calibration)], run_dir)}
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
             state.rehearsals[key] = f"the rehearsal failed: {e}"
     done = state.rehearsals[key]
@@ -482,7 +483,7 @@ def _from_rehearsal(state: _Planning, candidate: Candidate, layout: Layout, orde
     _, comm_s = layout_costs(layout.stages, child, state.calibration, state.model)
     try:
         return cost_from_rehearsal(candidate, layout, order, done["report"], state.calibration, comm_s,
-                                   _saved_bytes(layout, child), Path(done["dir"]))
+                                   _saved_bytes(layout, child), Path(done["dir"]), barrier=state.cfg.plan.barrier)
     except (KeyError, ValueError) as e:
         candidate.rehearsal = {"error": f"the rehearsal cannot cost it: {e}", "dir": done["dir"]}
         return None
@@ -533,8 +534,7 @@ def check_plan_keys(cfg: DictConfig) -> None:
 def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """``plan.barrier=false`` scores steps that overlap, which runs get with
     ``train.optimizer_sync=deferred`` (the candidates' commands carry it): refused, before anything
-    is timed, with another ``train.optimizer_sync`` given, with ``plan.rehearse`` (a rehearsal
-    composes a step with the barrier) and where ``deferred`` cannot run (``verify`` with
+    is timed, with another ``train.optimizer_sync`` given and where ``deferred`` cannot run (``verify`` with
     ``checkpoint.resume``: ``runner.validate``)."""
     if cfg.plan.barrier:
         return
@@ -545,10 +545,6 @@ def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:
                           f"scores steps that overlap, which only train.optimizer_sync=deferred runs (each "
                           f"candidate's command carries it). Fix: drop train.optimizer_sync={other}, or "
                           "plan.barrier=true to plan steps with the barrier.")
-    if cfg.plan.get("rehearse"):
-        raise ConfigError("plan.barrier=false with plan.rehearse=true: a rehearsal composes its layout's step with "
-                          "the barrier (its ranks run one after another), so rehearsed candidates cannot be scored "
-                          "without it. Fix: plan.rehearse=false, or plan.barrier=true.")
     if cfg.checkpoint.resume and resolve_verify(cfg):
         raise ConfigError(f"plan.barrier=false with verify=true and checkpoint.resume={cfg.checkpoint.resume}: "
                           "the plan's commands run train.optimizer_sync=deferred, which a verified resumed run "

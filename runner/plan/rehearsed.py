@@ -12,6 +12,13 @@ co-running slowdown (a rehearsed rank runs alone; the run's ranks share the host
 simulator in the candidate's order with the planner's message cost per send, plus the rehearsal's
 tp/dp collectives on the planner's link and its slowest rank's optimizer step.
 
+With ``plan.barrier=false`` each rehearsal runs ``train.optimizer_sync=deferred`` (the candidates'
+commands do), and a candidate is scored by that mode's steady step instead
+(``runner.pipeline.simulate.deferred_step``): the same action costs in its order, each pipeline
+rank's update as its rehearsed rank measured it on the deferred path (times the slowdown) with its
+tp/dp collectives as the rehearsal put them on the planner's link, and the loss/norm all-reduce
+(one message) waited for a step later, as ``runner.plan.planner`` scores the model's candidates.
+
 Rehearsals are shared by candidates of the same degrees, microbatches, stages per rank and split
 whose schedules use the same action kinds (F/B, or F/I/W): the per-action costs depend on the
 layout, not on the order."""
@@ -29,7 +36,7 @@ from omegaconf import DictConfig
 
 from runner.layout import Layout
 from runner.pipeline.ops import Op
-from runner.pipeline.simulate import expected_makespan, simulate
+from runner.pipeline.simulate import deferred_step, expected_makespan, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.problem import Problem, lower_bound
 
@@ -82,12 +89,23 @@ def _stage_costs(step: Mapping[str, Any], slowdown: float) -> dict[tuple[int, st
     return {(int(key[:-1]), key[-1]): float(v) * slowdown for key, v in step["stage_costs_s"].items()}
 
 
+def _deferred_updates(step: Mapping[str, Any], slowdown: float) -> dict[int, float]:
+    """Each pipeline rank's update between its steps from ``rehearsal.json``'s ``step.deferred``: its
+    measured update times the slowdown, and its collectives on the planner's link."""
+    deferred = step.get("deferred")
+    if not deferred:
+        raise ValueError("rehearsal.json has no deferred step (rehearsed without train.optimizer_sync=deferred)")
+    return {int(p): float(v) * slowdown + float(deferred["update_collectives_s"][p])
+            for p, v in deferred["update_s"].items()}
+
+
 def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op]], report: Mapping[str, Any],
                         calibration: Calibration, comm_s: float, saved_bytes: Mapping[int, float],
-                        run_dir: Path | None) -> list:
+                        run_dir: Path | None, *, barrier: bool = True) -> list:
     """Replace ``candidate``'s predicted step (``runner.plan.planner.Candidate``, predicted by the
     model first) with the rehearsal's: its per-action costs in the candidate's order with the
-    planner's message cost ``comm_s``, plus its collectives and optimizer step. Returns the timeline."""
+    planner's message cost ``comm_s``, plus its collectives and optimizer step; without the
+    ``barrier``, ``deferred``'s steady step (the module's docstring). Returns the timeline."""
     step = report.get("step")
     if not step:
         raise ValueError("rehearsal.json has no composed step (not every pipeline rank was rehearsed)")
@@ -96,20 +114,30 @@ def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op
     if missing:
         raise ValueError(f"the rehearsal measured no {', '.join(f'{s}{k}' for s, k in missing)} action")
     timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
-    makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                 jitter=calibration.action_jitter)
     busy = sum(a.end - a.start for a in timeline)
     model_step = candidate.predicted_step_time_s
-    candidate.after_pipeline_s = float(step["collectives_s"]) + float(step["optimizer_s"])
-    candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
-    candidate.pipeline_s = max(a.end for a in timeline)
-    candidate.bubble = 1 - busy / (layout.pp * makespan)
+    if barrier:
+        makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                     jitter=calibration.action_jitter)
+        candidate.after_pipeline_s = float(step["collectives_s"]) + float(step["optimizer_s"])
+        candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
+        candidate.pipeline_s = max(a.end for a in timeline)
+        candidate.bubble = 1 - busy / (layout.pp * makespan)
+    else:  # as runner.plan.planner._predict_deferred, with the rehearsed updates
+        updates = _deferred_updates(step, calibration.corunning_slowdown)
+        candidate.predicted_step_time_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                                        update_s=updates, reduce_s=calibration.latency_s,
+                                                        jitter=calibration.action_jitter)
+        candidate.pipeline_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
+        candidate.after_pipeline_s = candidate.predicted_step_time_s - candidate.pipeline_s
+        candidate.bubble = 1 - busy / (layout.pp * candidate.pipeline_s)
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s,
-                                                  dict(saved_bytes)))
+                                                  dict(saved_bytes), barrier=barrier))
     candidate.costed_by = "rehearsal"
     candidate.rehearsal = {"dir": str(run_dir) if run_dir else None, "model_step_s": model_step,
                            "rehearsed_step_s": step["step_s"], "collectives_s": step["collectives_s"],
                            "optimizer_s": step["optimizer_s"], "corunning_slowdown": calibration.corunning_slowdown,
+                           "scored_by": "barrier" if barrier else "deferred steady step",
                            "message_s": comm_s, "ranks": [r["rank"] for r in report.get("ranks", [])]}
     return timeline

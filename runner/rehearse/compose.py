@@ -3,7 +3,13 @@ replayed by the planner's exact simulator (``runner.pipeline.simulate``) in the 
 a message cost between stages from ``plan.comm_latency_s`` / ``plan.comm_bandwidth`` (the planner's
 link; null: 10 us and 50 GB/s); the step's MFU where the device's peak is known (torch's datasheet
 table, as ``plan.target`` reads it; the model's FLOPs counted as the planner counts them); and each
-rank's peak memory against a capacity."""
+rank's peak memory against a capacity.
+
+Two steps are composed: the barrier's (the pipeline, then the tp/dp collectives, then the slowest
+rank's optimizer step), and where the run has ``train.optimizer_sync=deferred`` its steady step
+(``runner.pipeline.simulate.deferred_step``: steps back to back, each pipeline rank's own update
+between its own steps, the loss/norm all-reduce waited for a step later); ``step_s`` is the one
+the run's mode takes (``post_validate``: the barrier's, each rank's update with its snapshot)."""
 
 from __future__ import annotations
 
@@ -12,14 +18,18 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from runner.layout import ResolvedRun
+from runner.options import OptimizerSync
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
-from runner.pipeline.simulate import SimAction, simulate
+from runner.pipeline.simulate import SimAction, deferred_step, simulate
 
-__all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH"]
+__all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH", "VALIDATION_BYTES"]
 
 DEFAULT_LATENCY_S = 10e-6
 DEFAULT_BANDWIDTH = 50e9  # bytes/s: a 400 Gbit/s link per device
+VALIDATION_BYTES = 8  # the step's loss/norm all-reduce over the world: two float32 (runner.train.start_reduce)
+# The schedule's messages, whatever dimension their group is named by (at pp = world size: "world").
+P2P = ("send", "recv", "vote_send", "vote_recv")
 GiB = 2**30
 MiB = 2**20
 
@@ -45,21 +55,51 @@ def _stage_costs(ranks: Sequence[dict]) -> dict[tuple[int, str], float]:
 def _collective_s(r: dict, latency: float, bandwidth: float) -> float:
     """What the rank's tp/dp/world collectives of one step would cost on the link, one after the
     other (the rehearsal answered them at once, so the measured actions hold none of it)."""
-    return sum(k["count"] * latency + k["bytes"] / bandwidth
-               for dim, kinds in r["collectives"].items() if dim != "pp" for k in kinds.values())
+    return sum(k["count"] * latency + k["bytes"] / bandwidth for dim, kinds in r["collectives"].items() if dim != "pp"
+               for kind, k in kinds.items() if kind not in P2P)
+
+
+def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[int, str], float], comm_s: float,
+              latency: float, bandwidth: float) -> dict[str, Any]:
+    """``train.optimizer_sync=deferred``'s steady step: each pipeline rank's update between its own
+    steps (its slowest rehearsed rank's ``update_s``, measured on the deferred path, and its tp/dp
+    collectives on the link, less the loss/norm all-reduce) and that all-reduce (one message of
+    ``VALIDATION_BYTES``) waited for a step later; the pipeline as ``deferred_step`` replays it
+    without either (mean times: what the updates and the all-reduce add is ``step_s`` less it)."""
+    validation_s = latency + VALIDATION_BYTES / bandwidth
+    update: dict[int, float] = {}
+    collectives: dict[int, float] = {}
+    for r in ranks:
+        if r.get("update_s") is None:
+            raise ValueError(f"rank {r['rank']} was not rehearsed with train.optimizer_sync=deferred (no update_s)")
+        p = r["coords"]["pp"]
+        update[p] = max(update.get(p, 0.0), r["update_s"])
+        validated = "all_reduce" in r["collectives"].get("world", {})
+        collectives[p] = max(collectives.get(p, 0.0), _collective_s(r, latency, bandwidth) - validated * validation_s)
+    order, stages = _order(resolved), resolved.layout.num_stages
+    between = {p: update[p] + collectives[p] for p in update}
+    step_s = deferred_step(order, costs, num_stages=stages, comm_s=comm_s, update_s=between, reduce_s=validation_s)
+    pipeline_s = deferred_step(order, costs, num_stages=stages, comm_s=comm_s)
+    busy = sum(costs[(op.stage, op.kind)] for ops in order.values() for op in ops)
+    return {"step_s": step_s, "pipeline_s": pipeline_s, "bubble": 1 - busy / (resolved.pp * pipeline_s),
+            "update_s": {str(p): v for p, v in sorted(update.items())},
+            "update_collectives_s": {str(p): v for p, v in sorted(collectives.items())}, "reduce_s": validation_s}
 
 
 def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: float | None = None,
                  bandwidth: float | None = None) -> tuple[dict[str, Any], list[SimAction]]:
     """The predicted step of the whole job from its rehearsed ranks (one per pipeline rank), and
-    its simulated pipeline (seconds, by pipeline rank)."""
+    its simulated pipeline with the barrier (seconds, by pipeline rank): ``step_s`` the step the
+    run's ``train.optimizer_sync`` takes, ``barrier_step_s`` the barrier's, and under ``deferred``
+    its steady step's parts (``deferred``; see the module's docstring)."""
     latency = DEFAULT_LATENCY_S if latency_s is None else latency_s
     bw = DEFAULT_BANDWIDTH if bandwidth is None else bandwidth
     costs = _stage_costs(ranks)
     missing = sorted({s for s in range(resolved.layout.num_stages)} - {s for s, _ in costs})
     if missing:
         raise ValueError(f"no rehearsed rank ran stage(s) {missing}: rehearse one rank of each pipeline rank")
-    sends = [(k["bytes"] / k["count"]) for r in ranks for k in [r["collectives"].get("pp", {}).get("send")] if k]
+    sends = [k["bytes"] / k["count"] for r in ranks for kinds in r["collectives"].values()
+             for kind, k in kinds.items() if kind == "send"]
     comm_s = latency + (max(sends) / bw if sends else 0.0)
     timeline = simulate(_order(resolved), costs, num_stages=resolved.layout.num_stages, comm_s=comm_s)
     pipeline_s = max(a.end for a in timeline)
@@ -67,11 +107,21 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     bubble = 1 - busy / (resolved.pp * pipeline_s)
     collectives_s = max(_collective_s(r, latency, bw) for r in ranks)
     optimizer_s = max(r["optimizer_s"] for r in ranks)
-    step_s = pipeline_s + collectives_s + optimizer_s
-    return {"step_s": step_s, "pipeline_s": pipeline_s, "collectives_s": collectives_s, "optimizer_s": optimizer_s,
-            "bubble": bubble, "tokens_per_s": resolved.tokens_per_step / step_s, "message_s": comm_s,
+    barrier_s = pipeline_s + collectives_s + optimizer_s
+    sync = OptimizerSync(resolved.train.optimizer_sync)
+    step = {"optimizer_sync": sync.value, "barrier_step_s": barrier_s, "pipeline_s": pipeline_s,
+            "collectives_s": collectives_s, "optimizer_s": optimizer_s, "bubble": bubble, "message_s": comm_s,
             "stage_costs_s": {f"{s}{k}": v for (s, k), v in sorted(costs.items())},
-            "link": {"latency_s": latency, "bandwidth": bw}}, timeline
+            "link": {"latency_s": latency, "bandwidth": bw}}
+    if sync == OptimizerSync.deferred:
+        step["deferred"] = _deferred(resolved, ranks, costs, comm_s, latency, bw)
+        step["step_s"] = step["deferred"]["step_s"]
+    elif sync == OptimizerSync.post_validate:  # the barrier's step, each rank's update with its snapshot
+        step["step_s"] = pipeline_s + collectives_s + max(r["update_s"] for r in ranks)
+    else:
+        step["step_s"] = barrier_s
+    step["tokens_per_s"] = resolved.tokens_per_step / step["step_s"]
+    return step, timeline
 
 
 def step_mfu(cfg, resolved: ResolvedRun, step_s: float, device_name: str | None) -> dict[str, Any]:

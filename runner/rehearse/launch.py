@@ -208,7 +208,8 @@ def _merge_times(memory: dict, timed: dict, ratios: dict[str, float], short_seq_
     from runner.rehearse.scale import SCALING_RULE, scale_times
 
     return {**memory, "actions": scale_times(timed["actions"], ratios), "optimizer_s": timed["optimizer_s"],
-            "trace": timed["trace"], "profiled_step": timed["profiled_step"],
+            "update_s": timed["update_s"], "snapshot_s": timed["snapshot_s"], "trace": timed["trace"],
+            "profiled_step": timed["profiled_step"],
             "times": {"measured_at_seq_len": short_seq_len, "scaled_to_seq_len": memory["seq_len"],
                       "measured_step_s": timed["step_s"], "rule": SCALING_RULE,
                       "ratios": {k: ratios[k] for k in sorted({f"{a['stage']}{a['kind']}" for a in timed["actions"]})},
@@ -319,18 +320,35 @@ def format_rehearsal(report: dict[str, Any]) -> str:
                      f"{_seconds(r['optimizer_s']):>8} {n_coll:>12}")
     step = report.get("step")
     if step:
-        scaled = " (from scaled times: an estimate)" if step.get("times") == "scaled" else ""
-        lines.append(f"composed step{scaled}: {step['step_s']:.3f} s (pipeline {step['pipeline_s']:.3f} s, collectives "
-                     f"{step['collectives_s']:.3f} s, optimizer {step['optimizer_s']:.3f} s), bubble "
-                     f"{step['bubble']:.1%}, {step['tokens_per_s']:.0f} tokens/s, "
-                     + (f"MFU {step['mfu']:.1%} of {step['peak_of']}" if step.get("mfu") is not None
-                        else f"MFU unknown ({step.get('mfu_unknown')})"))
+        lines.extend(_step_lines(step))
     else:
         lines.append(f"composed step: none ({report.get('step_missing')})")
     lines.append(f"times: {report['times_are']}")
     lines.append("memory: " + "; ".join(report["memory"]) + " (measured at train.seq_len)")
     lines.append(f"assumed: {report['assumption']}")
     return "\n".join(lines)
+
+
+def _step_lines(step: dict[str, Any]) -> list[str]:
+    """The composed step the run's ``train.optimizer_sync`` takes, with tokens/s and MFU from it;
+    under ``deferred`` the barrier's step above it, each labelled."""
+    scaled = " (from scaled times: an estimate)" if step.get("times") == "scaled" else ""
+    sync = step.get("optimizer_sync", "barrier")
+    rate = (f"{step['tokens_per_s']:.0f} tokens/s, "
+            + (f"MFU {step['mfu']:.1%} of {step['peak_of']}" if step.get("mfu") is not None
+               else f"MFU unknown ({step.get('mfu_unknown')})"))
+    parts = (f"pipeline {step['pipeline_s']:.3f} s, collectives {step['collectives_s']:.3f} s, optimizer "
+             f"{step['optimizer_s']:.3f} s), bubble {step['bubble']:.1%}")
+    deferred = step.get("deferred")
+    if deferred is None:
+        label = "" if sync == "barrier" else f", train.optimizer_sync={sync}: each rank's update with its snapshot"
+        return [f"composed step{scaled}: {step['step_s']:.3f} s ({parts}{label}, {rate}"]
+    updates = ", ".join(f"{p}: {v * 1e3:.1f} ms" for p, v in deferred["update_s"].items())
+    return [f"composed barrier step{scaled} (train.optimizer_sync=barrier): {step['barrier_step_s']:.3f} s ({parts}",
+            f"composed deferred steady step{scaled} (train.optimizer_sync=deferred, the run's): "
+            f"{deferred['step_s']:.3f} s (pipeline {deferred['pipeline_s']:.3f} s with steps overlapping, then each "
+            f"pipeline rank's update between its own steps, by pipeline rank: {updates}; the all-reduce waited a step "
+            f"later), bubble {deferred['bubble']:.1%}, {rate}"]
 
 
 def raise_if_over_capacity(report: dict[str, Any]) -> None:
