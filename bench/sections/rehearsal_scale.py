@@ -58,7 +58,8 @@ def _rehearse(ctx: Context, name: str, repeat: int, mode: Sequence[int | None]) 
     seq_len, (short, fit) = _seq_len(SCALE_RUNS[name]), mode
     keys = ([f"rehearse.time_seq_len={seq_len // short}"] if short else []) + (
         [f"rehearse.time_fit_seq_len={seq_len // fit}"] if fit else [])
-    run_dir = ctx.work / f"rehearsal-scale-{name}-{mode_name(mode).replace(' ', '').replace('/', '')}-{repeat}"
+    # No comma in the directory: Hydra reads an override with one as a sweep.
+    run_dir = ctx.work / f"rehearsal-scale-{name}-{short or 'full'}-{fit or 'flops'}-{repeat}"
     extra = [f"model.path={ctx.work / 'rehearsal-scale-llama'}"] if "model=hf" in SCALE_RUNS[name] else []
     started = time.time()
     done = run_cli(ctx, *SCALE_COMMON, *SCALE_RUNS[name], *extra, *keys, f"hydra.run.dir={run_dir}")
