@@ -92,7 +92,7 @@ def test_receives_are_finite_and_the_pipeline_vote_reads_static(rank_37_of_256):
      "rehearse.time_fit_seq_len=4 without rehearse.time_seq_len: the fit is drawn through the times at both. Fix: "
      "rehearse.time_seq_len=<a longer length> (e.g. 8)"),
     (["rehearse.time_seq_len=8", "rehearse.time_fit_seq_len=8"],
-     "rehearse.time_fit_seq_len=8: the fit's second length is shorter than rehearse.time_seq_len=8. Fix: a length "
+     "rehearse.time_fit_seq_len=8: the fit's second length must be shorter than rehearse.time_seq_len=8. Fix: a length "
      "from 1 to 7 (e.g. 4)"),
     (["parallel.sequence_parallel=true", "rehearse.time_seq_len=7"],  # the run's own check, named by the key
      "rehearse.time_seq_len=7: the run's checks refuse that sequence (times are measured at it as train.seq_len): "

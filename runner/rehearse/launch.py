@@ -127,8 +127,8 @@ def _check_fit_key(cfg: DictConfig) -> None:
                           "is drawn through the times at both. Fix: rehearse.time_seq_len=<a longer length> (e.g. "
                           f"{2 * r.time_fit_seq_len}), or rehearse.time_fit_seq_len=null.")
     if not 0 < r.time_fit_seq_len < r.time_seq_len:
-        raise ConfigError(f"rehearse.time_fit_seq_len={r.time_fit_seq_len}: the fit's second length is shorter than "
-                          f"rehearse.time_seq_len={r.time_seq_len}. Fix: a length from 1 to {r.time_seq_len - 1} "
+        raise ConfigError(f"rehearse.time_fit_seq_len={r.time_fit_seq_len}: the fit's second length must be shorter "
+                          f"than rehearse.time_seq_len={r.time_seq_len}. Fix: a length from 1 to {r.time_seq_len - 1} "
                           f"(e.g. {max(1, r.time_seq_len // 2)}), or rehearse.time_fit_seq_len=null.")
 
 
