@@ -34,6 +34,7 @@ SCALE_RUNS = {
 SCALE_COMMON = ["rehearse=on", "profile.enabled=false", "launch.threads_per_rank=1"]
 # (rehearse.time_seq_len, rehearse.time_fit_seq_len) as fractions of train.seq_len; (None, None): full length.
 MODES = ((None, None), (2, None), (4, None), (8, None), (4, 8), (2, 4))
+TIMER_FLOOR_S = 1e-3  # an action shorter than this at full length (the first stage's I: nothing) gets no ratios
 
 
 def _seq_len(overrides: list[str]) -> int:
@@ -106,7 +107,8 @@ def _config_rows(res: Mapping[str, Any], name: str) -> list[str]:
     costs = {m: _medians(by_mode[m], "stage_costs_s") if by_mode[m] else {} for m in scaled}
     rows = []
     for key, full_s in base.items():
-        cells = [num(costs[m][key] / full_s if costs[m].get(key) and full_s else None, ".2f") for m in scaled]
+        cells = [num(costs[m][key] / full_s if costs[m].get(key) and full_s >= TIMER_FLOOR_S else None, ".2f")
+                 for m in scaled]
         rows.append(f"| {name}{star} | {key} | {full_s:.4f} | " + " | ".join(cells) + " |")
     step = median([r["step_s"] for r in full])
     cells = [num(median([r["step_s"] for r in by_mode[m]]) / step if by_mode[m] and step else None, ".2f")
@@ -136,6 +138,13 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
              "|---|---|---|" + "---|" * len(scaled)]
     for name in res["configs"]:
         lines += _config_rows(res, name)
+    lines += ["", "Ratios of an action under 1 ms at full length (the first stage's I, which runs nothing, an "
+                  "embedding's forward) are left out: they measure the timer."]
+    if res["runs"] and all(r.get("under_load") for r in res["runs"] if r.get("status") == "ok"):
+        lines += ["", "Every run shared the machine with other work: a full-length and a scaled rehearsal were slowed "
+                      "by different amounts at different times, so these ratios measure the load as much as the rule. "
+                      "Re-run on a quiet machine before reading them as accuracy; docs/rehearsal.md (\"How close the "
+                      "scaled times are\") has the same comparison in CPU time, which the load moves little."]
     return lines + [""]
 
 
