@@ -498,7 +498,7 @@ def test_bench_rehearsal_scale_renders_each_mode_over_the_full_length_per_stage_
     assert "| c | 0F | 1.0000 | 1.10 | 1.20 | 1.40 | 0.90 |  |" in text
     assert "| c | step | 4.0000 | 1.10 | 1.20 | 1.40 | 1.05 |  |" in text
     assert "| c | failed: fit S/4, S/2: exit code 1: x |" in text
-    assert "Every run shared the machine" not in text
+    assert "had runs that shared the machine" not in text
     runs[4]["under_load"] = True  # one loaded run marks its configuration's rows
     runs.append({**run("full", 0.0005, 2.0, 4.0, repeat=3), "stage_costs_s": {"0I": 0.0005}})  # under 1 ms
     runs.append({**run("S/2", 0.0005, 2.0, 4.0, repeat=3), "stage_costs_s": {"0I": 0.004}})
@@ -506,7 +506,4 @@ def test_bench_rehearsal_scale_renders_each_mode_over_the_full_length_per_stage_
     text = render(results, out)
     assert "| c* | 0F | 1.0000 | 1.10 | 1.20 | 1.40 | 0.90 |  |" in text
     assert "| c* | 0I | 0.0005 |  |  |  |  |  |" in text  # the timer's noise: no ratio
-    for r in runs:
-        r["under_load"] = r["status"] == "ok"
-    write_section(results, "rehearsal_scale", payload)
-    assert "Every run shared the machine with other work" in render(results, out)
+    assert "Configurations marked * had runs that shared the machine with other work" in text

@@ -140,9 +140,10 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
         lines += _config_rows(res, name)
     lines += ["", "Ratios of an action under 1 ms at full length (the first stage's I, which runs nothing, an "
                   "embedding's forward) are left out: they measure the timer."]
-    if res["runs"] and all(r.get("under_load") for r in res["runs"] if r.get("status") == "ok"):
-        lines += ["", "Every run shared the machine with other work: a full-length and a scaled rehearsal were slowed "
-                      "by different amounts at different times, so these ratios measure the load as much as the rule. "
+    if any(r.get("under_load") for r in res["runs"]):
+        lines += ["", "Configurations marked * had runs that shared the machine with other work: a full-length and a "
+                      "scaled rehearsal were slowed by different amounts at different times, so their ratios measure "
+                      "the load as much as the rule. "
                       "Re-run on a quiet machine before reading them as accuracy; docs/rehearsal.md (\"How close the "
                       "scaled times are\") has the same comparison in CPU time, which the load moves little."]
     return lines + [""]
