@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 
 import pytest
@@ -87,6 +88,12 @@ def test_receives_are_finite_and_the_pipeline_vote_reads_static(rank_37_of_256):
     (["rehearse.time_seq_len=16"], "rehearse.time_seq_len=16: times are measured at a sequence shorter than the "
                                    "run's (train.seq_len=16)"),
     (["rehearse.time_seq_len=0"], "Fix: a length from 1 to 15 (e.g. 2)"),
+    (["rehearse.time_fit_seq_len=4"],
+     "rehearse.time_fit_seq_len=4 without rehearse.time_seq_len: the fit is drawn through the times at both. Fix: "
+     "rehearse.time_seq_len=<a longer length> (e.g. 8)"),
+    (["rehearse.time_seq_len=8", "rehearse.time_fit_seq_len=8"],
+     "rehearse.time_fit_seq_len=8: the fit's second length must be shorter than rehearse.time_seq_len=8. Fix: a length "
+     "from 1 to 7 (e.g. 4)"),
     (["parallel.sequence_parallel=true", "rehearse.time_seq_len=7"],  # the run's own check, named by the key
      "rehearse.time_seq_len=7: the run's checks refuse that sequence (times are measured at it as train.seq_len): "
      "parallel.sequence_parallel=true shards the sequence over parallel.tp=2, but train.seq_len=7 does not divide. "
@@ -310,6 +317,78 @@ def test_memory_only_and_short_sequence_rehearsals_measure_the_full_ones_memory_
     assert "times: estimated: measured at rehearse.time_seq_len=8 and scaled to train.seq_len=16" in table
     assert "times: not measured (rehearse.memory_only=true)" in format_rehearsal(memory)
     assert json.loads((tmp_path / "short" / "rehearsal.json").read_text())["times_are"].startswith("estimated")
+    # With rehearse.time_fit_seq_len=4 too: the line a + b * FLOPs through each stage action's median
+    # times at 4 and at 8, read at 16, scales the actions measured at 8 (memory still the full length's).
+    fitted = rehearse(compose(*run, "rehearse.time_seq_len=8", "rehearse.time_fit_seq_len=4"), tmp_path / "fitted",
+                      run_jobs=_in_process)
+    assert fitted["times"] == "scaled" and fitted["times_are"].startswith(
+        "estimated: measured at rehearse.time_fit_seq_len=4 and rehearse.time_seq_len=8, fitted to train.seq_len=16")
+    for f, got in zip(full["ranks"], fitted["ranks"], strict=True):
+        times = got["times"]
+        assert got["peak_bytes"] == f["peak_bytes"] and (times["measured_at_seq_len"], times["fit_seq_len"]) == (8, 4)
+        for a in got["actions"]:
+            key = f"{a['stage']}{a['kind']}"
+            fit = times["fit"][key]
+            at8 = [b["measured_seconds"] for b in got["actions"] if f"{b['stage']}{b['kind']}" == key]
+            assert a["seconds"] == a["measured_seconds"] * fit["ratio"] and times["ratios"][key] == fit["ratio"]
+            if fit["by_flops"]:
+                assert fit["ratio"] == times["flop_ratios"][key] == ratios[key]
+            else:
+                assert fit["fitted_s"] == pytest.approx(fit["a_s"] + fit["b_s"]) and fit["b_s"] > 0
+                assert fit["ratio"] == pytest.approx(fit["fitted_s"] / statistics.median(at8))
+    assert fitted["step"]["times"] == "scaled" and fitted["step"]["step_s"] > fitted["step"]["pipeline_s"] > 0
+    assert "fitted to train.seq_len=16" in format_rehearsal(fitted)
+
+
+@pytest.mark.timeout(60)
+def test_the_flop_ratios_are_linear_in_tokens_for_w_and_add_exactly_attentions_quadratic_term_for_f_and_i(tmp_path):
+    """The scaling rule's arithmetic on a fixed shape (no timing): at train.seq_len=16, a W (the
+    weights' gradients: no attention product) scales by the tokens, 16/8 = 2 and 16/4 = 4 exactly; F,
+    I and B add attention's quadratic term and nothing else: F(16) = 6 F(8) - 8 F(4) holds for any
+    a S + b S^2, and the ratios exceed the tokens' (b > 0). The first stage's W is its whole backward
+    (torch runs it there), so it scales as its B. Each scaled action is its measured time times its
+    stage and kind's ratio. A stage with no FLOPs (the embedding alone, whose backward is its table's
+    dense gradient, the same at any length) is kept as measured: before, a KeyError ended the rehearsal."""
+    from runner.rehearse.launch import check_rehearsal
+    from runner.rehearse.scale import flop_ratios, scale_times
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "model.n_layers=2", "parallel.pp=2", "schedule=1f1b", "rehearse=on")
+    resolved = check_rehearsal(cfg, tmp_path).resolved
+    at8, at4 = flop_ratios(cfg, resolved, 8), flop_ratios(cfg, resolved, 4)
+    assert sorted(at8) == sorted(at4) == sorted(f"{s}{k}" for s in (0, 1) for k in "FIWB")
+    assert (at8["0W"], at4["0W"]) == (at8["0B"], at4["0B"])  # torch runs stage 0's whole backward in its W
+    for key in at8:
+        if key == "1W":
+            assert (at8[key], at4[key]) == (2.0, 4.0), key
+        else:
+            assert at8[key] > 2.0 and at4[key] > 4.0 and 6 / at8[key] - 8 / at4[key] == pytest.approx(1, 1e-12), key
+    # A stage of the embedding alone counts no FLOPs: its actions are kept as measured (ratio 1).
+    cfg = compose(*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.split_points=[block0]", "rehearse=on")
+    alone = flop_ratios(cfg, check_rehearsal(cfg, tmp_path).resolved, 8)
+    assert {k: v for k, v in alone.items() if k.startswith("0")} == {f"0{k}": 1.0 for k in "FIWB"}
+    assert alone["1W"] == 2.0 and alone["1F"] > 2.0
+    actions = [{"stage": 1, "kind": "W", "microbatch": 3, "seconds": 0.25}]
+    assert scale_times(actions, {"1W": 2.5}) == [{**actions[0], "seconds": 0.625, "measured_seconds": 0.25}]
+
+
+def test_the_fit_draws_a_plus_b_flops_through_two_lengths_median_times_and_falls_back_where_they_do_not_grow():
+    """rehearse.time_fit_seq_len's arithmetic on fixed numbers: 0F took 0.32 s (median) at a quarter
+    of the run's FLOPs and 0.18 s at an eighth: b = 0.14 / 0.125 = 1.12 s per the run's FLOPs, a =
+    0.04 s, so 1.16 s at the run's length: each action at the quarter scaled by 1.16 / 0.32. 0I took
+    nothing at either (the first stage's I): its FLOP ratio."""
+    from runner.rehearse.scale import fit_ratios
+
+    def actions(*f):
+        return [{"stage": 0, "kind": k, "microbatch": mb, "seconds": s}
+                for k, times in (("F", f), ("I", (0.0, 0.0))) for mb, s in enumerate(times)]
+
+    fit = fit_ratios(actions(0.30, 0.34), actions(0.19, 0.17), {"0F": 4.0, "0I": 4.5}, {"0F": 8.0, "0I": 9.0})
+    assert fit["0I"] == {"ratio": 4.5, "by_flops": True}
+    assert fit["0F"]["by_flops"] is False
+    assert (fit["0F"]["a_s"], fit["0F"]["b_s"], fit["0F"]["fitted_s"]) == pytest.approx((0.04, 1.12, 1.16))
+    assert fit["0F"]["ratio"] == pytest.approx(1.16 / 0.32)
 
 
 ACTION_S = {"F": 1e-3, "B": 2e-3, "I": 1e-3, "W": 1e-3}

@@ -466,3 +466,44 @@ def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     assert run["precision"] == "bf16" and run["tokens_per_s"] > 0
     assert len(results["hand_loop_s"]) == 8 and all(t > 0 for t in results["hand_loop_s"])
     assert results["target"] and all(c["schedule"] == "1f1b" for c in results["target"])
+
+
+@pytest.mark.timeout(60)
+def test_bench_rehearsal_scale_renders_each_mode_over_the_full_length_per_stage_action_and_for_the_step(tmp_path):
+    """The scaled times' table from fixed numbers: per stage action, the full-length rehearsal's
+    composed time, then each mode's (scaled from S/n, or fitted through two short lengths) over it,
+    the median over repeats; the composed step's likewise; a failed run named; a loaded run starred."""
+    from bench.sections.rehearsal_scale import MODES, mode_name
+
+    results, out = tmp_path / "benchmarks", tmp_path / "BENCHMARKS.md"
+    assert [mode_name(m) for m in MODES] == ["full", "S/2", "S/4", "S/8", "fit S/8, S/4", "fit S/4, S/2"]
+
+    def run(mode, f, b, step, repeat=0):
+        return {"config": "c", "repeat": repeat, "mode": mode, "status": "ok", "step_s": step, "pipeline_s": step,
+                "stage_costs_s": {"0F": f, "0B": b}, "under_load": False}
+
+    runs = [run("full", 1.0, 2.0, 4.0), run("full", 1.2, 2.0, 4.4, repeat=1), run("full", 0.2, 2.0, 4.0, repeat=2),
+            run("S/2", 1.1, 2.2, 4.4), run("S/4", 1.2, 2.6, 4.8), run("S/8", 1.4, 3.2, 5.6),
+            run("fit S/8, S/4", 0.9, 2.1, 4.2),
+            {"config": "c", "repeat": 0, "mode": "fit S/4, S/2", "status": "failed", "error": "exit code 1: x"}]
+    payload = {"llama": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000},
+               "configs": {"c": ["train.seq_len=64", "parallel.pp=1"]}, "common": ["rehearse=on"],
+               "modes": [mode_name(m) for m in MODES], "runs": runs}
+    write_section(results, "rehearsal_scale", payload)
+    text = render(results, out)
+    assert ("| config | stage action | full length (s) | S/2 / full | S/4 / full | S/8 / full | fit S/8, S/4 / full "
+            "| fit S/4, S/2 / full |") in text
+    assert "| c | 0B | 2.0000 | 1.10 | 1.30 | 1.60 | 1.05 |  |" in text  # the full length's median of three
+    assert "| c | 0F | 1.0000 | 1.10 | 1.20 | 1.40 | 0.90 |  |" in text
+    assert "| c | step | 4.0000 | 1.10 | 1.20 | 1.40 | 1.05 |  |" in text
+    assert "| c | failed: fit S/4, S/2: exit code 1: x |" in text
+    assert "had runs that shared the machine" not in text
+    runs[4]["under_load"] = True  # one loaded run marks its configuration's rows
+    runs.append({**run("full", 0.0005, 2.0, 4.0, repeat=3), "stage_costs_s": {"0I": 0.0005}})  # under 1 ms
+    runs.append({**run("S/2", 0.0005, 2.0, 4.0, repeat=3), "stage_costs_s": {"0I": 0.004}})
+    write_section(results, "rehearsal_scale", payload)
+    text = render(results, out)
+    assert "| c* | 0F | 1.0000 | 1.10 | 1.20 | 1.40 | 0.90 |  |" in text
+    assert "| c* | 0I | 0.0005 |  |  |  |  |  |" in text  # the timer's noise: no ratio
+    assert "Configurations marked * had runs that shared the machine with other work" in text

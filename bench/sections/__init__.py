@@ -17,6 +17,7 @@ from bench.sections import (
     planner,
     profiling,
     rehearsal,
+    rehearsal_scale,
     scaling,
     startup,
     synthesis,
@@ -46,6 +47,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     hf.SECTION,
     tp.SECTION,
     rehearsal.SECTION,
+    rehearsal_scale.SECTION,
     threads.SECTION,
     ending.SECTION,
 )}

@@ -32,6 +32,12 @@ class RehearseConfig:
     # and collectives are still measured at train.seq_len, by one tracked step. null = times measured at
     # train.seq_len.
     time_seq_len: Optional[int] = None
+    # With rehearse.time_seq_len: times also measured at this second, shorter sequence, and each stage
+    # action's time at train.seq_len read off the line a + b * FLOPs through its times at the two (a: what
+    # the action costs whatever the length, e.g. adding a vocabulary-sized weight's gradient), instead of
+    # the FLOP ratio from rehearse.time_seq_len alone; e.g. train.seq_len/8 with time_seq_len train.seq_len/4.
+    # null = the FLOP ratio.
+    time_fit_seq_len: Optional[int] = None
     # Each rank's memory is reported against this (bytes, or with a unit: 80GiB); null = the local
     # device's (a GPU's total memory), or no verdict on CPU.
     capacity: Optional[str] = None

@@ -6,7 +6,8 @@
 2. the rehearsed ranks in turn, alone, in one spawned process (``runner.rehearse.rank``: the imports
    paid once), each at the run's full world size over the rehearsal process group: memory and time
    at the run's sequence; or memory only (``rehearse.memory_only``); or memory at the run's sequence
-   and times at ``rehearse.time_seq_len``, scaled (``runner.rehearse.scale``);
+   and times at ``rehearse.time_seq_len``, scaled (``runner.rehearse.scale``), or fitted with times at
+   ``rehearse.time_fit_seq_len`` too;
 3. ``runner.rehearse.compose``: the whole step predicted from them (its MFU where the device's peak is
    known), and each rank's memory against ``rehearse.capacity``; ``rehearsal.json`` in the run
    directory, the composed step's simulated timeline beside it (``rehearsal_timeline.json``, a chrome
@@ -46,6 +47,8 @@ RunJobs = Callable[[list[tuple]], list[dict]]  # rank_main's jobs -> their resul
 # What the report's times are, by RehearsalPlan.times (rehearsal.json's "times", the table's "times:" line).
 TIMES = {"measured": "measured: each rank's timed step at train.seq_len",
          "scaled": "estimated: measured at rehearse.time_seq_len={short} and scaled to train.seq_len={long} ({rule})",
+         "fitted": "estimated: measured at rehearse.time_fit_seq_len={fit} and rehearse.time_seq_len={short}, "
+                   "fitted to train.seq_len={long} ({rule})",
          "none": "not measured (rehearse.memory_only=true): memory, held bytes and collectives only, no composed step"}
 
 
@@ -73,13 +76,14 @@ class RehearsalPlan:
     """What ``check_rehearsal`` resolved: the run, the ranks, the capacity (bytes, or None), and each
     rank's passes (``runner.rehearse.rank.RankPass``): one at the run's length, or with
     ``rehearse.time_seq_len`` a memory pass at it and a time pass at ``short`` (the run resolved at
-    the short sequence, with its config)."""
+    the short sequence, with its config; ``fit``: the same at ``rehearse.time_fit_seq_len``)."""
 
     resolved: ResolvedRun
     ranks: list[int]
     capacity: int | None
     short: tuple[ResolvedRun, DictConfig] | None = None
     memory_only: bool = False
+    fit: tuple[ResolvedRun, DictConfig] | None = None
 
     @property
     def times(self) -> str:
@@ -107,26 +111,42 @@ def _check_keys(cfg: DictConfig) -> None:
                           f"the run's (train.seq_len={cfg.train.seq_len}) and scaled to it. Fix: a length from 1 "
                           f"to {cfg.train.seq_len - 1} (e.g. {max(1, cfg.train.seq_len // 8)}), or "
                           "rehearse.time_seq_len=null (times at train.seq_len).")
+    _check_fit_key(cfg)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda: a rehearsal runs each rank on this host's device, and this host has no GPU. "
                           "Fix: device=cpu (or device=auto), or rehearse on a host with a GPU.")
 
 
-def _short_run(cfg: DictConfig, run_dir: Path | None) -> tuple[ResolvedRun, DictConfig]:
-    """The run resolved at ``rehearse.time_seq_len``: the run's own checks, the error naming the key."""
+def _check_fit_key(cfg: DictConfig) -> None:
+    """``rehearse.time_fit_seq_len``: with ``rehearse.time_seq_len``, and shorter than it."""
+    r = cfg.rehearse
+    if r.time_fit_seq_len is None:
+        return
+    if r.time_seq_len is None:
+        raise ConfigError(f"rehearse.time_fit_seq_len={r.time_fit_seq_len} without rehearse.time_seq_len: the fit "
+                          "is drawn through the times at both. Fix: rehearse.time_seq_len=<a longer length> (e.g. "
+                          f"{2 * r.time_fit_seq_len}), or rehearse.time_fit_seq_len=null.")
+    if not 0 < r.time_fit_seq_len < r.time_seq_len:
+        raise ConfigError(f"rehearse.time_fit_seq_len={r.time_fit_seq_len}: the fit's second length must be shorter "
+                          f"than rehearse.time_seq_len={r.time_seq_len}. Fix: a length from 1 to {r.time_seq_len - 1} "
+                          f"(e.g. {max(1, r.time_seq_len // 2)}), or rehearse.time_fit_seq_len=null.")
+
+
+def _short_run(cfg: DictConfig, run_dir: Path | None, key: str = "time_seq_len") -> tuple[ResolvedRun, DictConfig]:
+    """The run resolved at ``rehearse.<key>``: the run's own checks, the error naming the key."""
     from runner.validate import validate
 
     short = copy.deepcopy(cfg)
-    short.train.seq_len = cfg.rehearse.time_seq_len
+    short.train.seq_len = cfg.rehearse[key]
     try:
         with _one_rank_on_host():
             return validate(short, run_dir), short
     except ConfigError as e:
         said, _, fix = str(e).partition(" Fix: ")
-        raise ConfigError(f"rehearse.time_seq_len={cfg.rehearse.time_seq_len}: the run's checks refuse that sequence "
-                          f"(times are measured at it as train.seq_len): {said} Fix: a rehearse.time_seq_len they take "
+        raise ConfigError(f"rehearse.{key}={cfg.rehearse[key]}: the run's checks refuse that sequence "
+                          f"(times are measured at it as train.seq_len): {said} Fix: a rehearse.{key} they take "
                           f"(what they ask of train.seq_len: {fix.rstrip('.') or 'see above'}), or "
-                          "rehearse.time_seq_len=null.") from e
+                          f"rehearse.{key}=null.") from e
 
 
 def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> RehearsalPlan:
@@ -155,12 +175,14 @@ def check_rehearsal(cfg: DictConfig, run_dir: Path | None) -> RehearsalPlan:
     with _one_rank_on_host():
         resolved = validate(cfg, run_dir)
     short = _short_run(cfg, run_dir) if r.time_seq_len is not None else None
-    return RehearsalPlan(resolved, ranks, capacity, short, bool(r.memory_only))
+    fit = _short_run(cfg, run_dir, "time_fit_seq_len") if r.time_fit_seq_len is not None else None
+    return RehearsalPlan(resolved, ranks, capacity, short, bool(r.memory_only), fit)
 
 
 def _jobs(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path) -> list[tuple]:
     """``rank_main``'s jobs: per rank, its pass at the run's length, then where times are scaled its
-    time pass at the short length (into ``rank<r>-time``)."""
+    time pass at the short length (into ``rank<r>-time``), and where they are fitted one at the
+    shorter length (``rank<r>-fit``)."""
     from runner.rehearse.rank import RankPass
 
     profiled = bool(cfg.profile.enabled)
@@ -174,10 +196,12 @@ def _jobs(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path) -> list[tuple]:
             continue
         jobs.append((plan.resolved, cfg, rank, RankPass(tracked=1, timed=False, profiled=False), at,
                      at.with_suffix(".json")))
-        if plan.short is not None:
-            time_at = at.with_name(f"rank{rank}-time")
-            jobs.append((*plan.short, rank, RankPass(tracked=0, warmup=steps - 1, timed=True, profiled=profiled),
-                         time_at, time_at.with_suffix(".json")))
+        for suffix, run in (("time", plan.short), ("fit", plan.fit)):
+            if run is not None:
+                time_at = at.with_name(f"rank{rank}-{suffix}")
+                jobs.append((*run, rank, RankPass(tracked=0, warmup=steps - 1, timed=True,
+                                                  profiled=profiled and suffix == "time"),
+                             time_at, time_at.with_suffix(".json")))
     return jobs
 
 
@@ -216,8 +240,22 @@ def _merge_times(memory: dict, timed: dict, ratios: dict[str, float], short_seq_
                       "wall_s": timed["wall_s"]}}
 
 
+def _merge_fitted(memory: dict, timed: dict, shorter: dict, ratios: dict[str, float],
+                  shorter_ratios: dict[str, float], short_seq_len: int, shorter_seq_len: int) -> dict:
+    """A rank's memory pass with its time pass's times scaled by the fit through them and the
+    shorter time pass's (``runner.rehearse.scale.fit_ratios``); ``times`` says both lengths, the
+    rule, each stage and kind's fit and FLOP ratio."""
+    from runner.rehearse.scale import FIT_RULE, fit_ratios
+
+    fit = fit_ratios(timed["actions"], shorter["actions"], ratios, shorter_ratios)
+    merged = _merge_times(memory, timed, {k: v["ratio"] for k, v in fit.items()}, short_seq_len)
+    merged["times"].update(rule=FIT_RULE, fit_seq_len=shorter_seq_len, fit=fit,
+                           flop_ratios={k: ratios[k] for k in fit}, fit_measured_step_s=shorter["step_s"])
+    return merged
+
+
 def rehearse_ranks(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path, run_jobs: RunJobs | None = None) -> list[dict]:
-    """Every rank's result: measured, or with scaled times merged in. ``run_jobs`` runs
+    """Every rank's result: measured, or with scaled (or fitted) times merged in. ``run_jobs`` runs
     ``rank_main``'s jobs and returns their results (default: in one spawned process)."""
     results = (run_jobs or _run_ranks)(_jobs(plan, cfg, run_dir))
     if plan.short is None:
@@ -225,7 +263,11 @@ def rehearse_ranks(plan: RehearsalPlan, cfg: DictConfig, run_dir: Path, run_jobs
     from runner.rehearse.scale import flop_ratios
 
     ratios = flop_ratios(cfg, plan.resolved, plan.short[0].seq_len)
-    return [_merge_times(m, t, ratios, plan.short[0].seq_len) for m, t in zip(results[::2], results[1::2])]
+    if plan.fit is None:
+        return [_merge_times(m, t, ratios, plan.short[0].seq_len) for m, t in zip(results[::2], results[1::2])]
+    shorter_ratios = flop_ratios(cfg, plan.resolved, plan.fit[0].seq_len)
+    return [_merge_fitted(m, t, f, ratios, shorter_ratios, plan.short[0].seq_len, plan.fit[0].seq_len)
+            for m, t, f in zip(results[::3], results[1::3], results[2::3])]
 
 
 def _device_name(resolved: ResolvedRun) -> str | None:
@@ -248,9 +290,11 @@ def _write_timeline(run_dir: Path, resolved: ResolvedRun, timeline: list, step: 
 
 
 def _times(plan: RehearsalPlan) -> str:
-    from runner.rehearse.scale import SCALING_RULE
+    from runner.rehearse.scale import FIT_RULE, SCALING_RULE
 
     short = plan.short[0].seq_len if plan.short else None
+    if plan.fit is not None:
+        return TIMES["fitted"].format(fit=plan.fit[0].seq_len, short=short, long=plan.resolved.seq_len, rule=FIT_RULE)
     return TIMES[plan.times].format(short=short, long=plan.resolved.seq_len, rule=SCALING_RULE)
 
 
