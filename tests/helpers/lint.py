@@ -18,10 +18,12 @@ TEST = "test_lint.py::test_mypy_finds_nothing"
 _started: list[subprocess.Popen] = []
 
 
-def _args() -> list[str]:
-    # Two worker processes where there are two cores: cold, 44 -> 35 s on a quiet 2-core machine
-    # (mypy checks the ~7,700 modules runner/ imports, transformers' and torch's most of them; each
-    # worker parses them again, so it takes more CPU than one process, but less time).
+def _workers() -> list[str]:
+    # Run now (no background check): two worker processes where there are two cores, cold 44 -> 35 s
+    # on a quiet 2-core machine (mypy checks the ~7,700 modules runner/ imports, transformers' and
+    # torch's most of them). Not in the background: niced workers starved by the suite miss mypy's
+    # deadline to connect ("Failed to establish connection with worker", an internal error), and each
+    # parses every module again (about 52 CPU-s against one process's 45, cold).
     return ["--num-workers", "2"] if len(os.sched_getaffinity(0)) >= 2 else []
 
 
@@ -31,13 +33,13 @@ def start_in_background(items: list) -> list:
     mine = [item for item in items if item.nodeid.endswith(TEST)]
     if not mine or _started:
         return items
-    _started.append(start_cli(*_args(), module="mypy", cwd=ROOT, nice=19))  # files and options: [tool.mypy]
+    _started.append(start_cli(module="mypy", cwd=ROOT, nice=19))  # one process; files and options: [tool.mypy]
     return [item for item in items if item not in mine] + mine
 
 
 def verdict(timeout: float) -> subprocess.CompletedProcess:
     """The background check's output (waited for, at most ``timeout`` s), or a check run now."""
-    proc = _started.pop() if _started else start_cli(*_args(), module="mypy", cwd=ROOT)
+    proc = _started.pop() if _started else start_cli(*_workers(), module="mypy", cwd=ROOT)
     return finish(proc, timeout=timeout, check=True)
 
 
