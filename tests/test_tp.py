@@ -31,7 +31,8 @@ TP2 = [*PP2, "parallel.tp=2"]
 # here is tp inside each stage under each schedule, not depth. 5 units still give every stage of a
 # V or interleaved placement (4 stages) a tp-sharded module (the embedding, a block, or the head
 # beside the norm), and the 2-stage placements several units each (test_tp_stages_keep_a_sharded_module).
-BUILTIN = [*TINY, "model.n_layers=2"]
+SHALLOW = ["model.n_layers=2"]
+BUILTIN = [*TINY, *SHALLOW]
 HF_FAMILIES = {"llama": SCHEDULES, "qwen3": ["1f1b", "zbv"]}
 
 
@@ -65,12 +66,12 @@ def tp4(models, tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def builtin_reference(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("tp-reference"), *PP2[1:], *BUILTIN[len(TINY):])
+    return reference(tmp_path_factory.mktemp("tp-reference"), *PP2[1:], *SHALLOW)
 
 
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("tp-reference-bf16"), *PP2[1:], *BUILTIN[len(TINY):],
+    return reference(tmp_path_factory.mktemp("tp-reference-bf16"), *PP2[1:], *SHALLOW,
                      "train.precision=bf16")
 
 
