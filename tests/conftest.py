@@ -18,13 +18,22 @@ from helpers import tier  # noqa: E402
 tier.install()
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if not config.option.collectonly:  # mypy, when its test is selected: in the background from now, its test last
+        from helpers import lint
+
+        items[:] = lint.start_in_background(items)
+
+
+def pytest_sessionfinish(session):
+    if "helpers.lint" in sys.modules:
+        sys.modules["helpers.lint"].stop()
 
 
 _threads: list[int] = []

@@ -36,6 +36,13 @@ RESUMES = {
 }
 
 
+# The cases held to the unsplit model (every schedule x dp mode, plain dp, bf16), and their
+# references, with 2 blocks, not TINY's 6: held there is dp around each placement, not depth (5
+# units fill the 4 stages of a V or interleaved placement). The checkpoints keep TINY: one resumes
+# at pp=4 interleaved, 8 stages.
+SHALLOW = ["model.n_layers=2"]
+
+
 def _resolved(*overrides: str) -> dict:
     return resolved(*TINY, *CLIP, *BATCH, *overrides)
 
@@ -44,18 +51,18 @@ def _resolved(*overrides: str) -> dict:
 def dp(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """The 4-rank spawn. Returns the directory of the cases' run directories and their records."""
     out = tmp_path_factory.mktemp("data-parallel") / "spawn"
-    cases = {f"{mode}-{name}": _resolved(f"schedule={name}", "parallel.pp=2", "parallel.dp=2",
+    cases = {f"{mode}-{name}": _resolved(*SHALLOW, f"schedule={name}", "parallel.pp=2", "parallel.dp=2",
                                          f"parallel.dp_mode={mode}")
              for mode in MODES for name in SCHEDULES}
     for mode in MODES:  # pp=1: plain data parallelism over 4 replicas
-        cases[f"dp-only-{mode}"] = _resolved("parallel.pp=1", "parallel.dp=4", f"parallel.dp_mode={mode}")
+        cases[f"dp-only-{mode}"] = _resolved(*SHALLOW, "parallel.pp=1", "parallel.dp=4", f"parallel.dp_mode={mode}")
     # bf16: FSDP's mixed-precision policy (bf16 parameters in compute, fp32 reduction), and
     # replicate with autocast.
     # Evaluation runs on the replicas too.
-    cases["fsdp-bf16-1f1b"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp",
-                                        "train.precision=bf16", "eval.every=3")
-    cases["ddp-bf16-zbv"] = _resolved("schedule=zbv", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
-                                      "train.precision=bf16", "eval.every=3")
+    cases["fsdp-bf16-1f1b"] = _resolved(*SHALLOW, "schedule=1f1b", "parallel.pp=2", "parallel.dp=2",
+                                        "parallel.dp_mode=fsdp", "train.precision=bf16", "eval.every=3")
+    cases["ddp-bf16-zbv"] = _resolved(*SHALLOW, "schedule=zbv", "parallel.pp=2", "parallel.dp=2",
+                                      "parallel.dp_mode=ddp", "train.precision=bf16", "eval.every=3")
     saved = out / "save" / "checkpoints" / "step-3"
     # train.no_decay=[]: an empty parameter group on every rank, which DCP's loading trips over.
     cases["save"] = _resolved("schedule=1f1b", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
@@ -75,12 +82,12 @@ def dp(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("data-parallel-reference"), *BATCH)
+    return reference(tmp_path_factory.mktemp("data-parallel-reference"), *SHALLOW, *BATCH)
 
 
 @pytest.fixture(scope="module")
 def ref_bf16(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("data-parallel-reference-bf16"), *BATCH, "train.precision=bf16",
+    return reference(tmp_path_factory.mktemp("data-parallel-reference-bf16"), *SHALLOW, *BATCH, "train.precision=bf16",
                      "eval.every=3")
 
 

@@ -27,6 +27,12 @@ from helpers.rehearsal import held_bytes_hooks
 
 PP2 = ["parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 TP2 = [*PP2, "parallel.tp=2"]
+# The built-in transformer's cases (and their references) with 2 blocks, not TINY's 6: what is held
+# here is tp inside each stage under each schedule, not depth. 5 units still give every stage of a
+# V or interleaved placement (4 stages) a tp-sharded module (the embedding, a block, or the head
+# beside the norm), and the 2-stage placements several units each (test_tp_stages_keep_a_sharded_module).
+SHALLOW = ["model.n_layers=2"]
+BUILTIN = [*TINY, *SHALLOW]
 HF_FAMILIES = {"llama": SCHEDULES, "qwen3": ["1f1b", "zbv"]}
 
 
@@ -46,12 +52,12 @@ def tp4(models, tmp_path_factory) -> dict[str, dict]:
     """The 4-rank spawn: every schedule for the built-in transformer and Llama at pp=2 x tp=2 with
     verify, a CSV schedule, ZB-H1, activation checkpointing, bf16, and Qwen3."""
     out = tmp_path_factory.mktemp("tp4")
-    cases = {f"builtin-{s}": resolved(*TINY, *CLIP, *TP2, f"schedule={s}", "verify=true") for s in SCHEDULES}
-    cases["builtin-csv"] = resolved(*TINY, *CLIP, *TP2, "schedule=csv",
+    cases = {f"builtin-{s}": resolved(*BUILTIN, *CLIP, *TP2, f"schedule={s}", "verify=true") for s in SCHEDULES}
+    cases["builtin-csv"] = resolved(*BUILTIN, *CLIP, *TP2, "schedule=csv",
                                     f"schedule.csv={EXAMPLES / 'zero_bubble_pp2_m4.csv'}", "verify=true")
-    cases["builtin-ac"] = resolved(*TINY, *CLIP, *TP2, "schedule=zbv", "train.activation_checkpointing=full")
-    cases["builtin-bf16"] = resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.precision=bf16", "verify=true")
-    cases["builtin-zbh1"] = resolved(*TINY, *CLIP, *TP2, "schedule=zbh1", "verify=true")
+    cases["builtin-ac"] = resolved(*BUILTIN, *CLIP, *TP2, "schedule=zbv", "train.activation_checkpointing=full")
+    cases["builtin-bf16"] = resolved(*BUILTIN, *CLIP, *TP2, "schedule=1f1b", "train.precision=bf16", "verify=true")
+    cases["builtin-zbh1"] = resolved(*BUILTIN, *CLIP, *TP2, "schedule=zbh1", "verify=true")
     for family, schedules in HF_FAMILIES.items():
         cases.update({f"{family}-{s}": resolved(*_hf_base(models[family]), *TP2, f"schedule={s}", "verify=true")
                       for s in schedules})
@@ -60,12 +66,13 @@ def tp4(models, tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def builtin_reference(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("tp-reference"), *PP2[1:])
+    return reference(tmp_path_factory.mktemp("tp-reference"), *PP2[1:], *SHALLOW)
 
 
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("tp-reference-bf16"), *PP2[1:], "train.precision=bf16")
+    return reference(tmp_path_factory.mktemp("tp-reference-bf16"), *PP2[1:], *SHALLOW,
+                     "train.precision=bf16")
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +122,7 @@ def test_compile_at_pp2_tp2_matches_the_unsplit_model_cold_and_from_the_cache(tm
     again from the warm cache: with one cache for the host, ranks loaded each other's compiled
     units (torch keys them alike) and the second run trained other numbers."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    case = {"compile": resolved(*TINY, *CLIP, *TP2, "schedule=1f1b", "train.compile=true")}
+    case = {"compile": resolved(*BUILTIN, *CLIP, *TP2, "schedule=1f1b", "train.compile=true")}
     for run in ("cold", "warm"):
         got = run_cases(tmp_path / run, 4, case, fresh=True)  # ranks that read this cache directory
         assert_matches(got["compile"], builtin_reference, f"compile ({run})")
@@ -194,6 +201,17 @@ def test_the_builtin_plan_shards_every_block_and_the_vocabulary_and_keeps_norms_
     assert {n for n, s in planned.items() if s == "colwise"} == {f"block{i}.{m}" for i in range(6)
                                                                for m in ("attn.qkv", "ffn.up")}
     assert not any("norm" in n or n == "embed.pos" for n in planned)
+
+
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "zbh1"])
+def test_tp_stages_keep_a_sharded_module(schedule):
+    """The built-in cases' 2 blocks (``BUILTIN``): every stage of every placement at pp=2 holds a
+    module the tp plan shards, as with TINY's 6."""
+    run = validate(compose(*BUILTIN, *TP2, f"schedule={schedule}"))
+    meta = build_meta_model(compose(*BUILTIN).model).module
+    planned = stage_plan(meta, model_plan(meta))
+    for units in run.layout.stages:
+        assert any(n == u or n.startswith(f"{u}.") for n in planned for u in units), (schedule, units)
 
 
 def test_qwen3s_head_norms_are_the_plans_replicated_weights_with_summed_gradients(tmp_path):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from hydra.utils import instantiate
@@ -300,6 +300,17 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+@contextmanager
+def _seeded(seed: int, name: str) -> Iterator[None]:
+    """The CPU generator (modules are initialised on CPU) seeded for ``name``, its state restored
+    after. Not ``torch.manual_seed``: it also seeds every accelerator's generators, which
+    ``fork_rng(devices=[])`` does not restore, and without CUDA queues each call with its stack
+    formatted (milliseconds per module, kept for the process's life)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(_seed_for(seed, name))
+        yield
+
+
 def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(owner), leaf, param)
@@ -313,8 +324,7 @@ def _init(spec: ModelSpec, root: nn.Module, names: Sequence[str], seed: int) -> 
             module = root.get_submodule(name)
             if not spec.needs_init(module):
                 continue
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_seed_for(seed, name))
+            with _seeded(seed, name):
                 spec.init_module(name, module)
 
 
@@ -414,8 +424,7 @@ def _fill_module(meta: MetaModel, stage: StageModule, name: str, seed: int, load
     for n in sorted(elsewhere):  # the first owner lives in another stage: build just that module
         owner, _, leaf = owner_of[n].rpartition(".")
         first = copy.deepcopy(meta.module.get_submodule(owner)).to_empty(device="cpu")
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed_for(seed, owner))
+        with torch.no_grad(), _seeded(seed, owner):
             spec.init_module(owner, first)
         _copy_part(targets[n], getattr(first, leaf))
 

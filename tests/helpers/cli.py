@@ -40,16 +40,23 @@ def cli_env(extra: dict[str, str] | None = None, *, checkout: bool = True) -> di
 
 def start_cli(*args: str, cwd: Path | None = None, module: str = "runner", program: Sequence[str] | None = None,
               env: dict[str, str] | None = None, checkout: bool = True,
-              ignore_sigint: bool = False, stdin: bool = False) -> subprocess.Popen:
+              ignore_sigint: bool = False, stdin: bool = False, nice: int = 0) -> subprocess.Popen:
     """Start ``python -m <module> *args`` (or ``*program, *args``) in ``cwd`` with ``cli_env(env)``.
     ``ignore_sigint``: with SIGINT ignored, as ``cmd &`` in a script starts a command. ``stdin``: a
-    pipe to write to (``finish(input=...)``), else the test's own."""
+    pipe to write to (``finish(input=...)``), else the test's own. ``nice``: added to its niceness
+    (19: it runs on the cycles nothing else wants)."""
     tier.check("runs a command line")
     argv = [*(program or (sys.executable, "-m", module)), *args]
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+
+    def prepare() -> None:
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if nice:
+            os.nice(nice)
+
     return subprocess.Popen(argv, cwd=cwd, env=cli_env(env, checkout=checkout), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None, text=True,
-                            preexec_fn=ignore)
+                            preexec_fn=prepare if ignore_sigint or nice else None)
 
 
 def _shown(stdout: str | None, stderr: str | None) -> str:

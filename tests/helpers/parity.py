@@ -34,6 +34,15 @@ def reference(tmp_path: Path, *overrides: str) -> dict:
             "summary": result.summary}
 
 
+def first_steps(got: dict, steps: int) -> dict:
+    """A longer run's record held to a ``steps``-step reference: its first ``steps`` losses (the
+    first step's gradients are the same in both). Valid where the learning rates of the updates
+    before them do not depend on the run's length (warmup; test_parity checks it of the defaults)."""
+    assert "error" not in got, got.get("traceback")
+    assert len(got["losses"]) > steps, len(got["losses"])
+    return {**got, "losses": got["losses"][:steps]}
+
+
 def assert_matches(got: dict, ref: dict, case: str, steps: int = 5) -> None:
     """``steps`` losses and the first step's gradients, before and after the global clip, by name."""
     assert "error" not in got, f"{case}: {got.get('traceback')}"
