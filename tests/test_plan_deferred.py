@@ -164,7 +164,7 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
     from types import SimpleNamespace
 
     from runner.plan.calibrate import Calibration
-    from runner.plan.planner import check_barrier_free
+    from runner.plan.planner import Candidate, check_barrier_free
     from runner.plan.rehearsed import cost_from_rehearsal
 
     check_barrier_free(compose(*TINY, "plan.barrier=false", "plan.rehearse=true"), ["plan.rehearse=true"])
@@ -178,7 +178,7 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
     costs = {(s, k): v * 2e-3 for s in range(P) for k, v in COSTS.items()}
     for name in ("zbh2", "1f1b"):
         order = schedule_order(name, P, M, 1)
-        free, kept = SimpleNamespace(predicted_step_time_s=None), SimpleNamespace(predicted_step_time_s=None)
+        free, kept = (Candidate(name, M, 1, [], valid=True) for _ in range(2))
         cost_from_rehearsal(free, layout, order, report, calibration, 1e-4, {s: 1.0 for s in range(P)}, None,
                             barrier=False)
         cost_from_rehearsal(kept, layout, order, report, calibration, 1e-4, {s: 1.0 for s in range(P)}, None)
@@ -192,6 +192,6 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
         else:
             assert free.predicted_step_time_s > kept.predicted_step_time_s
     with pytest.raises(ValueError, match="no deferred step"):
-        cost_from_rehearsal(SimpleNamespace(predicted_step_time_s=None), layout, order,
+        cost_from_rehearsal(Candidate("1f1b", M, 1, [], valid=True), layout, order,
                             {"step": {k: v for k, v in step.items() if k != "deferred"}}, calibration, 1e-4, {}, None,
                             barrier=False)

@@ -107,6 +107,22 @@ class Candidate:
     costed_by: str = "model"  # or "rehearsal" (plan.rehearse: runner.plan.rehearsed)
     rehearsal: dict | None = None  # plan.rehearse: the rehearsal's directory and step, or why it failed
 
+    def score_deferred(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
+                       num_stages: int, pp: int, comm_s: float, updates: Mapping[int, float],
+                       calibration: Calibration, busy_s: float) -> None:
+        """``plan.barrier=false``: the step is ``train.optimizer_sync=deferred``'s steady step
+        (``deferred_step``: steps back to back, each rank's update between its own steps, the
+        loss/norm all-reduce one message waited for a step later), its mean with action times
+        varying as calibrated; the pipeline is that steady step without updates or all-reduce and
+        mean times (what ``vs bound`` holds against the busiest rank's compute), the rest is what
+        they add. The model's costs and the rehearsed ones (``runner.plan.rehearsed``) alike."""
+        self.predicted_step_time_s = deferred_step(order, costs, num_stages=num_stages, comm_s=comm_s,
+                                                   update_s=updates, reduce_s=calibration.latency_s,
+                                                   jitter=calibration.action_jitter)
+        self.pipeline_s = deferred_step(order, costs, num_stages=num_stages, comm_s=comm_s)
+        self.after_pipeline_s = self.predicted_step_time_s - self.pipeline_s
+        self.bubble = 1 - busy_s / (pp * self.pipeline_s)
+
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
         step, pipeline, bound = self.predicted_step_time_s, self.pipeline_s, self.lower_bound_s
@@ -227,9 +243,10 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
         candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
         candidate.pipeline_s = max(a.end for a in timeline)
     else:
-        _predict_deferred(candidate, layout, order, costs, comm_s,
-                          model.scaled_updates(rank_updates(rank_stages, layout.stages, child, calibration)),
-                          calibration, sum(busy.values()))
+        candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
+                                 updates=model.scaled_updates(rank_updates(rank_stages, layout.stages, child,
+                                                                           calibration)),
+                                 calibration=calibration, busy_s=sum(busy.values()))
     problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
                       barrier=plan_cfg.barrier)
     candidate.lower_bound_s = lower_bound(problem)
@@ -244,22 +261,6 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     limit = memory_limit("plan.memory_limit", plan_cfg.memory_limit, problem)
     candidate.fits_memory = limit is None or max(nbytes.values()) <= limit * (1 + 1e-9)
     return timeline
-
-
-def _predict_deferred(candidate: Candidate, layout: Layout, order: dict[int, list[Op]],
-                      costs: Mapping[tuple[int, str], float], comm_s: float, updates: Mapping[int, float],
-                      calibration: Calibration, busy_s: float) -> None:
-    """``plan.barrier=false``: the step is ``train.optimizer_sync=deferred``'s steady step
-    (``deferred_step``: steps back to back, each rank's update between its own steps, the loss/norm
-    all-reduce one message waited for a step later), its mean with action times varying as
-    calibrated; the pipeline is that steady step without updates or all-reduce and mean times
-    (what ``vs bound`` holds against the busiest rank's compute), the rest is what they add."""
-    candidate.predicted_step_time_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                                    update_s=updates, reduce_s=calibration.latency_s,
-                                                    jitter=calibration.action_jitter)
-    candidate.pipeline_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
-    candidate.after_pipeline_s = candidate.predicted_step_time_s - candidate.pipeline_s
-    candidate.bubble = 1 - busy_s / (layout.pp * candidate.pipeline_s)
 
 
 @dataclass
@@ -300,7 +301,7 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None,
     overhead, + a message per cross-rank dependency; its mean length with action times varying as
     calibrated), then the loss/norm all-reduce (one message) and the slowest rank's optimizer
     update: what ``summary.json``'s ``step_time_s`` measures. With ``plan.barrier=false``,
-    ``train.optimizer_sync=deferred``'s steady step instead (``_predict_deferred``): what
+    ``train.optimizer_sync=deferred``'s steady step instead (``Candidate.score_deferred``): what
     ``summary.json``'s ``bubble.steady.step_s`` measures; every command then carries ``DEFERRED``."""
     check_plan_keys(cfg)
     if out is None and (launch is not None or cfg.plan.synthesize or cfg.plan.rehearse):

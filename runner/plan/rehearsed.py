@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from runner.layout import Layout
 from runner.pipeline.ops import Op
-from runner.pipeline.simulate import deferred_step, expected_makespan, simulate
+from runner.pipeline.simulate import expected_makespan, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.problem import Problem, lower_bound
 
@@ -123,14 +123,10 @@ def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op
         candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
         candidate.pipeline_s = max(a.end for a in timeline)
         candidate.bubble = 1 - busy / (layout.pp * makespan)
-    else:  # as runner.plan.planner._predict_deferred, with the rehearsed updates
-        updates = _deferred_updates(step, calibration.corunning_slowdown)
-        candidate.predicted_step_time_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                                        update_s=updates, reduce_s=calibration.latency_s,
-                                                        jitter=calibration.action_jitter)
-        candidate.pipeline_s = deferred_step(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
-        candidate.after_pipeline_s = candidate.predicted_step_time_s - candidate.pipeline_s
-        candidate.bubble = 1 - busy / (layout.pp * candidate.pipeline_s)
+    else:  # as a modelled candidate (Candidate.score_deferred), with the rehearsed updates
+        candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
+                                 updates=_deferred_updates(step, calibration.corunning_slowdown),
+                                 calibration=calibration, busy_s=busy)
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s,
                                                   dict(saved_bytes), barrier=barrier))
