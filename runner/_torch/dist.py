@@ -1,6 +1,7 @@
 """Every use of torch's private distributed internals outside pipelining (``_torch_pp``) and DCP
 (``_torch_dcp``): the caches of DTensor and the meshes' registries that keep process groups alive,
-and the region of the whole tensor a DTensor's local shard holds (``local_region``).
+the region of the whole tensor a DTensor's local shard holds (``local_region``), and a
+collective's result still in flight (``wait_pending``).
 When a torch release moves them, this file is the one to change (a group left alive is then named
 by ``runner.ranks.dist.cleanup``'s warning, and the tests' spawns fail on it). Tested with torch 2.13.
 """
@@ -12,7 +13,7 @@ import importlib
 import os
 import sys
 
-__all__ = ["drop_dtensor_caches", "drop_mesh_groups", "own_compile_cache", "local_region"]
+__all__ = ["drop_dtensor_caches", "drop_mesh_groups", "own_compile_cache", "local_region", "wait_pending"]
 
 # (module, what to call): each empties a cache whose keys or values hold DTensor specs or meshes,
 # and so the process groups, of every op a DTensor (FSDP's parameters, replicate's) went through.
@@ -81,3 +82,18 @@ def local_region(tensor) -> tuple[slice, ...]:
         return tuple(slice(0, n) for n in tensor.shape)
     (chunk,) = tensor.__create_chunk_list__()  # one local chunk per rank
     return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+
+
+def wait_pending(out):
+    """``out`` (a stage's output) waited for in place where it is a tp collective's result still in
+    flight: an ``AsyncCollectiveTensor``, e.g. a vocabulary-parallel embedding's sum when the
+    embedding ends its stage (nothing after it in the stage consumes it, which would wait). The
+    pipeline sends a detached view of a stage's output, and a view keeps the result pending: the
+    send could read it before the all-reduce ends, and the work stays registered unwaited at exit
+    ("unwaited collective calls", gloo's threads alive after the group is destroyed). Waiting in
+    place keeps the tensor, and its autograd history, as it is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(out, AsyncCollectiveTensor):
+        out.trigger_wait()
+    return out

@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from runner._torch.dist import local_region
+from runner._torch.dist import local_region, wait_pending
 from runner.errors import ConfigError
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
@@ -76,8 +76,8 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         cast = torch.autocast(x.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
-        with cast:
-            return self.spec.run(self, self.units, x, kwargs, seq_shards=self.seq_shards)
+        with cast:  # a tp all-reduce still in flight at the stage's end is waited for before the send
+            return wait_pending(self.spec.run(self, self.units, x, kwargs, seq_shards=self.seq_shards))
 
 
 @dataclass
