@@ -275,6 +275,31 @@ def _in_process(jobs: list[tuple]) -> list[dict]:
             for resolved, cfg, rank, rank_pass, run_dir, _ in jobs]
 
 
+def _assert_fitted(fitted: dict, full: dict, ratios: dict[str, float]) -> None:
+    """A rehearsal with rehearse.time_seq_len=8 and rehearse.time_fit_seq_len=4 of a run at 16: the
+    line a + b * FLOPs through each stage action's median times at 4 and at 8, read at 16, scales
+    the actions measured at 8 (the FLOP ratio where the times do not grow); memory is ``full``'s."""
+    from runner.rehearse.launch import format_rehearsal
+
+    assert fitted["times"] == "scaled" and fitted["times_are"].startswith(
+        "estimated: measured at rehearse.time_fit_seq_len=4 and rehearse.time_seq_len=8, fitted to train.seq_len=16")
+    for f, got in zip(full["ranks"], fitted["ranks"], strict=True):
+        times = got["times"]
+        assert got["peak_bytes"] == f["peak_bytes"] and (times["measured_at_seq_len"], times["fit_seq_len"]) == (8, 4)
+        for a in got["actions"]:
+            key = f"{a['stage']}{a['kind']}"
+            fit = times["fit"][key]
+            at8 = [b["measured_seconds"] for b in got["actions"] if f"{b['stage']}{b['kind']}" == key]
+            assert a["seconds"] == a["measured_seconds"] * fit["ratio"] and times["ratios"][key] == fit["ratio"]
+            if fit["by_flops"]:
+                assert fit["ratio"] == times["flop_ratios"][key] == ratios[key]
+            else:
+                assert fit["fitted_s"] == pytest.approx(fit["a_s"] + fit["b_s"]) and fit["b_s"] > 0
+                assert fit["ratio"] == pytest.approx(fit["fitted_s"] / statistics.median(at8))
+    assert fitted["step"]["times"] == "scaled" and fitted["step"]["step_s"] > fitted["step"]["pipeline_s"] > 0
+    assert "fitted to train.seq_len=16" in format_rehearsal(fitted)
+
+
 @pytest.mark.timeout(120)
 def test_memory_only_and_short_sequence_rehearsals_measure_the_full_ones_memory_and_scale_times_by_flops(tmp_path):
     """Issue #35, a 70B shape: memory from one forward and backward per role, times from a short
@@ -317,27 +342,9 @@ def test_memory_only_and_short_sequence_rehearsals_measure_the_full_ones_memory_
     assert "times: estimated: measured at rehearse.time_seq_len=8 and scaled to train.seq_len=16" in table
     assert "times: not measured (rehearse.memory_only=true)" in format_rehearsal(memory)
     assert json.loads((tmp_path / "short" / "rehearsal.json").read_text())["times_are"].startswith("estimated")
-    # With rehearse.time_fit_seq_len=4 too: the line a + b * FLOPs through each stage action's median
-    # times at 4 and at 8, read at 16, scales the actions measured at 8 (memory still the full length's).
-    fitted = rehearse(compose(*run, "rehearse.time_seq_len=8", "rehearse.time_fit_seq_len=4"), tmp_path / "fitted",
-                      run_jobs=_in_process)
-    assert fitted["times"] == "scaled" and fitted["times_are"].startswith(
-        "estimated: measured at rehearse.time_fit_seq_len=4 and rehearse.time_seq_len=8, fitted to train.seq_len=16")
-    for f, got in zip(full["ranks"], fitted["ranks"], strict=True):
-        times = got["times"]
-        assert got["peak_bytes"] == f["peak_bytes"] and (times["measured_at_seq_len"], times["fit_seq_len"]) == (8, 4)
-        for a in got["actions"]:
-            key = f"{a['stage']}{a['kind']}"
-            fit = times["fit"][key]
-            at8 = [b["measured_seconds"] for b in got["actions"] if f"{b['stage']}{b['kind']}" == key]
-            assert a["seconds"] == a["measured_seconds"] * fit["ratio"] and times["ratios"][key] == fit["ratio"]
-            if fit["by_flops"]:
-                assert fit["ratio"] == times["flop_ratios"][key] == ratios[key]
-            else:
-                assert fit["fitted_s"] == pytest.approx(fit["a_s"] + fit["b_s"]) and fit["b_s"] > 0
-                assert fit["ratio"] == pytest.approx(fit["fitted_s"] / statistics.median(at8))
-    assert fitted["step"]["times"] == "scaled" and fitted["step"]["step_s"] > fitted["step"]["pipeline_s"] > 0
-    assert "fitted to train.seq_len=16" in format_rehearsal(fitted)
+    # With rehearse.time_fit_seq_len=4 too (memory still the full length's).
+    _assert_fitted(rehearse(compose(*run, "rehearse.time_seq_len=8", "rehearse.time_fit_seq_len=4"),
+                            tmp_path / "fitted", run_jobs=_in_process), full, ratios)
 
 
 @pytest.mark.timeout(60)
