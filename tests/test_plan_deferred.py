@@ -305,19 +305,24 @@ def test_commit_steps_are_the_last_evaluated_saved_and_verified_steps_and_amorti
     assert barrier.amortized_step_s is None
 
 
-def test_a_target_plan_without_the_barrier_of_a_tied_model_adds_the_meeting_of_its_first_and_last_rank():
+def test_a_target_plan_without_the_barrier_of_a_tied_model_adds_the_meeting_of_its_first_and_last_rank(tmp_path,
+                                                                                                         capsys):
     """``plan.target`` with ``model.tie_embeddings``: the candidates whose embedding and head sit on
     different ranks take the tied gradient's ring all-reduce between them (2 latencies + its fp32
     bytes over the link at 2 ranks) on their steady step, 1F1B exactly that; one rank (pp=1) or both
-    ends on one rank (ZBV) nothing."""
+    ends on one rank (ZBV) nothing. The report says what the steps validated at their own end cost."""
+    from runner.plan.target_report import run_target
+
     common = [*TINY, "model.dim=256", "train.seq_len=128", "plan.target=nvidia a100", "plan.world_size=2",
               "plan.microbatches=[4]", "plan.comm_latency_s=1e-4", "plan.comm_bandwidth=1e9", "plan.barrier=false"]
-
-    def steps(*more):
-        return {(c.schedule, c.pp, c.dp_mode): c.step_time_s for c in plan_target(compose(*common, *more)).candidates
-                if c.valid}
-
-    untied, tied = steps(), steps("model.tie_embeddings=true")
+    untied = {(c.schedule, c.pp, c.dp_mode): c.step_time_s for c in plan_target(compose(*common)).candidates
+              if c.valid}
+    run_target(compose(*common, "model.tie_embeddings=true"), tmp_path, [])
+    rows = json.loads((tmp_path / "plan.json").read_text())
+    tied = {(r["schedule"], r["pp"], r["dp_mode"]): r["step_time_s"] for r in rows if r["valid"]}
+    [best] = [r for r in rows if r["recommended"]]
+    assert f"{best['commit_step_s'] * 1e3:.2f} ms there against {best['step_time_s'] * 1e3:.2f} ms steady" in \
+        capsys.readouterr().out
     assert set(tied) == set(untied)
     meet = 2 * 1e-4 + 4 * 48 * 256 / 1e9
     assert tied[("1f1b", 2, "none")] - untied[("1f1b", 2, "none")] == pytest.approx(meet, rel=1e-6)
