@@ -35,9 +35,9 @@ from runner.plan.rounds import round_schedule, round_variants
 
 __all__ = ["Problem", "Policy", "Synthesis", "FINALISTS", "lower_bound", "list_schedule", "rescore", "synthesize"]
 
-# Without the barrier: how many orders of the shortest spans are scored by the steady step at the end
-# (each a replay of 8 steps: about as many replays as the search's budget spends on 8 orders).
-FINALISTS = 8
+# Without the barrier: how many orders of the shortest spans, and of the last bests, are scored by the
+# steady step at the end (each a replay of 8 steps: at most 8 of them cost what 64 of the search's orders do).
+FINALISTS = 4
 
 
 def _position(ops: Sequence[Op], op: Op) -> int:
