@@ -297,6 +297,8 @@ def test_commit_steps_are_the_last_evaluated_saved_and_verified_steps_and_amorti
     assert committed_steps(compose(*TINY, "train.steps=10", "eval.every=4", "checkpoint.every=5")) == (4, 10)
     assert committed_steps(compose(*TINY, "train.steps=10", "eval.every=4", "verify=true", "verify_steps=1")) == (
         5, 10)  # 1 and 2 compared, 4 and 8 evaluated, 10 the last
+    assert committed_steps(compose(*TINY, "train.steps=12", "eval.every=2", "checkpoint.every=3")) == (8, 12)
+    assert committed_steps(compose(*TINY, "train.steps=1000000000", "eval.every=1000")) == (1000000, 1000000000)
     c = Candidate("zbh2", 4, 1, [], valid=True, predicted_step_time_s=1.0, commit_step_s=1.5)
     c.amortize(4, 10)
     assert c.amortized_step_s == pytest.approx(1.2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import subprocess
 from dataclasses import dataclass, field, replace
@@ -567,9 +568,13 @@ def committed_steps(cfg: DictConfig) -> tuple[int, int]:
     own end (``runner.train.Trainer._commits``): the last, those evaluated (``eval.every``), saved
     (``checkpoint.every``) or compared by ``verify`` (the first ``verify_steps`` + 1); and the steps."""
     steps, evaluated, saved = cfg.train.steps, cfg.eval.every, cfg.checkpoint.every
-    verified = cfg.verify_steps + 1 if resolve_verify(cfg) else 0
-    return sum(1 for s in range(1, steps + 1) if s == steps or s <= verified or (evaluated and s % evaluated == 0)
-               or (saved and s % saved == 0)), steps
+
+    def every(n: int) -> int:  # of steps 1..n, those evaluated or saved
+        both = math.lcm(evaluated, saved) if evaluated and saved else 0
+        return sum(n // k for k in (evaluated, saved) if k) - (n // both if both else 0)
+
+    head = min(cfg.verify_steps + 1 if resolve_verify(cfg) else 0, steps)  # verify's, from step 1
+    return head + max(0, every(steps - 1) - every(head)) + (steps > head), steps
 
 
 def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:
