@@ -135,9 +135,11 @@ class PlanConfig(TargetPlanConfig):
     search_budget: int = 200  # orders evaluated per searched layout: bounds the search, not the clock
     # false: score steps that overlap (the Zero Bubble paper's post-validation), which runs get with
     # train.optimizer_sync=deferred: every candidate's command then carries it. A plan of this host
-    # or of plan.target scores deferred's steady step (each rank's update between its own steps, the
-    # loss/norm all-reduce waited for a step later; probes run deferred, their bubble.steady fitted);
-    # a costs file's, the longest rank's span within a step (floor m(F+B+W)).
+    # or of plan.target scores deferred's steady step (each rank's update between its own steps, a
+    # tied weight's gradient sum where its ranks meet, the loss/norm all-reduce waited for a step
+    # later; probes run deferred, their bubble.steady fitted); a costs file's the same steady step
+    # without updates (floor m(F+B+W)). Each plan also reports the step validated at its own end
+    # (evaluations, checkpoints, verify, the last: commit_step_s) and the step over the run.
     barrier: bool = True
     search_seed: int = 0
     # Also plan every other parallel.pp x parallel.dp x parallel.tp of the same number of ranks

@@ -18,13 +18,24 @@ if TYPE_CHECKING:  # the schemas' objects arrive built (validate): no import of 
     from runner.config import EvalConfig, TrainConfig
     from runner.outputs.config import ProfileConfig
 
-__all__ = ["Layout", "ResolvedRun", "microbatch_size"]
+__all__ = ["Layout", "ResolvedRun", "TiedSpan", "microbatch_size"]
 
 
 def microbatch_size(batch_size: int, *, dp: int, microbatches: int) -> int:
     """Samples in one microbatch of one replica: the global batch split over dp replicas, then
     into microbatches (the checks before launch make it divide)."""
     return batch_size // (dp * microbatches)
+
+
+@dataclass(frozen=True)
+class TiedSpan:
+    """A weight tied across pipeline ranks (``model.tie_embeddings`` with the embedding and the head
+    on different ranks): the pipeline ranks holding a copy, which sum their gradients after every
+    backward (``runner.parallel.tied``), so they meet there each step; and the bytes each of them
+    sums (its copy's fp32 gradient, or its shard's under tp or FSDP)."""
+
+    ranks: tuple[int, ...]
+    grad_bytes: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class Layout:
     microbatches: int
     stages: tuple[tuple[str, ...], ...]  # the model's pipeline units in each stage (runner.models.units)
     stage_to_rank: dict[int, int]
+    tied: tuple[TiedSpan, ...] = ()  # weights tied across pipeline ranks (none on one rank: V placements)
 
     @property
     def num_stages(self) -> int:

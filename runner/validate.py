@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from omegaconf import DictConfig
 
@@ -26,7 +26,7 @@ from runner.checkpoint.resume_check import resume_point
 from runner.compose import check_schema, rank_options
 from runner.config import parse_bytes
 from runner.errors import ConfigError
-from runner.layout import Layout, ResolvedRun, microbatch_size
+from runner.layout import Layout, ResolvedRun, TiedSpan, microbatch_size
 from runner.models.sizes import ModelSizes, model_sizes
 from runner.options import OptimizerSync
 from runner.outputs.config import LOGGING_MOVED
@@ -37,7 +37,7 @@ from runner.pipeline.csv_file import resolve_schedule_file
 from runner.pipeline.registry import CSV, SCHEDULES
 from runner.ranks.host import check_host, rank_cpus, threads_per_rank
 
-__all__ = ["check_config", "validate"]
+__all__ = ["check_config", "tied_spans", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
         log.info("Uneven split (units per stage): %s", sizes)
     log_tied_placement(meta, stages, stage_to_rank, DP_MODES[p.dp_mode].per_stage)
     layout = Layout(schedule=cfg.schedule.name, csv=csv, pp=p.pp, microbatches=p.microbatches, stages=stages,
-                    stage_to_rank=stage_to_rank)
+                    stage_to_rank=stage_to_rank, tied=tied_spans(meta, stages, stage_to_rank, p))
     if cfg.train.activation_checkpointing != "none" and layout.pp > 1 and splits_backward(layout.schedule, csv):
         log.warning(
             "train.activation_checkpointing=%s with schedule=%s: its weight backward (W) runs one autograd pass "
@@ -221,6 +221,21 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
             "train.activation_checkpointing=every_n or none, or a schedule with whole backward steps.",
             cfg.train.activation_checkpointing, layout.schedule)
     return layout
+
+
+def tied_spans(meta, stages, stage_to_rank: Mapping[int, int], p: DictConfig) -> tuple[TiedSpan, ...]:
+    """The weights tied across pipeline ranks of this split and placement (``p``: ``parallel.*``),
+    and the bytes of the gradient each copy sums: fp32, the vocabulary rows over tp and (FSDP) a
+    shard over dp (``runner.parallel.tied``). The planner's probes ask it of their runs too."""
+    from runner.models.split import tied_stages
+
+    shards = int(p.get("tp", 1)) * (p.dp if p.dp_mode == "fsdp" else 1)
+    spans = []
+    for owners, numel in tied_stages(meta, stages):
+        ranks = tuple(sorted({stage_to_rank[s] for s in owners}))
+        if len(ranks) > 1:
+            spans.append(TiedSpan(ranks, 4 * numel // shards))
+    return tuple(spans)
 
 
 def _check_optimizer_sync(cfg: DictConfig, *, verify: bool, resume: Path | None) -> None:

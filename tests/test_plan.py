@@ -14,7 +14,7 @@ from runner.errors import ConfigError
 from runner.outputs.timeline import write_schedule_csv
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import schedule_order
-from runner.pipeline.simulate import peak_in_flight, simulate
+from runner.pipeline.simulate import deferred_step, peak_in_flight, simulate
 from runner.plan.calibrate import Calibration, calibrate, solve_action_overhead
 from runner.plan.costs import ChildCost, stage_costs
 from runner.plan.planner import plan
@@ -245,6 +245,27 @@ def test_without_the_barrier_the_fit_recovers_the_updates_from_the_deferred_runs
     # A steady step that the pipelines alone already fill leaves the updates nothing: 0, not negative.
     short = [replace(o, measured=replace(o.measured, steady_s=o.measured.pipeline_s * 0.5)) for o in observations]
     assert fit(short, calibration).rest_scale == 0.0
+
+
+def test_the_fit_of_deferred_probes_of_a_tied_model_keeps_the_tied_meeting_out_of_the_updates():
+    """Probes of a tied model (its embedding and head on pipeline ranks 0 and 1, not under ZBV's V)
+    meet after every backward: their steady steps hold that meeting, which the fit takes as such
+    (``Observation.meetings``, from ``Layout.tied``), so the updates' scale is the truth's; left out,
+    the fit would put the meeting into the updates."""
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=3e-4, busy_delay_s=5e-4)
+    truth = Fit(forward_scale=1.3, backward_scale=1.1, gap_s=4e-4, rest_scale=1.6)
+    observations = []
+    for o in _observations(truth, calibration):
+        meetings = [] if o.measured.label == "zbv" else [((0, 1), 0.003)]
+        o = replace(o, updates_s={0: 0.004, 1: 0.001}, meetings=meetings)
+        costs = truth.action_costs(o.compute, calibration.action_overhead_s)
+        comm_s = calibration.message_s(o.sent_bytes, min(v for (_, k), v in costs.items() if k == "F"))
+        steady = deferred_step(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm_s,
+                               update_s=truth.scaled_updates(o.updates_s), reduce_s=calibration.latency_s,
+                               meetings=meetings)
+        observations.append(replace(o, measured=replace(o.measured, deferred=True, steady_s=steady)))
+    assert fit(observations, calibration).rest_scale == pytest.approx(1.6, rel=1e-3)
+    assert fit([replace(o, meetings=[]) for o in observations], calibration).rest_scale > 1.6 * 1.05
 
 
 def _previous_run(run_dir: Path, layout, order, *, forward_s: float, backward_s: float, pipeline_s: float,

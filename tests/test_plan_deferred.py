@@ -94,6 +94,13 @@ def test_a_plan_of_this_host_without_the_barrier_scores_the_deferred_steady_step
     # The table and the plan rank by the barrier-free step.
     times = [c.predicted_step_time_s for c in without if c.valid and c.fits_memory]
     assert times == sorted(times)
+    # A step validated at its own end (here the last of train.steps=5) overlaps nothing: the barrier's
+    # step (no snapshot in these children), and over the run one step in five takes it.
+    for k, c in free.items():
+        assert c.commit_step_s == pytest.approx(barrier[k].prediction().step_s, rel=1e-9), k
+        assert c.amortized_step_s == pytest.approx(c.predicted_step_time_s + (c.commit_step_s - c.predicted_step_time_s)
+                                                   / 5, rel=1e-9)
+        assert barrier[k].commit_step_s is None and barrier[k].amortized_step_s is None
 
 
 def test_plan_barrier_false_refuses_what_cannot_run_deferred(tmp_path):
@@ -122,6 +129,10 @@ def test_a_target_plan_without_the_barrier_overlaps_pipelines_and_pays_the_snaps
             assert c.step_time_s == pytest.approx(b.step_time_s + b.optimizer_s * 24 / 36, rel=1e-6)
     # ZB-H2's drain overlaps the next step's warm-up: shorter than with the barrier, snapshot and all;
     # 1F1B's first rank spans its step: only the snapshot is added.
+    for c in free:  # a step validated at its own end overlaps nothing: the barrier's step and the snapshot
+        b = barrier[(c.schedule, c.pp, c.dp_mode, c.microbatches)]
+        assert c.commit_step_s == pytest.approx(b.step_time_s + b.optimizer_s * 24 / 36, rel=1e-6)
+        assert c.amortized_step_s == pytest.approx(c.step_time_s + (c.commit_step_s - c.step_time_s) / 5, rel=1e-9)
     [zbh2] = [c for c in free if c.schedule == "zbh2"]
     [one_f_one_b] = [c for c in free if c.schedule == "1f1b"]
     assert zbh2.step_time_s is not None and one_f_one_b.step_time_s is not None
@@ -174,7 +185,7 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
     step = {"step_s": 1.0, "stage_costs_s": stage_costs, "collectives_s": 1e-4, "optimizer_s": 0.2e-3,
             "deferred": {"update_s": updates, "update_collectives_s": {str(p): 0.5e-3 for p in range(P)}}}
     report = {"step": step, "ranks": [{"rank": p} for p in range(P)]}
-    layout = SimpleNamespace(num_stages=P, pp=P, microbatches=M, stage_to_rank={s: s for s in range(P)})
+    layout = SimpleNamespace(num_stages=P, pp=P, microbatches=M, stage_to_rank={s: s for s in range(P)}, tied=())
     costs = {(s, k): v * 2e-3 for s in range(P) for k, v in COSTS.items()}
     for name in ("zbh2", "1f1b"):
         order = schedule_order(name, P, M, 1)
@@ -195,3 +206,129 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
         cost_from_rehearsal(Candidate("1f1b", M, 1, [], valid=True), layout, order,
                             {"step": {k: v for k, v in step.items() if k != "deferred"}}, calibration, 1e-4, {}, None,
                             barrier=False)
+
+
+def _step_bounds(timeline, rank: int, k: int) -> tuple[float, float]:
+    """Rank ``rank``'s step ``k`` in a ``deferred_timeline``: its first action's start, its last's end."""
+    mine = [a for a in timeline if a.rank == rank and a.op.microbatch // M == k]
+    return min(a.start for a in mine), max(a.end for a in mine)
+
+
+def test_a_tied_weight_makes_its_ranks_meet_after_every_backward_and_the_deferred_step_keeps_it():
+    """``model.tie_embeddings`` with the embedding on the first pipeline rank and the head on the
+    last: ``Trainer.step`` sums the tied gradient between them after every backward (it blocks), so
+    neither starts step k+1 before the other has ended step k's backward, the sum and its own
+    update. Untied, ZB-H2's first rank starts its next step while the last still drains: the
+    meeting costs more than its all-reduce. One rank holding both ends (V placements) meets nobody."""
+    from runner.pipeline.simulate import deferred_timeline
+
+    zbh2 = schedule_order("zbh2", P, M, 1)
+    update, meet = {r: 0.5 for r in range(P)}, 0.25
+    tied = deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)])
+    untied = deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update)
+    for k in range(1, 8):
+        for rank, other in ((0, P - 1), (P - 1, 0)):
+            assert _step_bounds(tied, rank, k)[0] >= _step_bounds(tied, other, k - 1)[1] + meet + 0.5 - 1e-9, (k, rank)
+    assert all(_step_bounds(untied, 0, k)[0] < _step_bounds(untied, P - 1, k - 1)[1] for k in range(1, 8))
+    free = deferred_step(zbh2, COSTS, num_stages=P, update_s=update)
+    met = deferred_step(zbh2, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)])
+    print(f"zbh2 pp={P}: steady step {free:.3f} untied, {met:.3f} tied (a sum of {meet})")
+    assert met > free + meet - 1e-9
+    # 1F1B's first rank ends its step last anyway: the meeting adds its all-reduce, nothing more.
+    one = schedule_order("1f1b", P, M, 1)
+    assert deferred_step(one, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)]) == pytest.approx(
+        deferred_step(one, COSTS, num_stages=P, update_s=update) + meet)
+    zbv = schedule_order("zbv", 2, M, 2)
+    assert deferred_step(zbv, COSTS, num_stages=4, meetings=[((0,), 5.0)]) == deferred_step(zbv, COSTS, num_stages=4)
+
+
+def test_the_layout_knows_which_pipeline_ranks_hold_a_tied_weight_and_the_plan_prices_their_meeting():
+    from runner.layout import TiedSpan
+    from runner.plan.calibrate import Calibration
+    from runner.plan.probe import tied_meetings
+    from runner.validate import validate
+
+    tie = [*TINY, "model.tie_embeddings=true", "train.batch_size=8", "parallel.microbatches=4"]
+    vocab, dim = 48, 32
+    assert validate(compose(*tie, "parallel.pp=2", "schedule=1f1b")).layout.tied == (
+        TiedSpan((0, 1), 4 * vocab * dim),)
+    assert validate(compose(*tie, "parallel.pp=2", "schedule=zbv")).layout.tied == ()  # both ends on rank 0
+    assert validate(compose(*TINY, "train.batch_size=8", "parallel.pp=2", "parallel.microbatches=4")).layout.tied == ()
+    fsdp = validate(compose(*tie, "parallel.pp=2", "schedule=1f1b", "parallel.dp=2", "parallel.dp_mode=fsdp"))
+    assert fsdp.layout.tied == (TiedSpan((0, 1), 2 * vocab * dim),)  # a shard each: half the rows
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0, allreduce_latency_s=3e-4,
+                              allreduce_bandwidth=2e9)
+    assert tied_meetings((TiedSpan((0, 3), 8000),), calibration) == [((0, 3), pytest.approx(3e-4 + 8000 / 2e9))]
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_without_the_barrier_of_a_tied_model_adds_its_ranks_meeting(monkeypatch):
+    """The same children and layout, tied and not: the tied candidates' steady steps are longer by
+    at least the tied gradient's all-reduce (exactly that where the first rank ends its step last:
+    1F1B), as ``Layout.tied`` and the calibrated all-reduce price it; the probes' fit takes the same
+    meetings (``Observation.meetings``)."""
+    _fixed_children(monkeypatch)
+    common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+              "plan.weight_grad_fraction=0.5", "plan.schedules=[1f1b,zbh1]", "plan.barrier=false"]
+    untied, _, _, _ = plan(compose(*common))
+    tied, _, _, _ = plan(compose(*common, "model.tie_embeddings=true"))
+    meet = 2e-4 + 4 * 48 * 32 / 1e9  # FIXED's message: no all-reduce measured, a message's latency and bandwidth
+
+    def key(c):
+        return c.schedule, tuple(c.split_points or ()), tuple(sorted(c.stage_costs_s.items()))
+
+    before = {key(c): c for c in untied if c.valid}
+    pairs = [(before[key(c)], c) for c in tied if c.valid and key(c) in before]
+    assert {a.schedule for a, _ in pairs} == {"1f1b", "zbh1"}
+    for a, b in pairs:
+        assert a.predicted_step_time_s is not None and b.predicted_step_time_s is not None
+        added = b.predicted_step_time_s - a.predicted_step_time_s
+        if a.schedule == "1f1b":
+            assert added == pytest.approx(meet, rel=1e-6), a.schedule
+        else:
+            assert added >= meet * (1 - 1e-6), a.schedule
+        assert b.pipeline_s == a.pipeline_s  # the pipeline alone has no meeting: what it adds is after it
+
+
+def test_commit_steps_are_the_last_evaluated_saved_and_verified_steps_and_amortize_the_steady_step():
+    from runner.plan.planner import Candidate, committed_steps
+
+    assert committed_steps(compose(*TINY, "train.steps=10")) == (1, 10)
+    assert committed_steps(compose(*TINY, "train.steps=10", "eval.every=4", "checkpoint.every=5")) == (4, 10)
+    assert committed_steps(compose(*TINY, "train.steps=10", "eval.every=4", "verify=true", "verify_steps=1")) == (
+        5, 10)  # 1 and 2 compared, 4 and 8 evaluated, 10 the last
+    assert committed_steps(compose(*TINY, "train.steps=12", "eval.every=2", "checkpoint.every=3")) == (8, 12)
+    assert committed_steps(compose(*TINY, "train.steps=1000000000", "eval.every=1000")) == (1000000, 1000000000)
+    c = Candidate("zbh2", 4, 1, [], valid=True, predicted_step_time_s=1.0, commit_step_s=1.5)
+    c.amortize(4, 10)
+    assert c.amortized_step_s == pytest.approx(1.2)
+    barrier = Candidate("zbh2", 4, 1, [], valid=True, predicted_step_time_s=1.0)
+    barrier.amortize(4, 10)  # with the barrier every step is its own commit: nothing to add
+    assert barrier.amortized_step_s is None
+
+
+def test_a_target_plan_without_the_barrier_of_a_tied_model_adds_the_meeting_of_its_first_and_last_rank(tmp_path,
+                                                                                                         capsys):
+    """``plan.target`` with ``model.tie_embeddings``: the candidates whose embedding and head sit on
+    different ranks take the tied gradient's ring all-reduce between them (2 latencies + its fp32
+    bytes over the link at 2 ranks) on their steady step, 1F1B exactly that; one rank (pp=1) or both
+    ends on one rank (ZBV) nothing. The report says what the steps validated at their own end cost."""
+    from runner.plan.target_report import run_target
+
+    common = [*TINY, "model.dim=256", "train.seq_len=128", "plan.target=nvidia a100", "plan.world_size=2",
+              "plan.microbatches=[4]", "plan.comm_latency_s=1e-4", "plan.comm_bandwidth=1e9", "plan.barrier=false"]
+    untied = {(c.schedule, c.pp, c.dp_mode): c.step_time_s for c in plan_target(compose(*common)).candidates
+              if c.valid}
+    run_target(compose(*common, "model.tie_embeddings=true"), tmp_path, [])
+    rows = json.loads((tmp_path / "plan.json").read_text())
+    tied = {(r["schedule"], r["pp"], r["dp_mode"]): r["step_time_s"] for r in rows if r["valid"]}
+    [best] = [r for r in rows if r["recommended"]]
+    assert f"{best['commit_step_s'] * 1e3:.2f} ms there against {best['step_time_s'] * 1e3:.2f} ms steady" in \
+        capsys.readouterr().out
+    assert set(tied) == set(untied)
+    meet = 2 * 1e-4 + 4 * 48 * 256 / 1e9
+    assert tied[("1f1b", 2, "none")] - untied[("1f1b", 2, "none")] == pytest.approx(meet, rel=1e-6)
+    assert tied[("zbh2", 2, "none")] - untied[("zbh2", 2, "none")] >= meet * (1 - 1e-6)
+    for key in [k for k in tied if k[1] == 1 or k[0] == "zbv"]:
+        assert tied[key] == pytest.approx(untied[key], rel=1e-12), key
+    assert any(k[0] == "zbv" for k in tied)

@@ -1,6 +1,8 @@
 """The schedule search without the barrier (``plan.barrier=false``, issue #37 item 4): steps that
-overlap are scored by the longest rank's span within a step (the Zero Bubble paper's measure),
-whose floor is the busiest rank's compute, m(F+B+W). In-process, small settings."""
+overlap are searched by the longest rank's span within a step (the Zero Bubble paper's measure),
+whose floor is the busiest rank's compute, m(F+B+W), and reported (the search's finalists and every
+costs-file candidate) by the steady step of steps back to back (``deferred_step``), the one measure
+of every plan without the barrier. In-process, small settings."""
 
 from __future__ import annotations
 
@@ -12,14 +14,22 @@ import pytest
 import yaml
 
 from runner.outputs.timeline import write_schedule_csv
-from runner.pipeline.schedule import read_csv_schedule
-from runner.pipeline.simulate import compute_floor, peak_in_flight, rank_span, simulate, simulated_step, steady_step
+from runner.pipeline.schedule import csv_order, read_csv_schedule
+from runner.pipeline.simulate import (
+    compute_floor,
+    deferred_step,
+    peak_in_flight,
+    rank_span,
+    simulate,
+    simulated_step,
+    steady_step,
+)
 from runner.plan.__main__ import main_from_costs
 from runner.plan.from_costs import builtin_orders, given_problem
 from runner.plan.given import GivenCosts
 from runner.plan.problem import lower_bound
 from runner.plan.rounds import round_schedule, round_variants
-from runner.plan.synthesize import synthesize
+from runner.plan.synthesize import rescore, synthesize
 
 from helpers.config import compose
 
@@ -52,31 +62,45 @@ def test_without_the_barrier_the_search_beats_the_barriers_best_order_in_the_ste
     assert floor == pytest.approx(M * (F + IN + W))
     # Scored by its span, the barrier-free order is faster once steps run back to back ...
     assert steady["overlap"] < steady["barrier"] * 0.99, steady
-    # ... its span is what the search reports, no step repeats shorter than it, and none beats the floor.
+    # ... it reports the steady step of steps back to back (its finalists re-scored by it) and the span
+    # it searched by, no step repeats shorter than the span, and none beats the floor.
     timeline = simulate(found.order, problem.costs, num_stages=P, comm_s=COMM)
-    assert found.makespan_s == pytest.approx(rank_span(timeline))
-    assert floor - 1e-9 <= steady["overlap"] <= found.makespan_s + 1e-9
+    assert found.span_s == pytest.approx(rank_span(timeline))
+    assert found.makespan_s == pytest.approx(deferred_step(found.order, problem.costs, num_stages=P, comm_s=COMM))
+    assert floor - 1e-9 <= found.makespan_s <= found.span_s + 1e-9
     assert found.lower_bound_s == pytest.approx(floor)
-    # ZB-H2 by the same measure (its put-off Ws still end its step late): the search beats it.
-    assert found.makespan_s < rank_span(simulate(seeds["zbh2"], problem.costs, num_stages=P, comm_s=COMM)) * 0.99
+    # ZB-H2 by the same measures (its put-off Ws still end its step late): the search beats it.
+    assert found.span_s < rank_span(simulate(seeds["zbh2"], problem.costs, num_stages=P, comm_s=COMM)) * 0.99
+    assert found.makespan_s <= deferred_step(seeds["zbh2"], problem.costs, num_stages=P, comm_s=COMM) + 1e-9
 
 
 @pytest.mark.timeout(60)
-def test_plan_barrier_false_plans_a_costs_file_by_span_and_its_commands_run_deferred(tmp_path):
+def test_plan_barrier_false_plans_a_costs_file_by_deferreds_steady_step_and_its_commands_run_deferred(tmp_path,
+                                                                                                        capsys):
     data = {"pp": P, "microbatches": M, "F": F, "B": IN, "W": W, "comm_s": COMM, "weight_grad_fraction": 0.4,
             "memory_limit": "2x1f1b"}
     path = tmp_path / "costs.yaml"
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "out"
     out.mkdir()
-    main_from_costs(compose(f"plan.costs={path}", "plan.barrier=false", "plan.search_budget=60"), out)
+    main_from_costs(compose(f"plan.costs={path}", "plan.barrier=false", "plan.search_budget=60", "train.steps=10",
+                            "eval.every=5"), out)
     rows = {r["schedule"]: r for r in json.loads((out / "plan.json").read_text())}
+    problem = _problem("2x1f1b", barrier=False)
+    orders = {**builtin_orders(P, M), "synthesized": csv_order(str(out / f"synthesized_pp{P}_m{M}_loop1.csv"))}
     floor = M * (F + IN + W)
-    for name in ("zbh2", "synthesized"):  # every candidate by the span: none under the floor
-        assert rows[name]["predicted_step_time_s"] >= floor - 1e-9
-        assert rows[name]["lower_bound_s"] == pytest.approx(floor)
+    for name, row in rows.items():  # every candidate by the steady step deferred_step gives its order
+        expected = deferred_step(orders[name], problem.costs, num_stages=P, comm_s=COMM)
+        assert row["predicted_step_time_s"] == pytest.approx(expected, rel=1e-12) == row["pipeline_s"], name
+        assert row["predicted_step_time_s"] >= floor - 1e-9 and row["lower_bound_s"] == pytest.approx(floor)
+        # a step validated at its own end: the makespan; 2 of 10 steps (5 evaluated, 10 the last and evaluated)
+        makespan = max(a.end for a in simulate(orders[name], problem.costs, num_stages=P, comm_s=COMM))
+        assert row["commit_step_s"] == pytest.approx(makespan, rel=1e-12)
+        assert row["amortized_step_s"] == pytest.approx(expected + (makespan - expected) * 2 / 10, rel=1e-12)
     assert rows["synthesized"]["predicted_step_time_s"] <= rows["zbh2"]["predicted_step_time_s"] + 1e-9
     assert all(r["overrides"][-1] == "train.optimizer_sync=deferred" for r in rows.values())  # what was scored
+    assert "commit steps: the last step and those evaluated, saved or compared by verify (2 of train.steps=10)" \
+        in capsys.readouterr().out
 
 
 def _table9(key: tuple[str, int, int], limit: str):
@@ -126,8 +150,10 @@ def test_the_search_without_the_barrier_starts_from_round_schedules_and_with_it_
     problem = _table9(("1.5B", 8, 32), "2x1f1b")
     found = synthesize(problem, seeds=builtin_orders(8, 32), budget=30, seed=0)
     assert found is not None and found.evaluated == 30
-    assert found.origin.startswith("rounds(") and found.makespan_s <= 1.4756
-    assert found.makespan_s == pytest.approx(_span(problem, found.order), rel=1e-12)
+    assert found.origin.startswith("rounds(") and found.span_s <= 1.4756
+    assert found.span_s == pytest.approx(_span(problem, found.order), rel=1e-12)
+    assert found.makespan_s == pytest.approx(deferred_step(found.order, problem.costs, num_stages=8,
+                                                           comm_s=problem.comm_s), rel=1e-12)
     barrier = replace(problem, barrier=True)
     assert round_variants(barrier) and not synthesize(barrier, seeds={}, budget=20, seed=0).origin.startswith("rounds")
     # Several stages on a rank: no round schedule (they are built one stage per rank).
@@ -186,3 +212,57 @@ def test_round_schedules_are_within_1_percent_of_the_papers_zb2p_in_every_table9
     best = min(_span(problem, order) for order in orders)
     paper = paper_step_s(key, TABLE5_ZB2P[key])
     assert problem.microbatches * sum(TABLE9[key][:3]) / 1e3 - 1e-9 <= best <= paper * 1.01, (key, best, paper)
+
+
+# p = 3, m = 6, where the longest rank's span and the steady step of steps back to back disagree:
+# ZB-H2's span is 25.6 and its steady step 25.0 (its drain overlaps the next step's warm-up), a round
+# schedule's span 25.55 and its steady step the same 25.55 (its ranks start and end together).
+DISAGREE = GivenCosts("disagree", 3, 6, [1.6, 0.8, 0.7], [1.2, 1.7, 1.55], [1.0, 1.5, 1.2], 0.05, 0.4, "2x1f1b", None)
+
+
+def _disagreeing_orders():
+    from runner.plan.rounds import Rounds
+
+    problem = given_problem(DISAGREE, barrier=False)
+    rounds = round_schedule(problem, Rounds(early_stop=True, eager_w=True, split_first=True))
+    return problem, {"zbh2": builtin_orders(3, 6)["zbh2"], "rounds": rounds}
+
+
+def test_the_searchs_finalists_are_ranked_by_the_steady_step_not_by_the_span_it_searched_by():
+    problem, orders = _disagreeing_orders()
+    span = {n: _span(problem, o) for n, o in orders.items()}
+    steady = {n: deferred_step(o, problem.costs, num_stages=3, comm_s=problem.comm_s) for n, o in orders.items()}
+    assert span["rounds"] < span["zbh2"] and steady["zbh2"] < steady["rounds"] * 0.98, (span, steady)
+    finalists = [(span[n], orders[n], n) for n in ("rounds", "zbh2")]  # the span's order
+    assert rescore(problem, finalists)[::-1][:3] == ("zbh2", orders["zbh2"], span["zbh2"])
+    assert rescore(problem, finalists)[0] == pytest.approx(steady["zbh2"], rel=1e-12)
+
+    def refuse_zbh2(order):
+        if order == orders["zbh2"]:
+            raise ValueError("the runtime refuses it")
+
+    assert rescore(problem, finalists, refuse_zbh2)[3] == "rounds"  # the best that the dry run accepts
+    # The search itself, seeded with ZB-H2: what it returns is ranked by the steady step, and reports it.
+    found = synthesize(problem, seeds=builtin_orders(3, 6), budget=60, seed=0)
+    assert found is not None and found.span_s is not None
+    assert found.makespan_s == pytest.approx(deferred_step(found.order, problem.costs, num_stages=3,
+                                                           comm_s=problem.comm_s), rel=1e-12)
+    assert found.makespan_s <= steady["zbh2"] + 1e-9
+
+
+@pytest.mark.timeout(60)
+def test_a_costs_file_plan_without_the_barrier_ranks_by_the_steady_step_where_the_span_disagrees(tmp_path):
+    """Every candidate, built-in or searched, is reported and ranked by the steady step of its order;
+    the search, seeded with ZB-H2 and finding round schedules of shorter spans, returns an order whose
+    steady step is ZB-H2's or better (its finalists re-scored), not the shortest span's."""
+    from runner.plan.from_costs import plan_from_costs
+
+    ranked, _ = plan_from_costs(DISAGREE, tmp_path, budget=60, seed=0, tie_tolerance=0.0, barrier=False)
+    problem, disagreeing = _disagreeing_orders()
+    orders = {**builtin_orders(3, 6), "synthesized": csv_order(str(tmp_path / "synthesized_pp3_m6_loop1.csv"))}
+    steady = {c.schedule: deferred_step(orders[c.schedule], problem.costs, num_stages=3, comm_s=problem.comm_s)
+              for c in ranked}
+    assert [c.predicted_step_time_s for c in ranked] == pytest.approx([steady[c.schedule] for c in ranked], rel=1e-12)
+    assert [c.predicted_step_time_s for c in ranked] == sorted(steady.values())
+    assert steady["synthesized"] <= steady["zbh2"] + 1e-9
+    assert _span(problem, disagreeing["rounds"]) < _span(problem, orders["zbh2"])  # the span would rank it first

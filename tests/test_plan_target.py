@@ -101,6 +101,29 @@ def test_target_costs_come_from_flop_counts_and_scale_with_the_model(llama, tmp_
     assert h.stage_costs_s["0F"] == pytest.approx(2 * a.stage_costs_s["0F"])
 
 
+def test_target_costs_put_the_first_stages_whole_backward_in_its_weight_step(llama):
+    """The first stage's input is token ids: it takes no gradient, so its input-gradient step (I)
+    is empty and its weight step (W) is its whole backward, the I + W of its units' FLOP counts, as
+    the runtime runs it under zero-bubble schedules (the rehearsal's scaling does the same); a later
+    stage's I and W are its units' own."""
+    cfg = _target(llama, "plan.world_size=2", "plan.microbatches=[4]")
+    [zbh1] = [c for c in plan_target(cfg).candidates if (c.schedule, c.pp) == ("zbh1", 2)]
+    counts = count_units(cfg, 8 // 4, device_peaks("NVIDIA H100"))
+    names = list(counts)
+    first, second = names[: names.index(zbh1.split_points[0])], names[names.index(zbh1.split_points[0]):]
+    eff = cfg.plan.efficiency
+
+    def seconds(units, kind):
+        return sum(counts[n].seconds[kind] for n in units) / eff
+
+    assert seconds(first, "I") > 0  # the first stage's layers do compute input gradients, for its embedding
+    costs = zbh1.stage_costs_s
+    assert costs["0I"] == 0.0
+    assert costs["0W"] == pytest.approx(seconds(first, "I") + seconds(first, "W"), rel=1e-12) == costs["0B"]
+    assert (costs["1I"], costs["1W"]) == pytest.approx((seconds(second, "I"), seconds(second, "W")), rel=1e-12)
+    assert counts[first[0]].flops["I"] == 0  # the embedding takes token ids: no input gradient to count
+
+
 def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():
     cfg = compose(*TINY, "plan.target=nvidia a100", "plan.world_size=2", "plan.microbatches=[2,4]")
     result = plan_target(cfg)

@@ -461,6 +461,35 @@ def test_a_deferred_rehearsal_composes_its_steady_step_with_each_ranks_update_wh
             in table) and f"{step['tokens_per_s']:.0f} tokens/s" in table
 
 
+def test_a_deferred_rehearsal_of_a_tied_model_composes_the_meeting_of_the_ranks_holding_its_copies(tmp_path):
+    """``model.tie_embeddings`` at pp=2 (the world): the tied gradient's sum between the two ranks is
+    a meeting after every backward (``tied_meetings``: latency + its fp32 bytes / bandwidth), not a
+    collective of each rank's update (the rehearsal files it under ``world`` beside the loss/norm
+    all-reduce); 1F1B's first rank ends its step last, so it adds exactly its all-reduce."""
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal, format_rehearsal
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY, "model.n_layers=4", "model.tie_embeddings=true", "parallel.pp=2", "schedule=1f1b",
+                  "parallel.microbatches=4", "train.batch_size=8", "train.optimizer_sync=deferred", "rehearse=on")
+    resolved = check_rehearsal(cfg, tmp_path).resolved
+    grad_bytes = 4 * 48 * 32
+    ranks = _fixed_ranks(resolved, {})
+    for r in ranks:  # the loss/norm all-reduce and the tied sum, as the rehearsal files them at pp = world size
+        r["collectives"]["world"] = {"all_reduce": {"count": 2, "bytes": 8 + grad_bytes}}
+    link = {"latency_s": 1e-4, "bandwidth": 1e8}
+    step, _ = compose_step(resolved, ranks, **link)
+    deferred, meet = step["deferred"], 1e-4 + grad_bytes / 1e8
+    assert deferred["tied_meetings"] == [{"ranks": [0, 1], "seconds": pytest.approx(meet)}]
+    assert deferred["update_collectives_s"] == {"0": pytest.approx(0.0, abs=1e-12), "1": pytest.approx(0.0, abs=1e-12)}
+    assert deferred["step_s"] - deferred["step_without_meetings_s"] == pytest.approx(meet, rel=1e-9)
+    table = format_rehearsal({"layout": "pp=2", "world_size": 2, "device": "cpu", "schedule": "1f1b",
+                              "microbatches": 4, "ranks": [], "times_are": "measured", "memory": ["fits"],
+                              "assumption": "-", "step": {**step, "mfu": None, "mfu_unknown": "cpu"}})
+    assert f"pipeline ranks 0/1 meet to sum a tied weight's gradient: {meet * 1e3:.2f} ms" in table
+
+
 def test_pipeline_messages_are_messages_where_the_pipeline_group_is_the_world(tmp_path):
     """At pp = world size the rehearsal names the pipeline group "world": its sends are still the
     pipeline's messages (their size costs each message), not collectives after the pipeline or

@@ -29,7 +29,8 @@ from runner.errors import ConfigError
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
-           "check_init", "check_keyword_inputs", "stage_skeleton", "fill", "materialize", "tied_groups"]
+           "check_init", "check_keyword_inputs", "stage_skeleton", "fill", "materialize", "tied_groups",
+           "tied_stages"]
 
 log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
 
@@ -111,6 +112,18 @@ def build_meta_model(model_cfg: DictConfig, stage_modules: Sequence[Sequence[str
         raise ConfigError(f"model._target_={model_cfg.get('_target_')!r} returned {type(model).__name__}, "
                           "not an nn.Module. Fix: return the model (see docs/models.md, 'Bring your own model').")
     return MetaModel(model, spec_for(model, stage_modules), tied_groups(model))
+
+
+def tied_stages(meta: MetaModel, stages: Sequence[Sequence[str]]) -> list[tuple[list[int], int]]:
+    """Each tied weight of the meta model under this split: the stages holding a copy (by the units
+    whose modules own one of its names) and its elements."""
+    stage_of = {u: i for i, units in enumerate(stages) for u in units}
+    out = []
+    for names in meta.tied:
+        owners = sorted({stage_of[u] for n in names for u in meta.unit_names if u in stage_of
+                         and any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
+        out.append((owners, meta.module.get_parameter(names[0]).numel()))
+    return out
 
 
 def _balanced_bounds(costs: Sequence[float], num_stages: int) -> list[int]:

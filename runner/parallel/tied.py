@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from runner.models.split import tied_stages
 from runner.parallel.mesh import Mesh
 from runner.ranks.watchdog import waiting
 
@@ -42,10 +43,7 @@ def log_tied_placement(meta, stages, stage_to_rank: dict[int, int], per_stage: b
     """Say, before any rank starts, how each tied weight of the meta model will be trained under
     this layout: one parameter, or a copy per stage with summed gradients (``per_stage``: dp wraps
     each stage on its own)."""
-    stage_of = {u: i for i, units in enumerate(stages) for u in units}
-    for names in meta.tied:
-        owners = sorted({stage_of[u] for n in names for u in meta.unit_names
-                         if any(n.startswith(f"{m}.") for m in meta.spec.unit(u).modules)})
+    for names, (owners, _) in zip(meta.tied, tied_stages(meta, stages)):
         ranks = sorted({stage_to_rank[s] for s in owners})
         if len(owners) > 1:
             log.info("Tied weight %s spans stages %s on ranks %s: %s", " = ".join(names), owners, ranks,

@@ -20,7 +20,7 @@ from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
            "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step",
-           "deferred_step"]
+           "deferred_step", "deferred_timeline"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -228,25 +228,41 @@ def steady_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str
     return step, {rank: 1.0 - w / step for rank, w in sorted(work.items())}
 
 
-def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[int, float], reduce_s: float):
+def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[int, float], reduce_s: float,
+                   meetings: Sequence[tuple[Sequence[int], float]] = ()):
     """``train.optimizer_sync=deferred``'s step boundary (``runner.train.Trainer.step``): rank r's
-    step k+1 begins after its own step k's forward and backward end (``e(r, k)``: its last action),
-    then the wait for step k-1's loss and norm all-reduce (``R(k-1)``, done ``reduce_s`` after the
-    last rank started it), then step k's update (``update_s[r]``: the norm's squares that start
-    step k's all-reduce, the snapshot, AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) =
-    max_r s(r, k) + reduce_s`` and step k+1 starts at ``s(r, k) + update_s[r]``."""
+    step k+1 begins after its own step k's forward and backward end (``e(r, k)``: its last action,
+    then the tied weights' gradient sums it takes part in: ``meetings``, each the pipeline ranks
+    holding a copy and the seconds of their all-reduce, in the order ``TiedWeights.sync_grads`` runs
+    them; a sum starts when the last of its ranks arrives), then the wait for step k-1's loss and
+    norm all-reduce (``R(k-1)``, done ``reduce_s`` after the last rank started it), then step k's
+    update (``update_s[r]``: the norm's squares that start step k's all-reduce, the snapshot,
+    AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) = max_r s(r, k) + reduce_s`` and step k+1
+    starts at ``s(r, k) + update_s[r]``."""
     size = {rank: len(ops) for rank, ops in order.items()}
     last = {rank: (ops[-1].stage, ops[-1].kind, ops[-1].microbatch) for rank, ops in order.items() if ops}
+    left: dict[int, dict[int, float]] = {}  # step -> e(r, k) of every rank
     started: dict[tuple[int, int], float] = {}  # (rank, step) -> s(r, k)
     reduced: dict[int, float] = {-1: -math.inf}  # step -> R(k)
 
+    def leave(k: int, end: Mapping[tuple, float]) -> dict[int, float] | None:
+        if k not in left:
+            own = {rank: end.get((s, kind, k * m + mb)) for rank, (s, kind, mb) in last.items()}
+            if any(t is None for t in own.values()):
+                return None
+            times = {rank: t for rank, t in own.items() if t is not None}
+            for ranks, seconds in meetings:  # the tied gradients' sums, one after the other
+                met = max(times[r] for r in ranks) + seconds
+                times.update({r: met for r in ranks})
+            left[k] = times
+        return left[k]
+
     def start(rank: int, k: int, end: Mapping[tuple, float]) -> float | None:
         if (rank, k) not in started:
-            s, kind, mb = last[rank]
-            own, before = end.get((s, kind, k * m + mb)), reduce_done(k - 1, end)
+            own, before = leave(k, end), reduce_done(k - 1, end)
             if own is None or before is None:
                 return None
-            started[rank, k] = max(own, before)
+            started[rank, k] = max(own[rank], before)
         return started[rank, k]
 
     def reduce_done(k: int, end: Mapping[tuple, float]) -> float | None:
@@ -269,24 +285,47 @@ def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[
 
 def deferred_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float],
                   *, num_stages: int, comm_s: float = 0.0, update_s: Mapping[int, float] | None = None,
-                  reduce_s: float = 0.0, jitter: float = 0.0, samples: int = 16, steps: int = 8) -> float:
+                  reduce_s: float = 0.0, meetings: Sequence[tuple[Sequence[int], float]] = (), jitter: float = 0.0,
+                  samples: int = 16, steps: int = 8) -> float:
     """The steady step of ``train.optimizer_sync=deferred`` (no barrier between steps): ``steps``
-    copies of ``order`` replayed back to back (``repeat_steps``) with each rank's update and the
+    copies of ``order`` replayed back to back (``repeat_steps``) with each rank's update, the tied
+    weights' gradient sums (``meetings``: the ranks holding a copy meet after every backward) and the
     deferred validation's wait between its steps (``_deferred_gate``; messages at the step boundary
     cost ``comm_s`` as any), measured as ``bubble.steady`` measures a run: the time between the
     pipeline's ends (the last action of a step on any rank) of step ``steps // 2`` and the last,
     per step (the first steps settle). With ``jitter``, the mean over ``samples`` draws: every
     step then waits for its slowest rank's draw, as a run does."""
     m = 1 + max(op.microbatch for ops in order.values() for op in ops)
-    repeated = repeat_steps(order, steps)
     first = steps // 2
     periods = []
     for seed in range(samples if jitter else 1):
-        end, _ = _replay(repeated, _cost_of(costs, jitter, seed), num_stages, comm_s,
-                         _deferred_gate(order, m, update_s or {}, reduce_s))
+        end, _ = _deferred_replay(order, _cost_of(costs, jitter, seed), num_stages=num_stages, comm_s=comm_s,
+                                  update_s=update_s, reduce_s=reduce_s, meetings=meetings, steps=steps)
         ends = {k: max(t for op, t in end.items() if op[2] // m == k) for k in (first - 1, steps - 1)}
         periods.append((ends[steps - 1] - ends[first - 1]) / (steps - first))
     return statistics.fmean(periods)
+
+
+def _deferred_replay(order: Mapping[int, Sequence[Op]], cost, *, num_stages: int, comm_s: float,
+                     update_s: Mapping[int, float] | None, reduce_s: float,
+                     meetings: Sequence[tuple[Sequence[int], float]], steps: int
+                     ) -> tuple[dict[tuple, float], dict[Op, tuple[int, float]]]:
+    m = 1 + max(op.microbatch for ops in order.values() for op in ops)
+    meetings = [(tuple(ranks), seconds) for ranks, seconds in meetings if len(set(ranks)) > 1]  # one rank: none
+    return _replay(repeat_steps(order, steps), cost, num_stages, comm_s,
+                   _deferred_gate(order, m, update_s or {}, reduce_s, meetings))
+
+
+def deferred_timeline(order: Mapping[int, Sequence[Op]],
+                      costs: Mapping[tuple[int, str], float] | Mapping[str, float], *, num_stages: int,
+                      comm_s: float = 0.0, update_s: Mapping[int, float] | None = None, reduce_s: float = 0.0,
+                      meetings: Sequence[tuple[Sequence[int], float]] = (), steps: int = 8) -> list[SimAction]:
+    """``deferred_step``'s replay with mean times as a timeline: ``steps`` steps back to back, step
+    k's microbatch i numbered ``k * m + i`` (``repeat_steps``), sorted by rank and start."""
+    end, placed = _deferred_replay(order, _cost_of(costs, 0.0, 0), num_stages=num_stages, comm_s=comm_s,
+                                   update_s=update_s, reduce_s=reduce_s, meetings=meetings, steps=steps)
+    return sorted((SimAction(rank, op, begin, end[op]) for op, (rank, begin) in placed.items()),
+                  key=lambda a: (a.rank, a.start))
 
 
 def rank_span(actions: Sequence[SimAction]) -> float:

@@ -38,9 +38,9 @@ from runner.launch import launch  # runs the probes
 from runner.outputs.timeline import simulated_slices, write_chrome_trace
 from runner.plan.from_costs import plan_from_costs
 from runner.plan.given import is_costs_file, read_costs
-from runner.plan.planner import Candidate, check_barrier_free, check_schedules, plan
+from runner.plan.planner import Candidate, check_barrier_free, check_schedules, committed_steps, plan
 from runner.plan.rehearsed import rehearse_by_cli
-from runner.plan.report import fit_line, label, rehearsal_report, search_report, table, within_error
+from runner.plan.report import commit_line, fit_line, label, rehearsal_report, search_report, table, within_error
 from runner.plan.target_report import run_target
 from runner.ranks.console import quiet_libraries
 from runner.validate import check_config
@@ -118,12 +118,13 @@ def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
         print(fit_line(model))
     if not cfg.plan.barrier:
         print("steps without the barrier (plan.barrier=false): train.optimizer_sync=deferred's steady step, each "
-              "rank's update between its own steps and the loss/norm all-reduce waited for a step later, action "
-              "times varying as calibrated (docs/planner.md)")
+              "rank's update between its own steps, a tied weight's gradient sum where its ranks meet, and the "
+              "loss/norm all-reduce waited for a step later, action times varying as calibrated (docs/planner.md)")
     print(table(candidates))
     for line in search_report(candidates):
         print(line)
     best = next((c for c in candidates if c.recommended), None)
+    _print_commits(cfg, best)
     if best is None:
         least = min((c for c in candidates if c.valid), key=lambda c: max(c.peak_activation_bytes))
         raise RunnerError(f"no valid candidate keeps its in-flight activations within plan.memory_limit="
@@ -150,6 +151,15 @@ def _plan_here(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
     return command
 
 
+def _print_commits(cfg: DictConfig, best: Candidate | None) -> None:
+    """``plan.barrier=false``: what the recommended candidate's steps validated at their own end cost."""
+    if best is not None and best.predicted_step_time_s is not None:
+        line = commit_line(label(best), best.predicted_step_time_s, best.commit_step_s, best.amortized_step_s,
+                           *committed_steps(cfg))
+        if line:
+            print(line)
+
+
 def main_from_costs(cfg: DictConfig, out: Path) -> str:
     """``python -m runner.plan plan.costs=<file>``: read and check the file (``ConfigError``:
     exit 2), plan it, print the table and the search, write ``plan.json``, the synthesized CSV
@@ -158,14 +168,17 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
                                             tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier)
+    for c in candidates:  # plan.barrier=false: the steps validated at their own end, over the run's
+        c.amortize(*committed_steps(cfg))
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
           f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone"
-          f"{'' if cfg.plan.barrier else ', overlapping: the longest rank span, plan.barrier=false'})")
+          f"{'' if cfg.plan.barrier else ', overlapping: the steady step of steps back to back, plan.barrier=false'})")
     print(table(candidates))
     for line in search_report(candidates):
         print(line)
     best = next((c for c in candidates if c.recommended), None)
+    _print_commits(cfg, best)
     if best is None:
         raise RunnerError(f"no candidate keeps its activations within memory_limit={given.memory_limit} of "
                           f"{given.path} (table above; plan.json in {out}). Fix: a larger memory_limit, or more "

@@ -2,7 +2,11 @@
 schedules of one stage per rank and a synthesized order, simulated with the file's costs (one
 stage per rank, messages between neighbouring ranks, memory per action) without a model, a
 calibration or ranks. A candidate's step is its simulated pipeline: the file has no optimizer or
-all-reduce costs."""
+all-reduce costs (and no weights: a tied weight's gradient sum is not modelled). Without the barrier
+(``plan.barrier=false``) it is the steady step of steps back to back (``deferred_step``), for the
+built-in orders and the searched one alike (the search minimises the longest rank's span, then
+re-scores its finalists by that steady step: ``runner.plan.synthesize.rescore``); a step that must
+be validated at its own end (``commit_step_s``) takes the pipeline's makespan."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pathlib import Path
 from runner.outputs.timeline import write_schedule_csv
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import SCHEDULES, is_single_stage, read_csv_schedule, schedule_order
-from runner.pipeline.simulate import peak_in_flight, rank_span, simulate
+from runner.pipeline.simulate import deferred_step, peak_in_flight, simulate
 from runner.plan.given import GivenCosts, memory_limit
 from runner.plan.planner import DEFERRED, Candidate, _mark_ties
 from runner.plan.problem import Problem, lower_bound
@@ -45,8 +49,11 @@ def builtin_orders(pp: int, microbatches: int) -> dict[str, dict[int, list[Op]]]
 def _candidate(name: str, order: dict[int, list[Op]], problem: Problem, overrides: list[str],
                with_bytes: bool) -> tuple[Candidate, list]:
     timeline = simulate(order, problem.costs, num_stages=problem.num_stages, comm_s=problem.comm_s)
-    # Without the barrier a step is the longest rank's span (the paper's measure), not the makespan.
-    pipeline = max(a.end for a in timeline) if problem.barrier else rank_span(timeline)
+    makespan = max(a.end for a in timeline)
+    # Without the barrier a step is the steady step of steps back to back (train.optimizer_sync=
+    # deferred's, without updates: the file has none), as every plan without the barrier scores it.
+    pipeline = makespan if problem.barrier else deferred_step(order, problem.costs, num_stages=problem.num_stages,
+                                                              comm_s=problem.comm_s)
     busy = sum(a.end - a.start for a in timeline)
     nbytes = peak_in_flight(order, problem.stage_bytes, problem.weight_grad_fraction)
     in_mb = peak_in_flight(order, None, problem.weight_grad_fraction)
@@ -57,7 +64,8 @@ def _candidate(name: str, order: dict[int, list[Op]], problem: Problem, override
                   # Without activation_bytes there are no bytes to give (0; the table prints "-").
                   peak_activation_bytes=[round(nbytes[r]) if with_bytes else 0 for r in sorted(nbytes)],
                   peak_activation_mb=[round(in_mb[r], 3) for r in sorted(in_mb)],
-                  stage_costs_s={f"{s}{k}": v for (s, k), v in sorted(problem.costs.items())})
+                  stage_costs_s={f"{s}{k}": v for (s, k), v in sorted(problem.costs.items())},
+                  commit_step_s=None if problem.barrier else makespan)
     c.fits_memory = problem.memory_limit is None or max(nbytes.values()) <= problem.memory_limit * (1 + 1e-9)
     return c, timeline
 
@@ -67,7 +75,8 @@ def plan_from_costs(given: GivenCosts, out: Path, *, budget: int, seed: int, tie
     """Every candidate, fastest within the limit first (ties and the recommended one marked),
     and each one's timeline by ``id(candidate)``. The synthesized order is written as
     ``synthesized_pp<p>_m<m>_loop1.csv`` into ``out``, checked as a run checks a user's CSV.
-    ``barrier`` false (``plan.barrier``): every step, searched or built-in, is the longest rank's span."""
+    ``barrier`` false (``plan.barrier``): every step, searched or built-in, is the steady step of
+    overlapping steps (``deferred_step``)."""
     problem = given_problem(given, barrier=barrier)
     pp, m = given.pp, given.microbatches
     results, timelines = [], {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import subprocess
 from dataclasses import dataclass, field, replace
@@ -50,7 +51,17 @@ from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.given import check_fraction, is_costs_file, memory_limit
 from runner.plan.memory import annotate_memory, rank_params
-from runner.plan.probe import Fit, Launch, fitted_model, layout_costs, rank_updates, read_run, rest_s, sent_bytes
+from runner.plan.probe import (
+    Fit,
+    Launch,
+    fitted_model,
+    layout_costs,
+    rank_updates,
+    read_run,
+    rest_s,
+    sent_bytes,
+    tied_meetings,
+)
 from runner.plan.rehearsed import Rehearse, cost_from_rehearsal, link_overrides, needs_rehearsal, rehearsal_key
 from runner.plan.synthesize import Problem, lower_bound, synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction
@@ -59,7 +70,7 @@ from runner.ranks.host import usable_cpus
 from runner.validate import validate
 
 __all__ = ["Candidate", "PlanResult", "DEFERRED", "check_barrier_free", "check_plan_keys", "check_schedules",
-           "plan", "tried_schedules"]
+           "committed_steps", "plan", "tried_schedules"]
 
 log = logging.getLogger(__name__)
 
@@ -106,22 +117,39 @@ class Candidate:
     degrees: dict[str, int] | None = None  # pp, dp, tp where not the run's own (plan.search_degrees)
     costed_by: str = "model"  # or "rehearsal" (plan.rehearse: runner.plan.rehearsed)
     rehearsal: dict | None = None  # plan.rehearse: the rehearsal's directory and step, or why it failed
+    # plan.barrier=false: a step validated at its own end (evaluated, saved, compared by verify, the
+    # run's last), which the next cannot overlap: the pipeline, the tied sums, the slowest update, the all-reduce
+    commit_step_s: float | None = None
+    # plan.barrier=false: the step averaged over the run's steps, its committed ones at commit_step_s
+    amortized_step_s: float | None = None
 
     def score_deferred(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
                        num_stages: int, pp: int, comm_s: float, updates: Mapping[int, float],
-                       calibration: Calibration, busy_s: float) -> None:
+                       calibration: Calibration, busy_s: float,
+                       meetings: Sequence[tuple[tuple[int, ...], float]] = ()) -> None:
         """``plan.barrier=false``: the step is ``train.optimizer_sync=deferred``'s steady step
-        (``deferred_step``: steps back to back, each rank's update between its own steps, the
-        loss/norm all-reduce one message waited for a step later), its mean with action times
-        varying as calibrated; the pipeline is that steady step without updates or all-reduce and
+        (``deferred_step``: steps back to back, each rank's update between its own steps, the tied
+        weights' gradient sums where the ranks holding a copy meet (``meetings``: ``tied_meetings``),
+        the loss/norm all-reduce one message waited for a step later), its mean with action times
+        varying as calibrated; the pipeline is that steady step without updates, sums or all-reduce and
         mean times (what ``vs bound`` holds against the busiest rank's compute), the rest is what
         they add. The model's costs and the rehearsed ones (``runner.plan.rehearsed``) alike."""
         self.predicted_step_time_s = deferred_step(order, costs, num_stages=num_stages, comm_s=comm_s,
                                                    update_s=updates, reduce_s=calibration.latency_s,
-                                                   jitter=calibration.action_jitter)
+                                                   meetings=meetings, jitter=calibration.action_jitter)
         self.pipeline_s = deferred_step(order, costs, num_stages=num_stages, comm_s=comm_s)
         self.after_pipeline_s = self.predicted_step_time_s - self.pipeline_s
         self.bubble = 1 - busy_s / (pp * self.pipeline_s)
+        self.commit_step_s = (expected_makespan(order, costs, num_stages=num_stages, comm_s=comm_s,
+                                                jitter=calibration.action_jitter)
+                              + max((s for _, s in meetings), default=0.0) + max(updates.values(), default=0.0)
+                              + calibration.latency_s)
+
+    def amortize(self, committed: int, steps: int) -> None:
+        """``amortized_step_s``: ``committed`` of ``steps`` steps at ``commit_step_s`` (``committed_steps``)."""
+        if self.commit_step_s is not None and self.predicted_step_time_s is not None and steps:
+            steady = self.predicted_step_time_s
+            self.amortized_step_s = steady + committed / steps * (self.commit_step_s - steady)
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -246,7 +274,8 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=model.scaled_updates(rank_updates(rank_stages, layout.stages, child,
                                                                            calibration)),
-                                 calibration=calibration, busy_s=sum(busy.values()))
+                                 calibration=calibration, busy_s=sum(busy.values()),
+                                 meetings=tied_meetings(layout.tied, calibration))
     problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
                       barrier=plan_cfg.barrier)
     candidate.lower_bound_s = lower_bound(problem)
@@ -317,8 +346,10 @@ def plan(cfg: DictConfig, out: Path | None = None, launch: Launch | None = None,
     if state.cfg.plan.synthesize and state.calibration is not None and state.model is not None and out is not None:
         _plan_synthesized(state)
     if not cfg.plan.barrier:  # what was scored: runs of these commands overlap their steps
+        committed, steps = committed_steps(cfg)
         for c in state.results:
             c.overrides.append(DEFERRED)
+            c.amortize(committed, steps)
     ranked = sorted(state.results, key=lambda c: (not c.valid, not c.fits_memory, c.predicted_step_time_s or 0.0))
     _mark_ties(ranked, state.cfg.plan.tie_tolerance)
     annotate_memory(ranked, state.cfg)
@@ -530,6 +561,20 @@ def check_plan_keys(cfg: DictConfig) -> None:
                           "plan.microbatches=[<divisors of it>].")
     if cfg.plan.costs and not is_costs_file(cfg.plan.costs):
         read_run(cfg.plan.costs)
+
+
+def committed_steps(cfg: DictConfig) -> tuple[int, int]:
+    """Of the run's ``train.steps``, how many ``train.optimizer_sync=deferred`` validates at their
+    own end (``runner.train.Trainer._commits``): the last, those evaluated (``eval.every``), saved
+    (``checkpoint.every``) or compared by ``verify`` (the first ``verify_steps`` + 1); and the steps."""
+    steps, evaluated, saved = cfg.train.steps, cfg.eval.every, cfg.checkpoint.every
+
+    def every(n: int) -> int:  # of steps 1..n, those evaluated or saved
+        both = math.lcm(evaluated, saved) if evaluated and saved else 0
+        return sum(n // k for k in (evaluated, saved) if k) - (n // both if both else 0)
+
+    head = min(cfg.verify_steps + 1 if resolve_verify(cfg) else 0, steps)  # verify's, from step 1
+    return head + max(0, every(steps - 1) - every(head)) + (steps > head), steps
 
 
 def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:

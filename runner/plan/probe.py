@@ -30,16 +30,19 @@ from typing import Callable, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.layout import TiedSpan
+from runner.models.split import build_meta_model
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
 from runner.pipeline.simulate import deferred_step, expected_makespan, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost, stage_costs
-from runner.validate import validate
+from runner.plan.tp_cost import collective_s
+from runner.validate import tied_spans, validate
 
 __all__ = ["PROBED", "Fit", "Measured", "Observation", "deferred_steps", "fit", "fitted_model", "layout_costs",
            "predicted_pipelines", "probe_config", "probe_layouts", "probe_steps", "rank_updates", "read_run", "rest_s",
-           "run_probe", "sent_bytes"]
+           "run_probe", "sent_bytes", "tied_meetings"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class Observation:
     sent_bytes: int  # the largest message between its stages
     rest_s: float  # the predicted rest of its step, unscaled
     updates_s: dict[int, float] = field(default_factory=dict)  # deferred: each rank's update, unscaled
+    meetings: list[tuple[tuple[int, ...], float]] = field(default_factory=list)  # deferred: ``tied_meetings``
 
 
 def read_run(path: str | Path, label: str | None = None) -> Measured:
@@ -247,7 +251,7 @@ def deferred_steps(o: Observation, model: Fit, calibration: Calibration) -> floa
     comm = calibration.message_s(o.sent_bytes, min(v for (_, k), v in costs.items() if k == "F"))
     return deferred_step(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm,
                          update_s=model.scaled_updates(o.updates_s), reduce_s=calibration.latency_s,
-                         jitter=calibration.action_jitter)
+                         meetings=o.meetings, jitter=calibration.action_jitter)
 
 
 def _deferred_rest_scale(observations: Sequence[Observation], model: Fit, calibration: Calibration) -> float:
@@ -293,6 +297,13 @@ def rest_s(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[s
                                        for on in rank_stages.values())
 
 
+def tied_meetings(tied: Sequence[TiedSpan], calibration: Calibration) -> list[tuple[tuple[int, ...], float]]:
+    """The tied weights' gradient sums (``Layout.tied``) as ``deferred_step``'s meetings: each an
+    all-reduce of its gradient between the pipeline ranks holding a copy, priced as the calibration
+    prices tp's (``tp_cost.collective_s``)."""
+    return [(span.ranks, collective_s(calibration, span.grad_bytes, len(span.ranks))) for span in tied]
+
+
 def rank_updates(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[str]],
                  child: Mapping[str, ChildCost], calibration: Calibration) -> dict[int, float]:
     """Under ``train.optimizer_sync=deferred``, unfitted: what each rank does between its own steps
@@ -319,6 +330,7 @@ def fitted_model(cfg: DictConfig, calibration: Calibration, child_at: Callable[[
         log.warning("no probe layout is valid for this run: predicting from the calibration alone")
         return unfitted
     observations = []
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules"))  # its tied weights
     for run in runs:
         child = child_at(run.microbatches)
         unknown = sorted({n for names in run.stages for n in names} - set(child))
@@ -326,9 +338,11 @@ def fitted_model(cfg: DictConfig, calibration: Calibration, child_at: Callable[[
             raise ConfigError(f"plan.costs={cfg.plan.costs!r} ran units {unknown} that this model does not have. "
                               "Fix: plan with the run's model overrides, or leave plan.costs null to probe.")
         rank_stages = {r: sorted({op.stage for op in ops}) for r, ops in run.order.items()}
+        placed = {s: r for r, on in rank_stages.items() for s in on}
         observations.append(Observation(run, stage_costs(run.stages, child), sent_bytes(run.stages, child),
                                         rest_s(rank_stages, run.stages, child, calibration),
-                                        rank_updates(rank_stages, run.stages, child, calibration)))
+                                        rank_updates(rank_stages, run.stages, child, calibration),
+                                        tied_meetings(tied_spans(meta, run.stages, placed, cfg.parallel), calibration)))
     return fit(observations, calibration)
 
 

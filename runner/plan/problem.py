@@ -31,8 +31,9 @@ class Problem:
     memory_limit: float | None = None
     weight_grad_fraction: float = 1.0
     # True: a step ends when every rank is done (today's runs), scored by the makespan. False: steps
-    # overlap (the Zero Bubble paper's post-validation), scored by the longest rank's span within
-    # a step (``rank_span``, the paper's measure), whose floor is the busiest rank's compute.
+    # overlap (the Zero Bubble paper's post-validation): the search scores the longest rank's span
+    # within a step (``rank_span``, the paper's measure), whose floor is the busiest rank's compute,
+    # and re-scores its finalists by the steady step (``deferred_step``: ``synthesize.rescore``).
     barrier: bool = True
 
     @property

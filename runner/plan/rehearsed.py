@@ -16,8 +16,10 @@ With ``plan.barrier=false`` each rehearsal runs ``train.optimizer_sync=deferred`
 commands do), and a candidate is scored by that mode's steady step instead
 (``runner.pipeline.simulate.deferred_step``): the same action costs in its order, each pipeline
 rank's update as its rehearsed rank measured it on the deferred path (times the slowdown) with its
-tp/dp collectives as the rehearsal put them on the planner's link, and the loss/norm all-reduce
-(one message) waited for a step later, as ``runner.plan.planner`` scores the model's candidates.
+tp/dp collectives as the rehearsal put them on the planner's link, the tied weights' gradient sums
+where the ranks holding a copy meet (``Layout.tied``, priced by the calibration), and the loss/norm
+all-reduce (one message) waited for a step later, as ``runner.plan.planner`` scores the model's
+candidates.
 
 Rehearsals are shared by candidates of the same degrees, microbatches, stages per rank and split
 whose schedules use the same action kinds (F/B, or F/I/W): the per-action costs depend on the
@@ -38,6 +40,7 @@ from runner.layout import Layout
 from runner.pipeline.ops import Op
 from runner.pipeline.simulate import expected_makespan, simulate
 from runner.plan.calibrate import Calibration
+from runner.plan.probe import tied_meetings
 from runner.plan.problem import Problem, lower_bound
 
 __all__ = ["Rehearse", "needs_rehearsal", "rehearsal_key", "link_overrides", "rehearse_by_cli",
@@ -126,7 +129,7 @@ def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op
     else:  # as a modelled candidate (Candidate.score_deferred), with the rehearsed updates
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=_deferred_updates(step, calibration.corunning_slowdown),
-                                 calibration=calibration, busy_s=busy)
+                                 calibration=calibration, busy_s=busy, meetings=tied_meetings(layout.tied, calibration))
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s,
                                                   dict(saved_bytes), barrier=barrier))

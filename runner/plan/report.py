@@ -10,7 +10,7 @@ from runner.plan.planner import Candidate
 from runner.plan.probe import Fit
 
 __all__ = ["label", "table", "candidate_table", "mark", "search_report", "rehearsal_report", "fit_line",
-           "MEASURED_ERRORS", "MEASURED_ERROR", "within_error"]
+           "commit_line", "MEASURED_ERRORS", "MEASURED_ERROR", "within_error"]
 
 # The planner's error on single plans (over every round and configuration of all model sizes), per
 # subset: the configurations it did not probe, those it probed (fitted its cost model to a run of)
@@ -50,6 +50,20 @@ def fit_line(model: Fit) -> str:
             f"x{model.forward_scale:.2f} and backwards x{model.backward_scale:.2f} their timings here, "
             f"{model.gap_s * 1e6:+.0f} us per action, {'updates' if steady else 'rest of step'} "
             f"x{model.rest_scale:.2f}; their {steps} predicted {min(off):+.1%} to {max(off):+.1%}")
+
+
+def commit_line(name: str, steady_s: float, commit_s: float | None, amortized_s: float | None, committed: int,
+                steps: int) -> str | None:
+    """``plan.barrier=false``: the steps ``train.optimizer_sync=deferred`` validates at their own end
+    (``runner.plan.planner.committed_steps``), what one costs (it does not overlap the next) and the
+    step averaged over the run; None where there is no such figure (with the barrier)."""
+    if commit_s is None or amortized_s is None:
+        return None
+    return (f"commit steps: the last step and those evaluated, saved or compared by verify ({committed} of "
+            f"train.steps={steps}) are validated at their own end and do not overlap the next: {name} takes "
+            f"{commit_s * 1e3:.2f} ms there against {steady_s * 1e3:.2f} ms steady, {amortized_s * 1e3:.2f} ms per "
+            f"step over the run (plan.json: commit_step_s, amortized_step_s; the evaluations and saves themselves "
+            f"not counted, nor a step whose norm needed clipping, which reruns the next step's forward and backward)")
 
 
 def table(candidates: list[Candidate]) -> str:

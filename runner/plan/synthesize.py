@@ -9,9 +9,11 @@ forwards while memory allows, a backward as soon as its gradient arrives, the we
 best order by local moves: a W moved, two neighbouring actions swapped, an I and its W merged
 into one B (cheaper: one autograd pass) or a B split into both (its W can then wait). Every
 order is scored by the jitter-free simulation (``runner.pipeline.simulate``): its makespan, or
-without the barrier (``Problem.barrier``) the longest rank's span; the search is bounded by
-the number of orders it evaluates, so its result depends on the costs and the seed only, never
-on how busy the machine is.
+without the barrier (``Problem.barrier``) the longest rank's span, a cheap stand-in for the steady
+step of overlapping steps; there the ``FINALISTS`` orders of the shortest spans are then scored by
+that steady step itself (``deferred_step``, the measure every plan without the barrier reports) and
+the best of those is the result. The search is bounded by the number of orders it evaluates, so its
+result depends on the costs and the seed only, never on how busy the machine is.
 
 Orders keep each stage's forwards, its backwards (B or I) and its Ws in microbatch order, as
 every built-in schedule does (the runtime's sends and receives pair up in that order).
@@ -19,18 +21,23 @@ every built-in schedule does (the runtime's sends and receives pair up in that o
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import AbstractSet, Callable, Mapping, Sequence
 
 from runner.pipeline.ops import Op
-from runner.pipeline.simulate import peak_in_flight, simulated_step
+from runner.pipeline.simulate import deferred_step, peak_in_flight, simulated_step
 from runner.plan.list_schedule import Policy, list_schedule, policies
 from runner.plan.problem import Order, Problem, lower_bound
 from runner.plan.rounds import round_schedule, round_variants
 
-__all__ = ["Problem", "Policy", "Synthesis", "lower_bound", "list_schedule", "synthesize"]
+__all__ = ["Problem", "Policy", "Synthesis", "FINALISTS", "lower_bound", "list_schedule", "rescore", "synthesize"]
+
+# Without the barrier: how many orders of the shortest spans, and of the last bests, are scored by the
+# steady step at the end (each a replay of 8 steps: at most 8 of them cost what 64 of the search's orders do).
+FINALISTS = 4
 
 
 def _position(ops: Sequence[Op], op: Op) -> int:
@@ -94,13 +101,16 @@ def _neighbour(order: Order, rng: random.Random, moves: Sequence[str]) -> Order 
 @dataclass
 class Synthesis:
     order: Order
-    makespan_s: float  # jitter-free simulated pipeline (without the barrier: the longest rank's span)
+    # jitter-free simulated pipeline; without the barrier the steady step of overlapping steps
+    # (``deferred_step`` without updates), as every plan without the barrier scores its candidates
+    makespan_s: float
     lower_bound_s: float
     origin: str  # the seed or heuristic the best order grew from
     evaluated: int  # orders simulated
     rejected: int  # of those: could not run, over the budget, or refused by ``check``
     improved_by_moves: int  # accepted local moves that made the best better
     seconds: float
+    span_s: float | None = None  # without the barrier: the longest rank's span, what the search itself minimised
 
 
 def _score(p: Problem, order: Order) -> tuple[float, float] | None:
@@ -117,22 +127,79 @@ def _score(p: Problem, order: Order) -> tuple[float, float] | None:
     return step, peak
 
 
+def _key(order: Order) -> tuple:
+    return tuple((rank, tuple(ops)) for rank, ops in sorted(order.items()))
+
+
+class _Finalists:
+    """The ``FINALISTS`` distinct orders of the shortest spans seen (without the barrier), and the
+    last ``FINALISTS`` that were the search's best when found (``check`` accepted those already:
+    where the runtime refuses shorter spans, they still leave an accepted order to re-score)."""
+
+    def __init__(self, size: int = FINALISTS):
+        self.size = size
+        self.heap: list[tuple[float, int, tuple, Order, str]] = []  # (-span, n, key, order, origin): the longest first
+        self.keys: set[tuple] = set()
+        self.bests: list[tuple[float, Order, str]] = []
+
+    def best(self, span: float, order: Order, origin: str) -> None:
+        self.bests = [*self.bests[1 - self.size:], (span, order, origin)]
+
+    def offer(self, span: float, order: Order, origin: str) -> None:
+        key = _key(order)
+        if key in self.keys or (len(self.heap) >= self.size and span >= -self.heap[0][0]):
+            return
+        heapq.heappush(self.heap, (-span, len(self.keys), key, order, origin))
+        self.keys.add(key)
+        if len(self.heap) > self.size:
+            self.keys.discard(heapq.heappop(self.heap)[2])
+
+    def entries(self) -> list[tuple[float, Order, str]]:
+        shortest = [(-span, order, origin) for span, _, _, order, origin in sorted(self.heap, reverse=True)]
+        return shortest + [b for b in self.bests if _key(b[1]) not in self.keys]
+
+    def accepted(self) -> set[tuple]:
+        return {_key(order) for _, order, _ in self.bests}
+
+
+def rescore(p: Problem, finalists: Sequence[tuple[float, Order, str]], check: Callable[[Order], None] | None = None,
+            accepted: AbstractSet[tuple] = frozenset()) -> tuple[float, float, Order, str] | None:
+    """Of ``finalists`` ((span, order, origin)), the one whose steady step without the barrier
+    (``deferred_step`` without updates: what plans without the barrier report) is shortest, the span
+    breaking ties, that ``check`` accepts (``accepted``: the keys of orders it accepted already):
+    (steady step, span, order, origin); None where it accepts none."""
+    scored = sorted((deferred_step(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s), span, n)
+                    for n, (span, order, _) in enumerate(finalists))
+    for steady, span, n in scored:
+        order, origin = finalists[n][1], finalists[n][2]
+        try:
+            if check is not None and _key(order) not in accepted:
+                check(order)
+        except Exception:  # noqa: BLE001  (the runtime refuses it: not a candidate)
+            continue
+        return steady, span, order, origin
+    return None
+
+
 def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, seed: int | str = 0,
                check: Callable[[Order], None] | None = None) -> Synthesis | None:
     """The fastest order found among ``budget`` evaluated ones (seeds, without the barrier round
-    schedules, then list schedules up to about half the budget, then local moves from the best).
-    ``check`` raises on an order the runtime would refuse (the planner passes torch's dry run of
-    the CSV); a new best must pass it. None when no order fits the budget."""
+    schedules, then list schedules up to about half the budget, then local moves from the best;
+    without the barrier its finalists re-scored: ``rescore``). ``check`` raises on an order the
+    runtime would refuse (torch's dry run of the CSV); a new best must pass it. None: none fits."""
     started = time.perf_counter()
     rng = random.Random(seed)
     stats = {"evaluated": 0, "rejected": 0, "moves": 0}
     best: list = []  # [score, order, origin]
+    finalists = _Finalists()
 
     def consider(order: Order | None, origin: str) -> tuple[float, float] | None:
         stats["evaluated"] += 1
         if order is None or (score := _score(p, order)) is None:
             stats["rejected"] += 1
             return None
+        if not p.barrier:
+            finalists.offer(score[0], order, origin)
         if not best or score < best[0]:
             if check is not None:
                 try:
@@ -141,6 +208,7 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
                     stats["rejected"] += 1
                     return None
             best[:] = [score, order, origin]
+            finalists.best(score[0], order, origin)
         return score
 
     for name, order in seeds.items():
@@ -154,8 +222,7 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
     if not best:
         return None
     current, current_score, stale = best[1], best[0], 0
-    moves = ["move_w", "move_w", "swap", "swap"] + ["merge"] * p.whole + ["split"] * p.splits
-    attempts = 0
+    moves, attempts = ["move_w", "move_w", "swap", "swap"] + ["merge"] * p.whole + ["split"] * p.splits, 0
     while stats["evaluated"] < budget and attempts < 50 * budget:
         attempts += 1
         candidate = _neighbour(current, rng, moves)
@@ -173,6 +240,17 @@ def synthesize(p: Problem, *, seeds: Mapping[str, Order], budget: int = 200, see
             stale += 1
         if stale > budget // 8:  # wandered off: back to the best
             current, current_score, stale = best[1], best[0], 0
-    return Synthesis(order=best[1], makespan_s=best[0][0], lower_bound_s=lower_bound(p), origin=best[2],
+    return _result(p, best, finalists, check, stats, started)
+
+
+def _result(p: Problem, best: list, finalists: _Finalists, check: Callable[[Order], None] | None,
+            stats: Mapping[str, int], started: float) -> Synthesis:
+    """The search's ``best`` ([score, order, origin]); without the barrier its finalists re-scored."""
+    step, span, order, origin = best[0][0], None, best[1], best[2]
+    if not p.barrier:  # the best span is a finalist, and passed ``check``: one is always found
+        step, span, order, origin = (rescore(p, finalists.entries(), check, finalists.accepted())
+                                     or (step, step, order, origin))
+        origin = best[2] if _key(order) == _key(best[1]) else origin  # "+ moves" where they made it
+    return Synthesis(order=order, makespan_s=step, lower_bound_s=lower_bound(p), origin=origin,
                      evaluated=stats["evaluated"], rejected=stats["rejected"], improved_by_moves=stats["moves"],
-                     seconds=time.perf_counter() - started)
+                     seconds=time.perf_counter() - started, span_s=span)

@@ -10,7 +10,8 @@ x microbatches; each is simulated as the planner simulates probed candidates
 (``runner.pipeline.simulate``), with a message of ``latency + bytes / bandwidth`` per cross-rank
 dependency, then the step's gradient synchronisation over dp and the slowest rank's AdamW update; without the
 barrier (``plan.barrier=false``) the steady step of ``train.optimizer_sync=deferred`` instead, each
-rank's synchronisation and update between its own steps (``runner.pipeline.simulate.deferred_step``).
+rank's synchronisation and update between its own steps, and the ranks holding a tied weight's copies
+meeting after every backward to sum its gradient (``runner.pipeline.simulate.deferred_step``).
 Memory per rank is ``runner.plan.memory``'s whole-rank estimate. Nothing here needs a GPU.
 """
 
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, open_dict
 from runner._torch.dispatch import FakeTensorMode
 from runner.errors import ConfigError
 from runner.losses import build_loss
-from runner.models.split import StageModule, build_meta_model, split_by_cost
+from runner.models.split import MetaModel, StageModule, build_meta_model, split_by_cost, tied_stages
 from runner.parallel.dims import ParallelDims
 from runner.parallel.parallelize import checkpointed_blocks
 from runner.pipeline.ops import Op
@@ -39,7 +40,7 @@ from runner.pipeline.schedule import (
 )
 from runner.pipeline.simulate import deferred_step, peak_in_flight, simulate
 from runner.plan.memory import FP32, rank_memory, rank_params
-from runner.plan.planner import DEFERRED
+from runner.plan.planner import DEFERRED, committed_steps
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
 
 __all__ = ["UnitCount", "Degrees", "TargetCandidate", "Link", "count_units", "degrees", "plan_target"]
@@ -101,6 +102,10 @@ class TargetCandidate:
     stage_costs_s: dict[str, float] = field(default_factory=dict)
     tie: bool = False
     recommended: bool = False
+    # plan.barrier=false: a step validated at its own end (evaluated, saved, compared by verify, the
+    # last), which the next cannot overlap; and the step averaged over the run (runner.plan.planner.committed_steps)
+    commit_step_s: float | None = None
+    amortized_step_s: float | None = None
 
 
 def _config_only(model_cfg: DictConfig) -> DictConfig:
@@ -232,8 +237,22 @@ def _order(name: str, pp: int, m: int, spr: int) -> dict[int, list[Op]]:
     return schedule_order(name, pp, m, spr)
 
 
+def _meetings(meta: MetaModel, stages: list[list[str]], to_rank: dict[int, int], c: TargetCandidate,
+              link: Link) -> list[tuple[tuple[int, ...], float]]:
+    """The tied weights' gradient sums where the pipeline ranks holding a copy meet after every
+    backward (``runner.parallel.tied``): each a ring all-reduce of its fp32 gradient (FSDP: a shard)
+    between them, priced as ``_sync_s`` prices dp's."""
+    out = []
+    for owners, numel in tied_stages(meta, stages):
+        ranks = tuple(sorted({to_rank[s] for s in owners}))
+        if len(ranks) > 1:
+            n, nbytes = len(ranks), numel * FP32 / (c.dp if c.dp_mode == "fsdp" else 1)
+            out.append((ranks, 2 * link.latency_s * (n - 1) + 2 * (n - 1) / n * nbytes / link.bandwidth))
+    return out
+
+
 def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount], peaks: DevicePeaks,
-             link: Link, cfg: DictConfig) -> None:
+             link: Link, cfg: DictConfig, meta: MetaModel) -> None:
     num_stages = c.pp * c.stages_per_rank
     stages = _stages(names, counts, num_stages)
     c.split_points = [s[0] for s in stages[1:]]
@@ -253,11 +272,14 @@ def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount],
     c.sync_s, c.optimizer_s = max(syncs), max(updates)
     c.step_time_s = c.pipeline_s + c.sync_s + c.optimizer_s
     if not cfg.plan.barrier:  # train.optimizer_sync=deferred: each rank's sync and update between its own steps
+        between, meetings = {r: syncs[r] + updates[r] * _SNAPSHOT for r in range(c.pp)}, \
+            _meetings(meta, stages, to_rank, c, link)
+        c.commit_step_s = (c.pipeline_s + max((s for _, s in meetings), default=0.0) + max(between.values())
+                           + link.latency_s)
         c.pipeline_s = deferred_step(order, costs, num_stages=num_stages, comm_s=link.seconds(message))
         c.bubble = 1 - sum(a.end - a.start for a in timeline) / (c.pp * c.pipeline_s)
         c.step_time_s = deferred_step(order, costs, num_stages=num_stages, comm_s=link.seconds(message),
-                                      update_s={r: syncs[r] + updates[r] * _SNAPSHOT for r in range(c.pp)},
-                                      reduce_s=link.latency_s)
+                                      update_s=between, reduce_s=link.latency_s, meetings=meetings)
     held = peak_in_flight(order, {s: sum(counts[n].saved_bytes for n in names) for s, names in enumerate(stages)})
     c.memory_per_rank = [rank_memory(p, held[r], dp=c.dp, dp_mode=c.dp_mode, compute_bytes=compute_bytes)
                          for r, p in enumerate(params)]
@@ -307,7 +329,8 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
         raise ConfigError(f"plan.world_size={world_size}: plan for at least one rank. Fix: plan.world_size=8.")
     link = Link(cfg.plan.comm_latency_s if cfg.plan.comm_latency_s is not None else 10e-6,
                 cfg.plan.comm_bandwidth or 50e9)
-    num_units = len(build_meta_model(_config_only(cfg.model), cfg.parallel.get("stage_modules")).unit_names)
+    meta = build_meta_model(_config_only(cfg.model), cfg.parallel.get("stage_modules"))
+    num_units = len(meta.unit_names)
     counted: dict[tuple[int, bool], dict[str, UnitCount]] = {}
     out = []
     for deg, mode, name, m, spr in _layouts(cfg, world_size, num_units):
@@ -325,11 +348,15 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
         key = (cfg.train.batch_size // (deg.dp * m), mode == "fsdp")
         if key not in counted:
             counted[key] = count_units(cfg, key[0], peaks, cast_params=key[1])
-        _predict(c, list(counted[key]), counted[key], peaks, link, cfg)
+        _predict(c, list(counted[key]), counted[key], peaks, link, cfg, meta)
     if not any(c.valid for c in out):
         raise ConfigError(f"no layout of {world_size} ranks can run this model: "
                           f"{out[0].reason if out else 'no microbatch count in plan.microbatches divides the batch'}. "
                           "Fix: another plan.world_size, train.batch_size or plan.microbatches.")
+    committed, steps = committed_steps(cfg)
+    for c in out:  # plan.barrier=false: the steps validated at their own end, over the run's
+        if c.commit_step_s is not None and c.step_time_s is not None:
+            c.amortized_step_s = c.step_time_s + committed / max(steps, 1) * (c.commit_step_s - c.step_time_s)
     out.sort(key=lambda c: (not c.valid, not c.fits_device, c.step_time_s or 0.0))
     _mark_ties(out, cfg.plan.tie_tolerance)
     return TargetPlan(out, peaks, link, world_size)

@@ -13,7 +13,8 @@ from typing import Sequence
 from omegaconf import DictConfig
 
 from runner.errors import RunnerError
-from runner.plan.report import candidate_table, mark
+from runner.plan.planner import committed_steps
+from runner.plan.report import candidate_table, commit_line, mark
 from runner.plan.target import TargetCandidate, TargetPlan, plan_target
 
 __all__ = ["header", "target_table", "tie_line", "run_target"]
@@ -80,6 +81,10 @@ def run_target(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> str:
         print("\n" + tie_line(tied, cfg.plan.tie_tolerance, "closer than a plan from datasheet figures can tell "
                                                              "apart (its error on this device is not measured)"))
     best = next((c for c in p.candidates if c.recommended), None)
+    commits = best and best.step_time_s and commit_line(label(best), best.step_time_s, best.commit_step_s,
+                                                        best.amortized_step_s, *committed_steps(cfg))
+    if commits:
+        print(commits)
     if best is None:
         least = min((c for c in p.candidates if c.valid), key=lambda c: max(m["total"] for m in c.memory_per_rank))
         need = max(m["total"] for m in least.memory_per_rank)

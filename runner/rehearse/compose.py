@@ -8,7 +8,8 @@ rank's peak memory against a capacity.
 Two steps are composed: the barrier's (the pipeline, then the tp/dp collectives, then the slowest
 rank's optimizer step), and where the run has ``train.optimizer_sync=deferred`` its steady step
 (``runner.pipeline.simulate.deferred_step``: steps back to back, each pipeline rank's own update
-between its own steps, the loss/norm all-reduce waited for a step later); ``step_s`` is the one
+between its own steps, the tied weights' gradient sums where the ranks holding a copy meet, the
+loss/norm all-reduce waited for a step later); ``step_s`` is the one
 the run's mode takes (``post_validate``: the barrier's, each rank's update with its snapshot)."""
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
     ``VALIDATION_BYTES``) waited for a step later; the pipeline as ``deferred_step`` replays it
     without either (mean times: what the updates and the all-reduce add is ``step_s`` less it)."""
     validation_s = latency + VALIDATION_BYTES / bandwidth
+    # The tied weights' gradient sums, where the ranks holding a copy meet after every backward: not
+    # a rank's own collectives (at pp = world size the rehearsal files such a sum under "world").
+    meetings = [(span.ranks, latency + span.grad_bytes / bandwidth) for span in resolved.layout.tied]
     update: dict[int, float] = {}
     collectives: dict[int, float] = {}
     for r in ranks:
@@ -75,15 +79,21 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
         p = r["coords"]["pp"]
         update[p] = max(update.get(p, 0.0), r["update_s"])
         validated = "all_reduce" in r["collectives"].get("world", {})
-        collectives[p] = max(collectives.get(p, 0.0), _collective_s(r, latency, bandwidth) - validated * validation_s)
+        met = sum(s for ranks_, s in meetings if p in ranks_ and len(ranks_) == resolved.world_size)
+        collectives[p] = max(collectives.get(p, 0.0),
+                             _collective_s(r, latency, bandwidth) - validated * validation_s - met)
     order, stages = _order(resolved), resolved.layout.num_stages
     between = {p: update[p] + collectives[p] for p in update}
-    step_s = deferred_step(order, costs, num_stages=stages, comm_s=comm_s, update_s=between, reduce_s=validation_s)
+    step_s = deferred_step(order, costs, num_stages=stages, comm_s=comm_s, update_s=between, reduce_s=validation_s,
+                           meetings=meetings)
     pipeline_s = deferred_step(order, costs, num_stages=stages, comm_s=comm_s)
     busy = sum(costs[(op.stage, op.kind)] for ops in order.values() for op in ops)
     return {"step_s": step_s, "pipeline_s": pipeline_s, "bubble": 1 - busy / (resolved.pp * pipeline_s),
             "update_s": {str(p): v for p, v in sorted(update.items())},
-            "update_collectives_s": {str(p): v for p, v in sorted(collectives.items())}, "reduce_s": validation_s}
+            "update_collectives_s": {str(p): v for p, v in sorted(collectives.items())}, "reduce_s": validation_s,
+            "tied_meetings": [{"ranks": list(ranks_), "seconds": s} for ranks_, s in meetings],
+            "step_without_meetings_s": deferred_step(order, costs, num_stages=stages, comm_s=comm_s, update_s=between,
+                                                     reduce_s=validation_s) if meetings else step_s}
 
 
 def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: float | None = None,

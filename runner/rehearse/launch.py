@@ -388,11 +388,13 @@ def _step_lines(step: dict[str, Any]) -> list[str]:
         label = "" if sync == "barrier" else f", train.optimizer_sync={sync}: each rank's update with its snapshot"
         return [f"composed step{scaled}: {step['step_s']:.3f} s ({parts}{label}, {rate}"]
     updates = ", ".join(f"{p}: {v * 1e3:.1f} ms" for p, v in deferred["update_s"].items())
+    tied = "".join(f"; pipeline ranks {'/'.join(map(str, m['ranks']))} meet to sum a tied weight's gradient: "
+                   f"{m['seconds'] * 1e3:.2f} ms" for m in deferred.get("tied_meetings", []))
     return [f"composed barrier step{scaled} (train.optimizer_sync=barrier): {step['barrier_step_s']:.3f} s ({parts}",
             f"composed deferred steady step{scaled} (train.optimizer_sync=deferred, the run's): "
             f"{deferred['step_s']:.3f} s (pipeline {deferred['pipeline_s']:.3f} s with steps overlapping, then each "
-            f"pipeline rank's update between its own steps, by pipeline rank: {updates}; the all-reduce waited a step "
-            f"later), bubble {deferred['bubble']:.1%}, {rate}"]
+            f"pipeline rank's update between its own steps, by pipeline rank: {updates}{tied}; the all-reduce waited a "
+            f"step later), bubble {deferred['bubble']:.1%}, {rate}"]
 
 
 def raise_if_over_capacity(report: dict[str, Any]) -> None:
