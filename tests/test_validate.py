@@ -172,6 +172,16 @@ def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
         assert text in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("data", ["data=hf", "data=text"])
+def test_a_tokenizer_that_cannot_be_read_is_named_not_the_vocabulary_it_leaves_unknown(data):
+    from runner.validate import check_config
+
+    cfg = compose(data, f"data.path={EXAMPLES / 'example_corpus.txt'}", "data.tokenizer=/no/such/tokenizer")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer='/no/such/tokenizer': no such directory. Fix: a local "
+                                          r"tokenizer directory"):
+        check_config(cfg)  # the command line's first check, before torch is imported
+
+
 def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(tmp_path):
     cfg = compose(*TINY, "device=auto", "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp",
                   "parallel.microbatches=4", "train.batch_size=16")
