@@ -171,10 +171,21 @@ def _check_choices(cfg: DictConfig) -> None:
                                   f"Fix: {f.metadata['set_as'] or key}=<one of them>.")
 
 
+def _check_tokenizer(cfg: DictConfig) -> None:
+    """A ``data.tokenizer`` whose vocabulary could not be read (``data.vocab_size`` null): the
+    tokenizer's own error (not there, not a tokenizer), not the missing vocabulary it causes."""
+    data = cfg.get("data")
+    if isinstance(data, DictConfig) and data.get("tokenizer") is not None and data.get("vocab_size") is None:
+        from runner.data.tokens import load_tokenizer
+
+        load_tokenizer(data.tokenizer)
+
+
 def check_schema(cfg: DictConfig) -> None:
     """A composed config against the tree's schemas, before anything is resolved: missing values,
     the vocabulary's interpolation, keys no schema declares, option values outside their choices."""
     _check_missing(cfg)
+    _check_tokenizer(cfg)
     check_model_vocab(cfg)
     _check_unknown_keys(cfg)
     _check_choices(cfg)

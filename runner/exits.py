@@ -83,6 +83,41 @@ def _nearest_keys(message: str) -> str:
     return message.replace(match.group(0), f"Could not override '{key}'.\n") + f"\n{hint}"
 
 
+_NO_OPTION = re.compile(r"Could not find '[^']*?([^'/]+)'\n\nAvailable options in '([^']+)':\n((?:\t.*\n?)+)")
+
+
+def _nearest_option(message: str) -> str:
+    """Hydra's message for a group option that does not exist (``schedule=zbvv``), with the
+    nearest options and the fix."""
+    match = _NO_OPTION.search(message)
+    if match is None:
+        return message
+    option, group = match.group(1), match.group(2)
+    options = [line.strip() for line in match.group(3).splitlines() if line.strip()]
+    close = difflib.get_close_matches(option, options, n=3, cutoff=0.5)
+    fix = (f"Did you mean {' or '.join(f'{group}={c}' for c in close)}? Fix: {group}={close[0]}" if close
+           else f"Fix: one of {', '.join(f'{group}={o}' for o in options)}")
+    return f"{message}\n{group}={option} is not an option of {group}. {fix}"
+
+
+_WRONG_TYPE = re.compile(r"Error merging override ([^=\s]+)=(.*)\n(.*)")
+# What a key of that type takes, and an example value: by OmegaConf's reason.
+_TYPES = {"to Integer": ("an integer", "<an integer>"), "to Float": ("a number", "<a number>"),
+          "not a valid bool": ("true or false", "true"), "is not a ListConfig": ("a list", "[{}]")}
+
+
+def _typed_value(message: str) -> str:
+    """OmegaConf's message for a value of the wrong type (``parallel.pp=two``), with what the key takes."""
+    match = _WRONG_TYPE.search(message)
+    if match is None:
+        return message
+    key, value, reason = match.groups()
+    for marker, (what, example) in _TYPES.items():
+        if marker in reason:
+            return f"{message}\n{key}={value}: {key} takes {what}. Fix: {key}={example.format(value)}"
+    return message
+
+
 def _run_dir_unwritable(e: BaseException, started: bool) -> bool:
     """Hydra creates the run directory, saves ``.hydra/`` and opens the log before the task
     starts: an ``OSError`` then, or logging's ``ValueError`` wrapping one (an existing directory
@@ -101,7 +136,7 @@ def outcome(e: BaseException, *, started: bool, failed_jobs: str = "") -> tuple[
     if isinstance(e, (HydraException, OmegaConfBaseException)):  # a typo, a wrong type, an unknown option
         # (Hydra's MissingConfigException is also an OSError: checked first.)
         cause = f"\n{e.__cause__}" if isinstance(e.__cause__, OmegaConfBaseException) else ""
-        return EXIT_CONFIG, _nearest_keys(f"{e}{cause}")
+        return EXIT_CONFIG, _typed_value(_nearest_option(_nearest_keys(f"{e}{cause}")))
     if isinstance(e, RunnerError):
         return exit_code(e), failed_jobs or f"error: {e}"
     if isinstance(e, KeyboardInterrupt):  # SIGINT before a launcher's own handler was set

@@ -51,7 +51,9 @@ def test_plan_from_a_plain_python_process_returns_the_plan_and_prints_where_it_i
     assert result["recommended"] == recommended and result["command"].startswith("python -m runner ")
     lines = done.stdout.splitlines()  # what python -m runner.plan prints, then where it is
     assert f"best: {result['command']}" in lines or f"best (tied): {result['command']}" in lines
-    assert lines[-2:] == [f"plan dir  {plan_dir}", "files     plan.json, plan_timeline.json"]
+    assert lines[-2:] == [f"plan dir  {plan_dir}",
+                          "files     plan.json, synthesized_pp2_m4_loop1.csv, plan_timeline.json"]
+    assert (plan_dir / "synthesized_pp2_m4_loop1.csv").is_file()  # the searched order, as the line says
 
 
 def test_a_one_rank_run_in_process_returns_its_summary_run_dir_and_the_callbacks_steps(tmp_path, monkeypatch):

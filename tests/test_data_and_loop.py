@@ -147,6 +147,15 @@ def test_verify_comparison_catches_scaled_and_missing_gradients():
     missing = compare({"a": ref["a"], "b": None}, ref, 1.0, 1.0)
     assert not missing["passed"] and "b: no gradient" in missing["problems"][0]
     assert not compare(ref, ref, 1.0, 1.01)["passed"]  # the loss is compared too
+    assert same["tolerance_used"] == 0 and scaled["tolerance_used"] > 1
+
+
+def test_verify_reports_the_share_of_the_tolerance_used_which_a_near_zero_gradient_does_not_inflate():
+    ref = {"w": torch.tensor([1.0, 1e-9])}  # a gradient element at rounding level: its relative difference is huge
+    report = compare({"w": torch.tensor([1.0 + 5e-6, 3e-8])}, ref, 1.0, 1.0)
+    assert report["passed"] and report["max_rel_diff"] > 20  # the console printed such a run as "max rel 41"
+    # 5e-6 (in fp32) of the first element's 1e-5 + 4e-5: a tenth of its tolerance; 2.9e-8 of the second's 4e-5.
+    assert report["tolerance_used"] == pytest.approx(5e-6 / (4e-5 + 1e-5 * 1.0), rel=1e-2)
 
 
 def _adamw(w: torch.Tensor, grads: list[torch.Tensor], lr: float) -> torch.Tensor:

@@ -142,9 +142,12 @@ def _run_without_checkpoints(tmp_path: Path) -> Path:
     return tmp_path / "no-checkpoints"
 
 
-# (the source: "run" for the trained run, else a path made here; the settings; what the error says)
+# (the source: a path in the trained run's directory ("run": itself), else a path made here; the settings;
+# what the error says)
 BAD = {
     "no such directory": (lambda t: t / "missing", ["prompt=the"], "no such directory. Fix: a checkpoint"),
+    "a checkpoint no longer kept": ("run/checkpoints/step-1", ["prompt=the"], "checkpoints/step-1: no such "
+                                    "directory. Its run keeps step-2 (checkpoint.keep, 2 by default, keeps the newest"),
     "not a run": (lambda t: t, ["prompt=the"], "is not a complete checkpoint: it has no .metadata"),
     "no checkpoint": (_run_without_checkpoints, ["prompt=the"], "the run saved no checkpoint (it has no "
                       "checkpoints/). Fix: a run trained with checkpoint.every=K"),
@@ -170,7 +173,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_exits_2_naming_the_key_the_value_and_the_fix(case, trained, tmp_path, capsys):
     source, settings, message = BAD[case]
-    path = trained / "run" if source == "run" else source(tmp_path)
+    path = trained / source if isinstance(source, str) else source(tmp_path)
     assert _main(str(path), *settings) == 2
     printed = capsys.readouterr()
     assert message in printed.err and "Traceback" not in printed.err and printed.out == "", printed.err

@@ -240,6 +240,26 @@ def test_shape_and_missing_tensor_errors_come_from_the_headers_before_launch(tmp
         validate(_cfg(path))
 
 
+def test_a_model_path_that_is_no_model_directory_says_what_it_is_and_the_fix(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "m", "llama", weights=True)
+    monkeypatch.chdir(tmp_path)
+    cases = {str(tmp_path / "missing"): f"model.path='{tmp_path / 'missing'}': no such directory. Fix: a local "
+                                         "directory written by save_pretrained",
+             "meta-llama/Llama-3.2-1B": f"no such directory ({tmp_path}/meta-llama/Llama-3.2-1B); the runner reads "
+                                        "local directories only and downloads nothing. Fix: a local directory "
+                                        "written by save_pretrained (config.json, and optionally *.safetensors and "
+                                        "tokenizer files): download it first (`hf download meta-llama/Llama-3.2-1B "
+                                        "--local-dir <dir>`), then model.path=<dir>.",
+             str(model / "model.safetensors"): f"is a file, not a directory. Fix: a local directory written by "
+                                               f"save_pretrained (config.json, and optionally *.safetensors and "
+                                               f"tokenizer files): model.path='{model}'?",
+             str(tmp_path): "holds no config.json. Fix: a local directory written by save_pretrained"}
+    for path, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            validate(_cfg(path))
+        assert message in str(info.value), (path, str(info.value))
+
+
 def test_damaged_weight_files_and_indexes_are_named(tmp_path):
     path = write_model(tmp_path / "m", "llama", weights=True)
     whole = (path / "model.safetensors").read_bytes()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from runner.plan.synthesize import synthesize
 from runner.plan.weight_memory import measure_weight_grad_fraction, saved_split
 
 from helpers.cli import run_cli
-from helpers.config import TINY, compose
+from helpers.config import ROOT, TINY, compose
 from helpers.plan import FIXED
 
 # Table 5's bubble rates of 1F1B and ZB-H1 where the order replayed here gives the paper's digits.
@@ -301,3 +303,26 @@ def test_the_weight_gradients_share_of_saved_activations_is_read_from_the_graph(
     cfg = compose(*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]", "plan.repeats=1")
     zbh1 = next(c for c in plan(cfg).candidates if c.valid and c.schedule == "zbh1")
     assert zbh1.peak_activation_mb == [2, pytest.approx(1 + fraction, rel=1e-3)]
+
+
+def _blocks(page: str, after: str) -> list[str]:
+    """The fenced blocks of ``page`` that follow the line ``after`` (the first two: input, output)."""
+    text = (ROOT / "docs" / page).read_text().split(after, 1)[1]
+    return [block.split("\n", 1)[1] for block in text.split("```")[1::2]]
+
+
+def test_the_costs_file_the_planner_page_shows_prints_the_output_it_shows(tmp_path, monkeypatch, capsys):
+    """docs/planner.md's costs.yaml, as written, prints what the page shows under it (the search's
+    seconds and the plan's directory aside): the same numbers, columns and files."""
+    from runner.plan.__main__ import where_plan
+
+    costs, shown = [b for b in _blocks("planner.md", "## Plans from given costs") if not b.startswith("python")][:2]
+    monkeypatch.chdir(tmp_path)
+    Path("costs.yaml").write_text(costs)
+    out = tmp_path / "plan"
+    out.mkdir()
+    main_from_costs(compose("plan.costs=costs.yaml"), out)
+    print(where_plan(out))
+    printed = capsys.readouterr().out.replace(str(out), "/.../outputs/<date>/<time>")
+    seconds = re.compile(r"simulated in [\d.]+ s")
+    assert seconds.sub("in - s", printed).rstrip("\n") == seconds.sub("in - s", shown).rstrip("\n")

@@ -1,6 +1,7 @@
 """Every command the README and the docs/ pages show runs as written, so the documentation cannot
 drift from the code. Commands are taken from the pages themselves (code blocks and inline code):
-`python -m runner`, `runner`, `python -m runner.plan` and `python -m runner.export`. A `...` the
+`python -m runner`, `runner`, `python -m runner.plan`, `python -m runner.export` and `python -m
+runner.generate`. A `...` the
 page leaves for the reader is filled with a small config (``FILL``); `<...>` placeholders with a
 stand-in. The commands' relative paths and `~` resolve as a user's would: from a working directory
 holding what the pages assume (a corpus.jsonl, a finished run under outputs/; no examples/: the
@@ -8,7 +9,8 @@ pages name the shipped example schedules and text, which resolve from any direct
 directory holding the Hugging Face model ~/models/llama-1b.
 
 Each command composes, and passes the pre-launch checks (sweeps expanded as Hydra's basic sweeper
-expands them; the planner's own keys as the planner checks them); nothing is spawned there. The
+expands them; the planner's own keys as the planner checks them; a sampling command's settings as
+``runner.generate`` checks them before loading anything); nothing is spawned there. The
 Hugging Face command and the export after it really run, through the shell, as written (with the
 steps, the sequence length and the checkpoint interval made small)."""
 
@@ -42,11 +44,13 @@ PLACEHOLDERS = {
     "<run>/schedule.csv": "gpipe_pp2_m4",  # a run's recorded order (pp=2, m=4): a shipped example, by name
     "outputs/<date>/<time>": "outputs/day/time",  # a finished run (the `workdir` fixture's)
     "mypkg.models.build": "runner.models.builtin.transformer",  # the user's factory
+    "<run dir or checkpoint>": "outputs/day/time", "<run dir>": "outputs/day/time",  # runner.generate's
+    " [key=value ...]": "",  # the settings a syntax line leaves open
 }
 FILL = "experiment=smoke"  # for a `...` standing for the rest of a command
 # What follows `runner`, `python -m runner`, `python -m runner.plan` or `python -m runner.export`.
 _COMMAND = re.compile(r"^(?:.*&&\s*|srun\s+|torchrun\s.*?-m\s+)?"  # a shell prefix
-                      r"(?:python -m (runner(?:\.plan|\.export)?)|(runner))(?=\s|$)(.*)$")
+                      r"(?:python -m (runner(?:\.plan|\.export|\.generate)?)|(runner))(?=\s|$)(.*)$")
 # The real run's small values: seconds on 2 cores instead of a 1B model's training.
 SMALL = {"train.seq_len=1024": "train.seq_len=16", "checkpoint.every=10": "checkpoint.every=2"}
 SHORT = " train.steps=2"
@@ -89,7 +93,7 @@ def readme_commands() -> list[tuple[str, str, str]]:
         if match is None:
             continue
         module, rest = match.group(1) or "runner", match.group(3)
-        if module == "runner.export" and not rest.strip():  # the module named in a sentence, not run
+        if module in ("runner.export", "runner.generate") and not rest.strip():  # named in a sentence, not run
             continue
         found.setdefault(shown, (shown, module, rest))
     return list(found.values())
@@ -106,9 +110,10 @@ def test_the_pages_show_the_commands_this_test_checks():
                      "runner experiment=smoke",
                      "python -m runner.plan ... plan.costs=outputs/<date>/<time>",  # elided: filled
                      "srun python -m runner ...",
-                     "python -m runner.export outputs/<date>/<time> ~/models/llama-1b-trained"):
+                     "python -m runner.export outputs/<date>/<time> ~/models/llama-1b-trained",
+                     'python -m runner.generate outputs/<date>/<time> prompt="The pipeline"'):
         assert expected in shown, expected
-    assert {module for _, module, _ in COMMANDS} == {"runner", "runner.plan", "runner.export"}
+    assert {module for _, module, _ in COMMANDS} == {"runner", "runner.plan", "runner.export", "runner.generate"}
     assert len(_hugging_face_commands()) == 1  # the README's and models.md's are the same command
 
 
@@ -146,7 +151,18 @@ def _jobs(args: list[str]) -> list[list[str]]:
     return batch
 
 
-_CONFIG_COMMANDS = [c for c in COMMANDS if c[1] != "runner.export"]
+_CONFIG_COMMANDS = [c for c in COMMANDS if c[1] not in ("runner.export", "runner.generate")]
+_GENERATE_COMMANDS = [c for c in COMMANDS if c[1] == "runner.generate"]
+
+
+@pytest.mark.parametrize("shown,module,rest", _GENERATE_COMMANDS, ids=[c for c, _, _ in _GENERATE_COMMANDS])
+def test_every_sampling_command_names_a_run_or_checkpoint_and_settings_generate_takes(shown, module, rest):
+    from runner.generate import parse_settings
+
+    source, *words = shlex.split(rest)
+    assert not any(re.search(r"<[^>]*>", a) for a in words), f"a placeholder with no stand-in: {shown}"
+    assert re.fullmatch(r"outputs/day/time(/checkpoints/step-\d+)?", source), shown
+    parse_settings(words).check()  # what runner.generate checks before it loads anything
 
 
 @pytest.mark.parametrize("shown,module,rest", _CONFIG_COMMANDS, ids=[c for c, _, _ in _CONFIG_COMMANDS])

@@ -2,16 +2,21 @@
 plan shards (``get_slice``), laid out as torch's styles lay it out, and trains from transformers'
 own loss.
 
-One 4-rank spawn (module-scoped) runs four cases on tiny Llamas with an uneven vocabulary (63 rows:
+One 4-rank spawn (module-scoped) runs every case on tiny Llamas with an uneven vocabulary (63 rows:
 torch.chunk's shards of 32 and 31, or 16, 16, 16 and 15): pp=2 x tp=2, pp=1 x tp=4 with the
 embedding and head tied (one tensor in one stage, 4 key/value heads), and the tied model at
 pp=2 x tp=2 under zbv (with sequence and loss parallelism) and dualpipev, whose V puts both ends
-on rank 0, and at pp=1 x dp=2 (FSDP) x tp=2, over five optimizer steps. Each rank records, before
-its first step, every parameter gathered whole (``full_tensor``) next to the file's tensor;
-transformers' own losses run once here."""
+on rank 0, and at pp=1 x dp=2 (FSDP) x tp=2, over five optimizer steps; and a tied Llama as large
+checkpoints come (bf16 on disk, several safetensors files and their index, written by transformers'
+``save_pretrained(max_shard_size=...)``) in a read-only directory the run did not write, under zbv
+at pp=2 x tp=2 with ``verify``, left byte for byte as it was. Each rank records, before its first
+step, every parameter gathered whole (``full_tensor``) next to the file's tensor; transformers' own
+losses run once here."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,9 @@ TIED_V = {
                        "train.batch_size=8", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
     "tied-dualpipev": ["parallel.pp=2", "parallel.tp=2", "schedule=dualpipev", "parallel.microbatches=4",
                        "train.batch_size=8", "verify=true"],  # verify caught the double update after step 1
+    # bf16 shards and their index, read-only: each rank's slices from several files, cast to fp32.
+    "tied-sharded-bf16-zbv": ["parallel.pp=2", "parallel.tp=2", "schedule=zbv", "parallel.microbatches=4",
+                              "train.batch_size=8", "verify=true"],
 }
 TIED = {**TIED_V, "tied-fsdp-tp2": ["parallel.pp=1", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.tp=2",
                                     "parallel.microbatches=2", "train.batch_size=8"]}
@@ -81,6 +89,27 @@ def test_the_llama_plan_shards_rows_of_colwise_columns_of_rowwise_and_vocabulary
     assert len(layouts) == 6 * 7 + 2
 
 
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's safetensors files (one file, or an index's shards), in fp32: a
+    bf16 tensor's cast is exact, so the runner's fp32 parameters must equal it bit for bit."""
+    stored = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            stored.update({k: f.get_tensor(k).float() for k in f.keys()})
+    return stored
+
+
+def _snapshot(directory: Path) -> dict[str, tuple]:
+    """Every entry under ``directory`` (itself included): its mode and modification time, and a
+    file's sha256. A file written, replaced, or made and removed again changes it."""
+    entries = {}
+    for p in [directory, *sorted(directory.rglob("*"))]:
+        st = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        entries[str(p.relative_to(directory))] = (st.st_mode, st.st_mtime_ns, digest)
+    return entries
+
+
 class _Loaded(Hook):
     """Before the first step: each parameter gathered whole, compared with the file's tensor."""
 
@@ -92,8 +121,7 @@ class _Loaded(Hook):
 
         if not state.first:
             return
-        with safe_open(self.path / "model.safetensors", framework="pt") as f:
-            stored = {k: f.get_tensor(k) for k in f.keys()}
+        stored = _stored(self.path)
         record = {}
         for module in trainer.modules:
             for name, p in module.named_parameters():
@@ -124,14 +152,23 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     # 2 layers: under the V schedules (4 stages) stage 0 is the embedding alone, whose vocabulary-parallel
     # sum ends the stage still in flight (runner._torch.dist.wait_pending); the pool's clean exit holds it.
-    tied = write_model(root / "tied", "llama", weights=True, vocab_size=VOCAB, tie_word_embeddings=True,
-                       num_key_value_heads=4, num_hidden_layers=2)
-    return {"pp2-tp2": write_model(root / "untied", "llama", weights=True, vocab_size=VOCAB), "tied-tp4": tied,
-            **dict.fromkeys(TIED, tied)}
+    tied = dict(weights=True, vocab_size=VOCAB, tie_word_embeddings=True, num_key_value_heads=4, num_hidden_layers=2)
+    sharded = write_model(root / "sharded", "llama", **tied, seed=1, dtype=torch.bfloat16, max_shard_size="20KB")
+    for p in [*sharded.iterdir(), sharded]:  # a directory we did not write and may not write
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    tied_path = write_model(root / "tied", "llama", **tied)
+    return {"pp2-tp2": write_model(root / "untied", "llama", weights=True, vocab_size=VOCAB), "tied-tp4": tied_path,
+            **dict.fromkeys(TIED, tied_path), "tied-sharded-bf16-zbv": sharded}
 
 
 @pytest.fixture(scope="module")
-def ranks(models, tmp_path_factory) -> dict[str, dict]:
+def sharded_before(models) -> dict[str, tuple]:
+    """The read-only sharded checkpoint's directory before anything read it."""
+    return _snapshot(models["tied-sharded-bf16-zbv"])
+
+
+@pytest.fixture(scope="module")
+def ranks(models, sharded_before, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("tp-weights")
     layouts = {**CASES, **TIED}
     cases = {name: (str(models[name]), resolved(*_base(models[name], STEPS[name]), *layout))
@@ -209,3 +246,24 @@ def test_each_tp_rank_reads_its_half_of_the_sharded_weights_and_the_rest_whole(r
         whole.append(sum(torch.Size(shapes[k]).numel() * 4 for k in names))
     assert summary["weights_read_bytes"] == expected
     assert all(0.45 * w < e < 0.55 * w for e, w in zip(expected, whole))  # about half: norms are small
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_sharded_bf16_checkpoint_in_a_read_only_directory_trains_and_is_left_as_it_was(
+        ranks, models, sharded_before):
+    path = models["tied-sharded-bf16-zbv"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 3 and "lm_head.weight" not in index  # shards; the tied head: no tensor
+    dtypes = set()
+    for file in set(index.values()):
+        with safe_open(path / file, framework="pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+    assert all(p.stat().st_mode & 0o222 == 0 for p in [path, *path.iterdir()])  # read-only (root may write anyway)
+    for rank, loaded in enumerate(ranks["tied-sharded-bf16-zbv"]["loaded"]):  # every shard read exactly, in fp32
+        assert loaded and all(r["diff"] == 0 for r in loaded.values()), rank
+    result = ranks["tied-sharded-bf16-zbv"]["result"]
+    assert result["summary"]["verify"]["passed"]  # the weights after two updates: the unsplit model's
+    assert len(result["losses"]) == STEPS["tied-sharded-bf16-zbv"]
+    assert _snapshot(path) == sharded_before  # nothing written, replaced, made or removed in it

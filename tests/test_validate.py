@@ -15,7 +15,7 @@ from runner.errors import ConfigError
 from runner.parallel.dims import ParallelDims
 from runner.validate import validate
 
-from helpers.config import EXAMPLES, TINY, compose
+from helpers.config import EXAMPLES, ROOT, TINY, compose
 
 PP2 = [*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]
 PP1 = [*TINY, "parallel.pp=1", "train.batch_size=8"]
@@ -67,6 +67,35 @@ def test_a_misspelt_key_gets_the_nearest_keys_in_the_first_message(override, nea
     key = nearest.split("=")[0]
     assert code == 2 and f"Did you mean {key}" in message and f"Fix: {nearest}" in message
     assert f"+{override}" not in message  # not Hydra's advice to add it, which the runner refuses next
+
+
+# (a mistyped option or value: the last line of its message, the fix)
+FIXES = {
+    "schedule=zbvv": "schedule=zbvv is not an option of schedule. Did you mean schedule=zbv",
+    "experiment=smok": "Did you mean experiment=smoke or experiment=smoke_dp or experiment=smoke_zbv? "
+                       "Fix: experiment=smoke",
+    "hydra/launcher=joblibb": "Fix: hydra/launcher=joblib",
+    "schedule=xyzzy": "schedule=xyzzy is not an option of schedule. Fix: one of schedule=1f1b, schedule=csv,",
+    "parallel.pp=two": "parallel.pp=two: parallel.pp takes an integer. Fix: parallel.pp=<an integer>",
+    "train.lr=fast": "train.lr takes a number. Fix: train.lr=<a number>",
+    "verify=maybe": "verify takes true or false. Fix: verify=true",
+    "parallel.split_points=block3": "parallel.split_points takes a list. Fix: parallel.split_points=[block3]",
+}
+
+
+@pytest.mark.parametrize("override", list(FIXES))
+def test_an_unknown_option_or_a_value_of_the_wrong_type_gets_the_fix_in_the_first_message(override):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    from runner.exits import outcome
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with pytest.raises(HydraException) as info:  # Hydra's own message first, as the command line's
+            hydra_compose("config", overrides=[override], return_hydra_config=True)
+    code, message = outcome(info.value, started=False)
+    assert code == 2 and FIXES[override] in message.splitlines()[-1], message
 
 
 BAD = [
@@ -141,6 +170,16 @@ def test_bad_input_is_rejected_with_key_value_and_fix(overrides, expected):
         validate(compose(*PP2, *overrides))
     for text in expected:
         assert text in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("data", ["data=hf", "data=text"])
+def test_a_tokenizer_that_cannot_be_read_is_named_not_the_vocabulary_it_leaves_unknown(data):
+    from runner.validate import check_config
+
+    cfg = compose(data, f"data.path={EXAMPLES / 'example_corpus.txt'}", "data.tokenizer=/no/such/tokenizer")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer='/no/such/tokenizer': no such directory. Fix: a local "
+                                          r"tokenizer directory"):
+        check_config(cfg)  # the command line's first check, before torch is imported
 
 
 def test_validation_resolves_one_frozen_plan_and_leaves_the_config_as_composed(tmp_path):

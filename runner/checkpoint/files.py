@@ -103,6 +103,15 @@ def _latest(root: Path, run_dir: Path) -> Path:
     return max(candidates, key=lambda p: (p / "train_state.json").stat().st_mtime)
 
 
+def _kept_instead(path: Path) -> str:
+    """For a ``…/checkpoints/step-N`` that is not there: the checkpoints its run still keeps."""
+    if not _STEP_DIR.match(path.name) or path.parent.name != "checkpoints" or not path.parent.is_dir():
+        return ""
+    kept = [p.name for p in complete_steps(path.parent, log_skipped=False)]
+    return (f" Its run keeps {', '.join(kept) if kept else 'no complete checkpoint'} (checkpoint.keep, 2 by "
+            "default, keeps the newest; checkpoint.every=K saves every K steps).")
+
+
 def find_checkpoint(resume: str, run_dir: Path, latest_root: Path | None = None, *, label: str | None = None) -> Path:
     """The checkpoint directory ``checkpoint.resume`` names (checked before any rank starts).
     ``latest`` searches the runs under ``latest_root`` only (default: ``outputs`` of the
@@ -113,8 +122,8 @@ def find_checkpoint(resume: str, run_dir: Path, latest_root: Path | None = None,
     what = label or f"checkpoint.resume={resume!r}"
     path = Path(resume).expanduser().resolve()
     if not path.is_dir():
-        raise ConfigError(f"{what}: no such directory. Fix: a checkpoint directory (…/checkpoints/step-N), a run "
-                          f"directory{'' if label else ', or latest'}.")
+        raise ConfigError(f"{what}: no such directory.{_kept_instead(path)} Fix: a checkpoint directory "
+                          f"(…/checkpoints/step-N), a run directory{'' if label else ', or latest'}.")
     if (path / "checkpoints").is_dir():
         steps = complete_steps(path / "checkpoints")
         if not steps:

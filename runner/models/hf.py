@@ -95,6 +95,21 @@ def _import_transformers():
     return transformers
 
 
+def _not_a_model_dir(path: str, directory: Path) -> str:
+    """Why ``model.path`` is no model directory: not there (a Hub name, maybe), a file, or no config.json."""
+    fix = ("Fix: a local directory written by save_pretrained (config.json, and optionally *.safetensors and "
+           "tokenizer files)")
+    if directory.is_dir():
+        return f"model.path={path!r} holds no config.json. {fix}."
+    if directory.exists():
+        return f"model.path={path!r} is a file, not a directory. {fix}: model.path={str(directory.parent)!r}?"
+    where = "no such directory" + ("" if directory.is_absolute() else f" ({directory.resolve()})")
+    if not path.startswith(("/", "~", ".")) and path.count("/") == 1:  # organisation/name, as the Hub names models
+        return (f"model.path={path!r}: {where}; the runner reads local directories only and downloads nothing. {fix}: "
+                f"download it first (`hf download {path} --local-dir <dir>`), then model.path=<dir>.")
+    return f"model.path={path!r}: {where}. {fix}."
+
+
 def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = False,
               config_overrides: Mapping[str, Any] | None = None, attn_implementation: str | None = None) -> nn.Module:
     """The model factory of ``model=hf``: the causal LM of ``path`` (built on the current device:
@@ -103,8 +118,7 @@ def causal_lm(*, path: str, pretrained: bool = True, allow_unlisted: bool = Fals
     transformers = _import_transformers()
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
-        raise ConfigError(f"model.path={path!r} holds no config.json. Fix: a local directory written by "
-                          "save_pretrained (config.json, and optionally *.safetensors and tokenizer files).")
+        raise ConfigError(_not_a_model_dir(path, directory))
     overrides = dict(config_overrides or {})
     problem = remote_override_problem(overrides, attn_implementation) or remote_code_problem(directory, "model.path")
     if problem:  # before transformers reads an auto_map

@@ -88,9 +88,12 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
 
 
 def where_plan(out: Path) -> str:
-    """Where the planner's outputs are: its directory, then its files present (the probes' runs)."""
+    """Where the planner's outputs are: its directory, then its files present (the searched
+    schedules' CSVs, the probes' runs)."""
     names = [n for n in ("plan.json", "plan_timeline.json", "calibration.json", "fit.json", "probes/")
              if (out / n).exists()]
+    searched = sorted(p.name for p in out.glob("synthesized_*.csv"))
+    names[1:1] = [f"synthesized_*.csv ({len(searched)})"] if len(searched) > 1 else searched
     return f"\nplan dir  {out}\nfiles     {', '.join(names)}"
 
 

@@ -71,16 +71,17 @@ def table(candidates: list[Candidate]) -> str:
     *vs bound*: how much longer the simulated pipeline is than the lower bound for its layout;
     *peak act*: the most activations a rank holds, per action (an I keeps the weight gradient's
     share), in microbatches' activations and in MiB ("-" where no bytes are known); *rank mem*: the
-    whole-rank estimate of the fullest rank (``runner.plan.memory``)."""
+    whole-rank estimate of the fullest rank (``runner.plan.memory``; "-" where it is not known: a
+    costs file holds no parameters)."""
     def row(c: Candidate) -> str:
         p = c.prediction()
         held = max(c.peak_activation_mb) if c.peak_activation_mb else max(c.peak_activations)
-        nbytes = max(c.peak_activation_bytes)
+        nbytes, rank = max(c.peak_activation_bytes), max(c.rank_memory_bytes or [0])
         return (f"{mark(c)} {_name(c):<16} {c.microbatches:>2} {c.stages_per_rank:>2}  "
                 f"{p.step_s * 1e3:9.2f}  {c.bubble:6.3f}  "
                 f"{max(0.0, p.pipeline_s / p.lower_bound_s - 1):+8.1%}  {held:13.4g}  "
                 f"{f'{nbytes / 2**20:14.2f}' if nbytes else '-':>14}  "
-                f"{max(c.rank_memory_bytes or [0]) / 2**20:14.1f}  {'/'.join(map(str, c.stage_sizes))}{_degrees(c)}"
+                f"{f'{rank / 2**20:14.1f}' if rank else '-':>14}  {'/'.join(map(str, c.stage_sizes))}{_degrees(c)}"
                 f"{'' if c.fits_memory else '  over limit'}")
 
     return candidate_table("  schedule          m  v  step (ms)  bubble  vs bound  peak act (mb)  peak act (MiB)  "
@@ -111,7 +112,7 @@ def mark(c: Ranked) -> str:
 def candidate_table(header: str, candidates: Sequence[R], row: Callable[[R], str]) -> str:
     """``header``, a ``row`` per valid candidate, then how many are invalid (their reasons: plan.json)."""
     invalid = sum(not c.valid for c in candidates)
-    rows = [header, *(row(c) for c in candidates if c.valid)]
+    rows = [header, *(row(c).rstrip() for c in candidates if c.valid)]
     if invalid:
         rows.append(f"({invalid} invalid candidates; their reasons are in plan.json)")
     return "\n".join(rows)

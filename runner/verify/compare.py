@@ -30,10 +30,13 @@ def compare(
     *, rtol: float = TOLERANCES["fp32"][0], atol: float = TOLERANCES["fp32"][1],
 ) -> dict:
     """Largest absolute and relative gradient differences; ``passed`` as ``torch.allclose``
-    with ``rtol``/``atol`` on the loss and on every gradient, and no gradient missing."""
+    with ``rtol``/``atol`` on the loss and on every gradient, and no gradient missing.
+    ``tolerance_used``: the largest difference as a fraction of its element's tolerance
+    (``atol + rtol * |ref|``), at most 1 where it passed; the relative difference alone is
+    large wherever a gradient is near zero, which the ``atol`` admits."""
     problems = [f"{n}: no gradient in the pipeline" for n in ref if got.get(n) is None and ref[n] is not None]
     problems += [f"{n}: not in the unsplit model" for n in got if n not in ref]
-    max_abs = max_rel = 0.0
+    max_abs = max_rel = used = 0.0
     worst = None
     for name, r in ref.items():
         g = got.get(name)
@@ -44,6 +47,7 @@ def compare(
         if diff.max().item() > max_abs:
             max_abs, worst = diff.max().item(), name
         max_rel = max(max_rel, rel)
+        used = max(used, (diff / (atol + rtol * r.abs())).max().item()) if diff.numel() else used
         if not torch.allclose(g, r, rtol=rtol, atol=atol):
             problems.append(f"{name}: max abs diff {diff.max().item():.3g}")
     loss_diff = abs(loss - ref_loss)
@@ -56,6 +60,7 @@ def compare(
         "loss_abs_diff": loss_diff,
         "max_abs_diff": max_abs,
         "max_rel_diff": max_rel,
+        "tolerance_used": used,
         "worst_param": worst,
         "rtol": rtol,
         "atol": atol,
