@@ -172,37 +172,50 @@ def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_on
 
 @pytest.mark.timeout(60)
 def test_the_gpu_checks_section_holds_the_fitted_times_to_the_full_length_rehearsal(tmp_path):
-    """rehearse-8b-pp4-fit (times fitted through two short sequences) against rehearse-8b-pp4's
-    full-length times, from their rehearsal.json files: each stage action's ratio and the step's;
-    the fitted ranks' step cell is the one measured at the short length."""
+    """rehearse-8b-pp4-fit (times fitted through two short sequences; rank 3 by default) against the
+    same rank of rehearse-8b-pp4 (finished, or cut short after it): each stage action's median over
+    microbatches and its ratio; the composed step's ratio where both composed one; the fitted ranks'
+    step cell is the one measured at the short length."""
     from bench.sections.gpu_checks import collect
 
-    out = tmp_path / "gpu"
-    machine = {"cpu": "x", "cores": 16, "torch": "2.11", "device": "cuda", "device_name": "1 x NVIDIA H100"}
+    out, machine = tmp_path / "gpu", {"cpu": "x", "cores": 16, "torch": "2.11", "device": "cuda", "device_name": "x"}
     peak = {"params": 8e9, "grads": 8e9, "optimizer_state": 16e9, "activations_and_rest": 10e9, "total": 42e9}
     times = {"measured_at_seq_len": 128, "fit_seq_len": 64, "scaled_to_seq_len": 512, "measured_step_s": 0.31}
-    runs = {"rehearse-8b-pp4": ({"0F": 0.1, "0B": 0.2, "0I": 0.0005}, 1.0, {"step_s": 0.9}),
-            "rehearse-8b-pp4-fit": ({"0F": 0.11, "0B": 0.17, "0I": 0.004}, 0.95, {"step_s": None, "times": times})}
-    for name, (costs, step, rank) in runs.items():
-        (out / "runs" / name).mkdir(parents=True)
-        (out / "runs" / name / "rehearsal.json").write_text(json.dumps(
-            {"ranks": [{"rank": 0, "peak_bytes": peak, **rank}], "step": {"stage_costs_s": costs, "step_s": step}}))
-    write_section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
-                  machine=machine)
-    text = render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
-    assert "| rehearse-8b-pp4 | 0 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.900 |" in text
-    assert "| rehearse-8b-pp4-fit | 0 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.310 at 128 tokens |" in text
-    assert "*partial*" not in text
-    assert "times measured at 64 and 128 tokens" in text and "fitted to 512" in text
-    assert "| 0B | 0.2000 | 0.1700 | 0.85 |" in text
-    assert "| 0F | 0.1000 | 0.1100 | 1.10 |" in text
-    assert "| 0I | 0.0005 | 0.0040 |  |" in text  # under 1 ms at full length: the timer's, no ratio
-    assert "| step | 1.0000 | 0.9500 | 0.95 |" in text
-    # Without the full-length rehearsal's composed step (cut short), no comparison.
+
+    def rank(r, f, b, **more):  # F and B of its stage (= r) over 3 microbatches, the middle one the median
+        actions = [{"stage": r, "kind": k, "microbatch": m, "seconds": t * (1 + (m - 1) / 10)}
+                   for k, t in (("F", f), ("B", b), ("I", 0.0005)) for m in range(3)]
+        return {"rank": r, "peak_bytes": peak, "actions": actions, **more}
+
+    def write(name, ranks, step=None):
+        (out / "runs" / name).mkdir(parents=True, exist_ok=True)
+        (out / "runs" / name / "rehearsal.json").write_text(json.dumps({"ranks": ranks, "step": step}))
+
+    def text():
+        write_section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
+                      machine=machine)
+        return render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
+
+    write("rehearse-8b-pp4", [rank(0, 0.5, 0.9, step_s=0.9), rank(3, 0.1, 0.2, step_s=0.9)], {"step_s": 1.0})
+    write("rehearse-8b-pp4-fit", [rank(3, 0.11, 0.17, step_s=None, times=times)])
+    got = text()
+    assert "| rehearse-8b-pp4 | 3 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.900 |" in got
+    assert "| rehearse-8b-pp4-fit | 3 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.310 at 128 tokens |" in got
+    assert "*partial*" not in got and "rank 3 again" in got and "times measured at 64 and 128 tokens" in got
+    assert "| 3F | 0.1000 | 0.1100 | 1.10 |" in got and "| 3B | 0.2000 | 0.1700 | 0.85 |" in got
+    assert "| 3I | 0.0005 | 0.0005 |  |" in got  # under 1 ms at full length: the timer's, no ratio
+    assert "0B" not in got and "| step |" not in got and "no composed step" in got
+    # Every rank fitted, both steps composed: the step's ratio too.
+    write("rehearse-8b-pp4-fit", [rank(0, 0.5, 0.9, times=times), rank(3, 0.11, 0.17, times=times)], {"step_s": 0.95})
+    got = text()
+    assert "| 0B | 0.9000 | 0.9000 | 1.00 |" in got and "| step | 1.0000 | 0.9500 | 0.95 |" in got
+    # The full length cut short after rank 3 (its own file, no rehearsal.json): the actions still compare.
     (out / "runs" / "rehearse-8b-pp4" / "rehearsal.json").unlink()
-    write_section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
-                  machine=machine)
-    assert "fitted / full" not in render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal").mkdir()
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal" / "rank3.json").write_text(json.dumps(rank(3, 0.1, 0.2)))
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal" / "rank3-time.json").write_text("{}")  # a pass: not a rank
+    got = text()
+    assert "*partial*" in got and "| 3B | 0.2000 | 0.1700 | 0.85 |" in got and "| step |" not in got
 
 
 @pytest.mark.multiprocess

@@ -155,27 +155,45 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
     return lines + _target_lines(res) + _fit_lines(res)
 
 
+def _action_medians(ranks: list[Mapping[str, Any]]) -> dict[str, float]:
+    """Each stage action's time (stage and kind), the median over its microbatches, as the composed
+    step takes it (``stage_costs_s``), from the ranks' timed actions."""
+    times: dict[str, list[float]] = {}
+    for r in ranks:
+        for a in r.get("actions") or []:
+            times.setdefault(f"{a['stage']}{a['kind']}", []).append(a["seconds"])
+    return {k: statistics.median(v) for k, v in sorted(times.items())}
+
+
 def _fit_lines(res: Mapping[str, Any]) -> list[str]:
-    """The pp=4 rehearsal's times fitted through two short sequences (``FITTED``) against its
-    full-length rehearsal (``FULL``): each stage action's composed time and the composed step, as
-    the CPU section ``rehearsal_scale`` reports them; nothing unless both composed a step."""
+    """The pp=4 rehearsal's times fitted through two short sequences (``FITTED``: its ranks, rank 3
+    by default) against the same ranks of the full-length rehearsal (``FULL``, finished or cut
+    short): each stage action's time as the composed step takes it, and the composed step where
+    both composed one (every pipeline rank rehearsed), as the CPU section ``rehearsal_scale``
+    reports them; nothing unless the fit finished and the full length has its ranks."""
     fitted, full = (res["rehearsals"].get(name) for name in (FITTED, FULL))
-    if not (fitted and full and fitted["step"] and full["step"]):
+    if not (fitted and full and not fitted["partial"]):
         return []
-    got, base = fitted["step"]["stage_costs_s"], full["step"]["stage_costs_s"]
+    ids = {r["rank"] for r in fitted["ranks"]}
+    got, base = _action_medians(fitted["ranks"]), _action_medians([r for r in full["ranks"] if r["rank"] in ids])
+    if not base:
+        return []
     rows = ["| stage action | full length (s) | fitted (s) | fitted / full |", "|---|---|---|---|"]
-    for key, full_s in sorted(base.items()):
+    for key, full_s in base.items():
         ratio = f"{got[key] / full_s:.2f}" if key in got and full_s >= TIMER_FLOOR_S else ""
         rows.append(f"| {key} | {full_s:.4f} | {got.get(key, float('nan')):.4f} | {ratio} |")
-    step, fit_step = full["step"]["step_s"], fitted["step"]["step_s"]
-    rows.append(f"| step | {step:.4f} | {fit_step:.4f} | {fit_step / step:.2f} |")
+    if fitted["step"] and full["step"]:
+        step, fit_step = full["step"]["step_s"], fitted["step"]["step_s"]
+        rows.append(f"| step | {step:.4f} | {fit_step:.4f} | {fit_step / step:.2f} |")
     times = fitted["ranks"][0]["times"]
-    return [f"The same pp=4 ranks ({FITTED}) with times measured at {times['fit_seq_len']} and "
-            f"{times['measured_at_seq_len']} tokens (`rehearse.time_fit_seq_len`, `rehearse.time_seq_len`) and "
-            f"fitted to {times['scaled_to_seq_len']} (each action's line a + b * FLOPs through the two: "
-            f"docs/rehearsal.md), against {FULL}'s times measured at {times['scaled_to_seq_len']}: per stage action "
-            "(stage and kind; the composed step's median over microbatches) and the composed step. Ratios of an "
-            "action under 1 ms at full length are left out (they measure the timer).", "", *rows, ""]
+    return [f"The pp=4 rehearsal's rank{'s' if len(ids) > 1 else ''} {', '.join(map(str, sorted(ids)))} again "
+            f"({FITTED}) with times measured at {times['fit_seq_len']} and {times['measured_at_seq_len']} tokens "
+            f"(`rehearse.time_fit_seq_len`, `rehearse.time_seq_len`) and fitted to {times['scaled_to_seq_len']} (each "
+            f"action's line a + b * FLOPs through the two: docs/rehearsal.md), against {FULL}'s times measured at "
+            f"{times['scaled_to_seq_len']}: per stage action (stage and kind; the median over microbatches, as the "
+            "composed step takes it)" + (" and the composed step" if fitted["step"] and full["step"] else
+                                         "; no composed step: not every pipeline rank was fitted") +
+            ". Ratios of an action under 1 ms at full length are left out (they measure the timer).", "", *rows, ""]
 
 
 def _target_lines(res: Mapping[str, Any]) -> list[str]:
