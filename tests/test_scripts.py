@@ -496,14 +496,15 @@ def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_wit
 @pytest.mark.timeout(300)
 def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     # The dry run a GPU host's first call depends on (docs/testing.md): the pp=1 run, the
-    # hand-written loop over it and plan.target, then results.json as the bench section reads it.
+    # hand-written loop over it, the pp=4 rehearsal, plan.target and the fitted rehearsal of rank 3,
+    # then results.json as the bench section reads it.
     out = tmp_path / "gpu"
+    checks = ["env", "1b-bf16", "loop-1b-bf16", "rehearse-8b-pp4", "target-8b", "rehearse-8b-pp4-fit", "results"]
     done = run_cli(program=["bash", str(ROOT / "scripts" / "gpu_checks.sh")], cwd=ROOT, timeout=280,
-                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1",
-                        "GPU_CHECKS_ONLY": "env 1b-bf16 loop-1b-bf16 target-8b results"})
+                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1", "GPU_CHECKS_ONLY": " ".join(checks)})
     assert done.returncode == 0, done.stderr
     lines = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["env", "1b-bf16", "loop-1b-bf16", "target-8b", "results"]
+    assert [line.split(":")[0] for line in lines] == checks
     assert all(": exit 0 in " in line for line in lines), lines
     results = json.loads((out / "results.json").read_text())
     run = results["pp1"]["1b-bf16"]
@@ -514,6 +515,13 @@ def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     assert run["precision"] == "bf16" and run["tokens_per_s"] > 0
     assert len(results["hand_loop_s"]) == 8 and all(t > 0 for t in results["hand_loop_s"])
     assert results["target"] and all(c["schedule"] == "1f1b" for c in results["target"])
+    full, fitted = results["rehearsals"]["rehearse-8b-pp4"], results["rehearsals"]["rehearse-8b-pp4-fit"]
+    assert [r["rank"] for r in full["ranks"]] == [0, 1, 2, 3] and full["step"]["step_s"] > 0
+    (rank,) = fitted["ranks"]  # rank 3 alone: no composed step
+    times = rank["times"]
+    assert rank["rank"] == 3 and fitted["step"] is None and rank["seq_len"] == 32
+    assert (times["fit_seq_len"], times["measured_at_seq_len"], times["scaled_to_seq_len"]) == (4, 8, 32)
+    assert {f"{a['stage']}{a['kind']}" for a in rank["actions"]} == {"3F", "3B"}
 
 
 @pytest.mark.timeout(60)
