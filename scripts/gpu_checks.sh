@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU checks (issue #35): what a lent GPU host runs first, in one call of at most
-# 9 minutes (run it with the device tool's timeout_s=560), most important first, each with its own timeout, each writing its results as it ends
-# (a run cut short still leaves the earlier ones). Results: $OUT (the device tool's folder) or
+# 9 minutes (run it with the device tool's timeout_s=560), most important first, each with its own
+# timeout, each writing its results as it ends (a run cut short still leaves the earlier ones). Results: $OUT (the device tool's folder) or
 # ./gpu-results: summary.txt (one line per check: status and seconds), <check>.log, and
 # results.json (what bench/sections/gpu_checks.py renders into BENCHMARKS-cuda.md: parameters, tokens/s,
 # step and memory per run, the rehearsed ranks, plan.target's estimate; MFU computed when rendered).
@@ -11,7 +11,8 @@
 #   GPU_CHECKS_ONLY="target-8b results" bash scripts/gpu_checks.sh   # a rerun of some checks
 #
 # The GPU image may carry another torch (2.11 on the first host) and lack Hydra: put the packages
-# it lacks on PYTHONPATH (the device tool's `carry`), as docs/testing.md says.
+# it lacks on PYTHONPATH (the device tool's `carry`), as docs/testing.md says. docs/testing.md also
+# gives each check's seconds on an H100 and the device tool's call for the checks not yet run there.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -74,17 +75,32 @@ LlamaConfig(hidden_size=64 if small else 4096, intermediate_size=128 if small el
             num_key_value_heads=2 if small else 8, vocab_size=256 if small else 128256,
             max_position_embeddings=8192, tie_word_embeddings=False).save_pretrained(sys.argv[1])
 EOF
-HF=(model=hf "model.path=$OUT/llama-8b" model.pretrained=false "train.seq_len=$([ -n "$SMALL" ] && echo 32 || echo 512)"
-    train.batch_size=8 train.precision=bf16)
+SEQ=512; [ -n "$SMALL" ] && SEQ=32
+HF=(model=hf "model.path=$OUT/llama-8b" model.pretrained=false "train.seq_len=$SEQ" train.batch_size=8 train.precision=bf16)
 # On the H100 (2026-11-27) an fp32 rank of pp=4 took about a minute (start, build, 3 tracked steps at
 # 0.9 s, the timed and profiled ones): bf16, and room for the 4 stage positions one after another.
 # (Since then a rehearsal tracks one step, not two, and runs its ranks in one process: not yet timed on a GPU.)
+# Most of a rank is its build: each module initialised whole on the CPU (about 2.5 s an 8B decoder layer on
+# a CPU core), so FSDP's one rank initialises all 32. No profiled step (no trace): the time goes to the ranks.
 check rehearse-8b-pp4 200 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=4 parallel.microbatches=4 \
-    "hydra.run.dir=$OUT/runs/rehearse-8b-pp4"
-check rehearse-8b-fsdp8 120 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=1 parallel.dp=8 \
-    parallel.dp_mode=fsdp parallel.microbatches=1 "hydra.run.dir=$OUT/runs/rehearse-8b-fsdp8"
+    profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-pp4"
+check rehearse-8b-fsdp8 150 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=1 parallel.dp=8 \
+    parallel.dp_mode=fsdp parallel.microbatches=1 profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-fsdp8"
 check target-8b 120 python -m runner.plan "${HF[@]}" "plan.target='NVIDIA H100'" plan.world_size=8 \
     "hydra.run.dir=$OUT/runs/target-8b"
+
+# Lowest priority: rehearse.time_fit_seq_len on the same pp=4 ranks, times measured at S/4 and S/8 (128
+# and 64 tokens) and fitted to S = 512 (docs/rehearsal.md, "How close the scaled times are"), against
+# rehearse-8b-pp4's full-length times: each stage action's ratio and, where every pipeline rank was
+# fitted, the composed step's, as the CPU rehearsal_scale bench section reports them (BENCHMARKS-cuda.md).
+# A fitted rank is built three times (memory at S, times at S/4 and at S/8), each initialising its
+# quarter of the 8B model on the CPU (about 20 s on an H100 host): rank 3 alone (the head's stage, the
+# vocabulary-sized projection the fit is for) by default; GPU_CHECKS_FIT_RANKS=null fits all four
+# ranks and composes the step (about 300 s: a call of its own, with 450 s for the check).
+FIT_LIMIT=240; [ "${GPU_CHECKS_FIT_RANKS:-}" = null ] && FIT_LIMIT=450
+check rehearse-8b-pp4-fit "$FIT_LIMIT" python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=4 parallel.microbatches=4 \
+    "rehearse.ranks=${GPU_CHECKS_FIT_RANKS:-[3]}" "rehearse.time_seq_len=$(( SEQ / 4 ))" \
+    "rehearse.time_fit_seq_len=$(( SEQ / 8 ))" profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-pp4-fit"
 
 # What the runs measured, in one file (the benchmark section's own reading, rendered into
 # BENCHMARKS-cuda.md: bench/sections/gpu_checks.py): per pp=1 run its parameters, tokens/s, step and

@@ -21,7 +21,7 @@ from runner.outputs.timeline import (
     write_chrome_trace,
 )
 from runner.pipeline.ops import Op
-from runner.pipeline.recorder import Action, StepSpan
+from runner.pipeline.recorder import Action, Recorder, StepSpan
 from runner.pipeline.registry import theoretical_bubble
 from runner.pipeline.schedule import SCHEDULES, schedule_order
 from runner.pipeline.simulate import (
@@ -189,6 +189,10 @@ def test_tp_collectives_are_read_from_the_trace_paired_by_thread_and_put_on_the_
     assert got == [Collective("all_reduce", 5_012_000, 5_017_000, 2_000),
                    Collective("all_reduce", 5_032_000, 5_035_000, 1_000),
                    Collective("all_gather_into_tensor", 5_031_000, 5_043_000, 3_000)]
+    # A CUDA trace also holds each range on the device's stream, later: the host's are placed.
+    on_gpu = [{**x("compute:0F0", 11, 12, tid=7), "cat": "gpu_user_annotation"},
+              {**x("compute:0B0", 33, 25, tid=7), "cat": "gpu_user_annotation"}]
+    assert tp_collectives({"traceEvents": events + on_gpu}, actions, steps) == got
     # A trace that did not record the same actions cannot be placed: nothing rather than a guess.
     assert tp_collectives({"traceEvents": events}, actions[:1], steps) == []
     slices = measured_slices({0: actions}, {0: steps}, {0: got})
@@ -198,3 +202,28 @@ def test_tp_collectives_are_read_from_the_trace_paired_by_thread_and_put_on_the_
     meta = [e for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"] if e["ph"] == "M"]
     assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name" and e["tid"] == 2} == \
         {(0, "tp collectives")}  # rank 1 ran no tp collective: no empty lane
+
+
+def test_a_recorder_that_waits_for_the_device_times_an_action_by_its_work_not_its_launch():
+    # A fake device on a fake clock (ns): a call returns at once and its kernels run later, as CUDA's
+    # do; ``synchronize`` waits for what is queued. The rehearsal sets it (a GPU's per-action times).
+    clock = {"now": 0, "queued": 0}
+
+    def synchronize():
+        clock["now"] += clock["queued"]
+        clock["queued"] = 0
+
+    def timed(sync, *, active=True):
+        recorder = Recorder()
+        recorder._now = lambda: clock["now"]  # type: ignore[method-assign]
+        recorder.active, recorder.synchronize = active, sync
+        clock["queued"] = 7  # work queued before the action: not its own
+        with recorder.pipeline_step(1), recorder.action(0, "F", 0):
+            clock["now"] += 1  # the launch
+            clock["queued"] += 100  # its kernels
+        return [a.end_ns - a.start_ns for a in recorder.actions]
+
+    assert timed(None) == [1]  # the host's clock alone: the launch
+    assert timed(synchronize) == [101]
+    calls = []
+    assert timed(lambda: calls.append(1), active=False) == [] and calls == []  # outside the window: no wait

@@ -78,6 +78,52 @@ def test_receives_are_finite_and_the_pipeline_vote_reads_static(rank_37_of_256):
     assert counts["world"]["vote_recv"] == {"count": 1, "bytes": 4}  # not a pipeline message
 
 
+def test_a_v_shaped_ranks_warm_up_sends_nothing_to_its_own_rank():
+    # Rank 1 of pp=2 under ZBV holds stages 1 and 2, each the other's neighbour: torch 2.11's warm-up
+    # (gloo refused a message to oneself) keeps only the messages to rank 0, asked of torch's stage.
+    from torch.distributed.pipelining import PipelineStage
+
+    from runner._torch import pp as _torch_pp
+
+    reset_collectives()
+    init_rehearsal(1, 2, torch.device("cpu"))
+    try:
+        stages = [PipelineStage(nn.Linear(2, 2), i, 4, torch.device("cpu")) for i in (1, 2)]
+        for stage in stages:
+            stage.stage_index_to_group_rank = {0: 0, 1: 1, 2: 1, 3: 0}
+            _torch_pp.no_warmup_to_self(stage)
+        ops = [(op.op.__name__, op.group_peer) for stage in stages for op in stage._get_init_p2p_neighbors_ops()]
+        assert ops == [("irecv", 0), ("isend", 0), ("isend", 0), ("irecv", 0)]  # of 8: the other 4 to rank 1
+    finally:
+        dist.destroy_process_group()
+        reset_collectives()
+
+
+def test_stages_check_their_outputs_as_torch_2_13_does(monkeypatch):
+    # torch 2.11 checked every stage's outputs on every forward against metadata that need not
+    # describe them (static: the meta pass's dtypes, not the autocast's; inferred: contiguous, where
+    # a vocabulary-parallel head returns a view): never the last stage's, the others' under
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL only (a stage without that method, 2.13's, is left alone).
+    from runner._torch import pp as _torch_pp
+
+    class Stage211:
+        def __init__(self, is_last: bool):
+            self.is_last, self.checked = is_last, []
+
+        def _validate_fwd_outputs(self, outputs):
+            self.checked.append(outputs)
+
+    middle, last = Stage211(False), Stage211(True)
+    for stage in (middle, last):
+        _torch_pp.check_outputs_as_213(stage)  # type: ignore[arg-type]
+        stage._validate_fwd_outputs("out")
+    assert middle.checked == last.checked == []
+    monkeypatch.setattr(dist, "get_debug_level", lambda: dist.DebugLevel.DETAIL)
+    for stage in (middle, last):
+        stage._validate_fwd_outputs("out")
+    assert middle.checked == ["out"] and last.checked == []
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["rehearse.ranks=[0,4]"], "rehearse.ranks=[0, 4]: [4] outside this run's ranks 0..3"),
     (["rehearse.capacity=eighty"], "rehearse.capacity"),
@@ -593,6 +639,26 @@ def test_a_gpus_name_finds_its_peaks_by_the_longest_table_name_it_begins_with():
     assert lookup_peaks("NVIDIA A100").name == "NVIDIA A100"
     assert lookup_peaks("nvidia h100 pcie").name == "NVIDIA H100"
     assert lookup_peaks("NVIDIA H1000") is None
+
+
+def test_a_ranks_peak_is_read_on_its_own_device_whatever_order_the_tracker_keeps_its_devices_in():
+    # A GPU rank's tracker also saw the CPU (AdamW's step counts live there): its peak is the GPU's.
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
+
+    from runner._torch.rehearsal import peak_split
+
+    gpu = {_MemRefType.PARAM: 100, _MemRefType.GRAD: 100, _MemRefType.OPT: 200, _TOTAL_KEY: 450}
+    cpu = {_MemRefType.OPT: 8, _TOTAL_KEY: 8}
+
+    class Tracker:
+        def get_tracker_snapshot(self, kind):
+            assert kind == "peak"
+            return {torch.device("cpu"): cpu, torch.device("cuda", 0): gpu}
+
+    assert peak_split(Tracker(), torch.device("cuda", 0)) == {
+        "params": 100, "grads": 100, "optimizer_state": 200, "activations_and_rest": 50, "total": 450}
+    assert peak_split(Tracker(), torch.device("cpu")) == {
+        "params": 0, "grads": 0, "optimizer_state": 8, "activations_and_rest": 0, "total": 8}
 
 
 def test_memory_verdicts_fit_or_name_the_rank_and_advise_fsdp_where_dp_replicates():

@@ -170,6 +170,54 @@ def test_the_gpu_checks_section_renders_what_the_script_left_and_runs_on_gpus_on
     assert "gpu_checks" not in render(tmp_path / "empty", tmp_path / "BENCHMARKS.md")
 
 
+@pytest.mark.timeout(60)
+def test_the_gpu_checks_section_holds_the_fitted_times_to_the_full_length_rehearsal(tmp_path):
+    """rehearse-8b-pp4-fit (times fitted through two short sequences; rank 3 by default) against the
+    same rank of rehearse-8b-pp4 (finished, or cut short after it): each stage action's median over
+    microbatches and its ratio; the composed step's ratio where both composed one; the fitted ranks'
+    step cell is the one measured at the short length."""
+    from bench.sections.gpu_checks import collect
+
+    out, machine = tmp_path / "gpu", {"cpu": "x", "cores": 16, "torch": "2.11", "device": "cuda", "device_name": "x"}
+    peak = {"params": 8e9, "grads": 8e9, "optimizer_state": 16e9, "activations_and_rest": 10e9, "total": 42e9}
+    times = {"measured_at_seq_len": 128, "fit_seq_len": 64, "scaled_to_seq_len": 512, "measured_step_s": 0.31}
+
+    def rank(r, f, b, **more):  # F and B of its stage (= r) over 3 microbatches, the middle one the median
+        actions = [{"stage": r, "kind": k, "microbatch": m, "seconds": t * (1 + (m - 1) / 10)}
+                   for k, t in (("F", f), ("B", b), ("I", 0.0005)) for m in range(3)]
+        return {"rank": r, "peak_bytes": peak, "actions": actions, **more}
+
+    def write(name, ranks, step=None):
+        (out / "runs" / name).mkdir(parents=True, exist_ok=True)
+        (out / "runs" / name / "rehearsal.json").write_text(json.dumps({"ranks": ranks, "step": step}))
+
+    def text():
+        write_section(tmp_path / "cuda", "gpu_checks", {"device_name": "NVIDIA H100 80GB HBM3", **collect(out)},
+                      machine=machine)
+        return render(tmp_path / "cuda", tmp_path / "BENCHMARKS-cuda.md")
+
+    write("rehearse-8b-pp4", [rank(0, 0.5, 0.9, step_s=0.9), rank(3, 0.1, 0.2, step_s=0.9)], {"step_s": 1.0})
+    write("rehearse-8b-pp4-fit", [rank(3, 0.11, 0.17, step_s=None, times=times)])
+    got = text()
+    assert "| rehearse-8b-pp4 | 3 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.900 |" in got
+    assert "| rehearse-8b-pp4-fit | 3 | 8.00 | 8.00 | 16.00 | 10.00 | 42.00 | 0.310 at 128 tokens |" in got
+    assert "*partial*" not in got and "rank 3 again" in got and "times measured at 64 and 128 tokens" in got
+    assert "| 3F | 0.1000 | 0.1100 | 1.10 |" in got and "| 3B | 0.2000 | 0.1700 | 0.85 |" in got
+    assert "| 3I | 0.0005 | 0.0005 |  |" in got  # under 1 ms at full length: the timer's, no ratio
+    assert "0B" not in got and "| step |" not in got and "no composed step" in got
+    # Every rank fitted, both steps composed: the step's ratio too.
+    write("rehearse-8b-pp4-fit", [rank(0, 0.5, 0.9, times=times), rank(3, 0.11, 0.17, times=times)], {"step_s": 0.95})
+    got = text()
+    assert "| 0B | 0.9000 | 0.9000 | 1.00 |" in got and "| step | 1.0000 | 0.9500 | 0.95 |" in got
+    # The full length cut short after rank 3 (its own file, no rehearsal.json): the actions still compare.
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal.json").unlink()
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal").mkdir()
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal" / "rank3.json").write_text(json.dumps(rank(3, 0.1, 0.2)))
+    (out / "runs" / "rehearse-8b-pp4" / "rehearsal" / "rank3-time.json").write_text("{}")  # a pass: not a rank
+    got = text()
+    assert "*partial*" in got and "| 3B | 0.2000 | 0.1700 | 0.85 |" in got and "| step |" not in got
+
+
 @pytest.mark.multiprocess
 def test_bench_script_runs_the_package_from_any_directory(tmp_path):
     # scripts/bench.py is a shim: it must find the bench package, not itself, wherever it is started
@@ -448,14 +496,15 @@ def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_wit
 @pytest.mark.timeout(300)
 def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     # The dry run a GPU host's first call depends on (docs/testing.md): the pp=1 run, the
-    # hand-written loop over it and plan.target, then results.json as the bench section reads it.
+    # hand-written loop over it, the pp=4 rehearsal, plan.target and the fitted rehearsal of rank 3,
+    # then results.json as the bench section reads it.
     out = tmp_path / "gpu"
+    checks = ["env", "1b-bf16", "loop-1b-bf16", "rehearse-8b-pp4", "target-8b", "rehearse-8b-pp4-fit", "results"]
     done = run_cli(program=["bash", str(ROOT / "scripts" / "gpu_checks.sh")], cwd=ROOT, timeout=280,
-                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1",
-                        "GPU_CHECKS_ONLY": "env 1b-bf16 loop-1b-bf16 target-8b results"})
+                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1", "GPU_CHECKS_ONLY": " ".join(checks)})
     assert done.returncode == 0, done.stderr
     lines = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["env", "1b-bf16", "loop-1b-bf16", "target-8b", "results"]
+    assert [line.split(":")[0] for line in lines] == checks
     assert all(": exit 0 in " in line for line in lines), lines
     results = json.loads((out / "results.json").read_text())
     run = results["pp1"]["1b-bf16"]
@@ -466,6 +515,13 @@ def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     assert run["precision"] == "bf16" and run["tokens_per_s"] > 0
     assert len(results["hand_loop_s"]) == 8 and all(t > 0 for t in results["hand_loop_s"])
     assert results["target"] and all(c["schedule"] == "1f1b" for c in results["target"])
+    full, fitted = results["rehearsals"]["rehearse-8b-pp4"], results["rehearsals"]["rehearse-8b-pp4-fit"]
+    assert [r["rank"] for r in full["ranks"]] == [0, 1, 2, 3] and full["step"]["step_s"] > 0
+    (rank,) = fitted["ranks"]  # rank 3 alone: no composed step
+    times = rank["times"]
+    assert rank["rank"] == 3 and fitted["step"] is None and rank["seq_len"] == 32
+    assert (times["fit_seq_len"], times["measured_at_seq_len"], times["scaled_to_seq_len"]) == (4, 8, 32)
+    assert {f"{a['stage']}{a['kind']}" for a in rank["actions"]} == {"3F", "3B"}
 
 
 @pytest.mark.timeout(60)

@@ -1,7 +1,9 @@
 """The prepared GPU checks (``scripts/gpu_checks.sh``, docs/testing.md) as a section of
 BENCHMARKS-cuda.md: a Llama-1B-shaped model at pp=1 (bf16, fp32, bf16 compiled; tokens/s, MFU,
-the runner against a hand-written loop) and Llama-3-8B-shaped ranks rehearsed, beside what
-``plan.target`` estimates for the same ranks. CUDA only: it runs the script on this host's GPU."""
+the runner against a hand-written loop), Llama-3-8B-shaped ranks rehearsed, beside what
+``plan.target`` estimates for the same ranks, and the pp=4 rehearsal's times fitted from short
+sequences (``rehearse.time_fit_seq_len``) against its full-length ones. CUDA only: it runs the
+script on this host's GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from bench.common import ROOT
 from bench.markdown import meta_line
 from bench.runs import Context
 from bench.section import Page, Section
+from bench.sections.rehearsal_scale import TIMER_FLOOR_S
 
 GB = 1e9
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
@@ -23,6 +26,8 @@ SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 # under DDP, dp changes neither a rank's stage nor its memory).
 SAME_LAYOUT = {"rehearse-8b-pp4": {"schedule": "1f1b", "pp": 4, "microbatches": 4, "dp_mode": "ddp"},
                "rehearse-8b-fsdp8": {"schedule": "1f1b", "pp": 1, "microbatches": 1, "dp_mode": "fsdp"}}
+# The rehearsal with fitted times (rehearse.time_fit_seq_len) and the full-length one it is held to.
+FITTED, FULL = "rehearse-8b-pp4-fit", "rehearse-8b-pp4"
 
 
 def _rehearsal(run: Path) -> dict[str, Any] | None:
@@ -32,7 +37,9 @@ def _rehearsal(run: Path) -> dict[str, Any] | None:
     if report.is_file():
         data = json.loads(report.read_text())
         return {"ranks": data["ranks"], "step": data.get("step"), "partial": False}
-    ranks = [json.loads(p.read_text()) for p in sorted((run / "rehearsal").glob("rank*.json"))]
+    # A rank's own file (rank<r>.json; not rank<r>-time.json, a pass of scaled times).
+    ranks = [json.loads(p.read_text()) for p in sorted((run / "rehearsal").glob("rank*.json"))
+             if p.stem[4:].isdigit()]
     return {"ranks": ranks, "step": None, "partial": True} if ranks else None
 
 
@@ -108,8 +115,19 @@ def _rehearsal_rows(res: Mapping[str, Any]) -> list[str]:
             p = r["peak_bytes"]
             rows.append(f"| {name}{' (partial)' if reh['partial'] else ''} | {r['rank']} | {p['params'] / GB:.2f} | "
                         f"{p['grads'] / GB:.2f} | {p['optimizer_state'] / GB:.2f} | "
-                        f"{p['activations_and_rest'] / GB:.2f} | {p['total'] / GB:.2f} | {r.get('step_s', 0):.3f} |")
+                        f"{p['activations_and_rest'] / GB:.2f} | {p['total'] / GB:.2f} | {_step_cell(r)} |")
     return rows
+
+
+def _step_cell(rank: Mapping[str, Any]) -> str:
+    """A rehearsed rank's timed step (s); with scaled or fitted times, the step measured at the
+    short length, said so; "-" where none was timed (a partial rehearsal's memory pass)."""
+    if rank.get("step_s") is not None:
+        return f"{rank['step_s']:.3f}"
+    times = rank.get("times") or {}
+    if times.get("measured_step_s") is not None:
+        return f"{times['measured_step_s']:.3f} at {times['measured_at_seq_len']} tokens"
+    return "-"
 
 
 def render(data: Mapping[str, Any], page: Page) -> list[str]:
@@ -129,11 +147,53 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
                   f"(`bench/programs/single_loop.py`): {loop_s:.3f} s a step; the runner's step is "
                   f"{bf16['step_time_s'] / loop_s:.2f}x it.", ""]
     if res["rehearsals"]:
+        partial = any(reh["partial"] for reh in res["rehearsals"].values())
         lines += ["Llama-3-8B-shaped ranks rehearsed (`rehearse=on`, a config-only directory: hidden 4096, 32 "
-                  "layers, vocabulary 128256; sequence 512, batch 8). *partial*: the check's time ran out after "
-                  "these ranks; no composed step.", "", *_rehearsal_rows(res), ""]
-    lines += _target_lines(res)
-    return lines
+                  "layers, vocabulary 128256; sequence 512, batch 8)."
+                  + (" *partial*: the check's time ran out after these ranks; no composed step." if partial else ""),
+                  "", *_rehearsal_rows(res), ""]
+    return lines + _target_lines(res) + _fit_lines(res)
+
+
+def _action_medians(ranks: list[Mapping[str, Any]]) -> dict[str, float]:
+    """Each stage action's time (stage and kind), the median over its microbatches, as the composed
+    step takes it (``stage_costs_s``), from the ranks' timed actions."""
+    times: dict[str, list[float]] = {}
+    for r in ranks:
+        for a in r.get("actions") or []:
+            times.setdefault(f"{a['stage']}{a['kind']}", []).append(a["seconds"])
+    return {k: statistics.median(v) for k, v in sorted(times.items())}
+
+
+def _fit_lines(res: Mapping[str, Any]) -> list[str]:
+    """The pp=4 rehearsal's times fitted through two short sequences (``FITTED``: its ranks, rank 3
+    by default) against the same ranks of the full-length rehearsal (``FULL``, finished or cut
+    short): each stage action's time as the composed step takes it, and the composed step where
+    both composed one (every pipeline rank rehearsed), as the CPU section ``rehearsal_scale``
+    reports them; nothing unless the fit finished and the full length has its ranks."""
+    fitted, full = (res["rehearsals"].get(name) for name in (FITTED, FULL))
+    if not (fitted and full and not fitted["partial"]):
+        return []
+    ids = {r["rank"] for r in fitted["ranks"]}
+    got, base = _action_medians(fitted["ranks"]), _action_medians([r for r in full["ranks"] if r["rank"] in ids])
+    if not base:
+        return []
+    rows = ["| stage action | full length (s) | fitted (s) | fitted / full |", "|---|---|---|---|"]
+    for key, full_s in base.items():
+        ratio = f"{got[key] / full_s:.2f}" if key in got and full_s >= TIMER_FLOOR_S else ""
+        rows.append(f"| {key} | {full_s:.4f} | {got.get(key, float('nan')):.4f} | {ratio} |")
+    if fitted["step"] and full["step"]:
+        step, fit_step = full["step"]["step_s"], fitted["step"]["step_s"]
+        rows.append(f"| step | {step:.4f} | {fit_step:.4f} | {fit_step / step:.2f} |")
+    times = fitted["ranks"][0]["times"]
+    return [f"The pp=4 rehearsal's rank{'s' if len(ids) > 1 else ''} {', '.join(map(str, sorted(ids)))} again "
+            f"({FITTED}) with times measured at {times['fit_seq_len']} and {times['measured_at_seq_len']} tokens "
+            f"(`rehearse.time_fit_seq_len`, `rehearse.time_seq_len`) and fitted to {times['scaled_to_seq_len']} (each "
+            f"action's line a + b * FLOPs through the two: docs/rehearsal.md), against {FULL}'s times measured at "
+            f"{times['scaled_to_seq_len']}: per stage action (stage and kind; the median over microbatches, as the "
+            "composed step takes it)" + (" and the composed step" if fitted["step"] and full["step"] else
+                                         "; no composed step: not every pipeline rank was fitted") +
+            ". Ratios of an action under 1 ms at full length are left out (they measure the timer).", "", *rows, ""]
 
 
 def _target_lines(res: Mapping[str, Any]) -> list[str]:

@@ -1,5 +1,5 @@
 """torch's table of device datasheets (``torch._inductor.analysis.device_info``, private), read as
-dense figures whatever torch's version. Tested with torch 2.13 and, on its table faked, 2.11.
+dense figures whatever torch's version. Tested with torch 2.13 and 2.11 (the GPU image's), on CPU.
 
 The table's tensor-core figures (bf16, fp16, tf32) include 2:4 structured sparsity on some devices:
 torch 2.12 and later give the factor (``tops_sparsity_factor``: the H100's bf16 1979 TFLOPS are
@@ -39,13 +39,16 @@ def datasheet_names() -> list[str]:
 
 
 def read_datasheet(name: str) -> Datasheet | None:
-    """The named device's dense figures (exact names, any case); None where the table lacks it."""
+    """The named device's dense figures (exact names, any case); None where the table lacks it.
+    The table's own spelling is looked up: torch 2.11's lookup is case-sensitive ("NVIDIA A100"
+    found, "nvidia a100" not), 2.13's is not."""
     from torch._inductor.analysis import device_info
 
-    info = device_info.lookup_device_info(name)
+    upper = name.upper()
+    spelled = next((n for n in device_info._device_mapping if n.upper() == upper), None)
+    info = device_info.lookup_device_info(spelled) if spelled is not None else None
     if info is None:
         return None
-    upper = name.upper()
     sparsity = getattr(info, "tops_sparsity_factor", None) or _SPARSE_BEFORE_FACTOR.get(upper, 1)
     flops = {str(dtype): tops * 1e12 / (sparsity if dtype in _TENSOR_CORE else 1)
              for dtype, tops in info.tops.items() if dtype in _DTYPES}

@@ -2,7 +2,7 @@
 
 torch.distributed.pipelining keeps its schedule IR (``_Action``), its CSV runtime and its schedule
 validator private; when a torch release moves them, this file is the one to change. Tested with
-torch 2.13.
+torch 2.13, and with 2.11 (the GPU image's) on CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Sequence, cast
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -34,6 +35,8 @@ __all__ = [
     "csv_schedule",
     "replicate",
     "allow_eval",
+    "check_outputs_as_213",
+    "no_warmup_to_self",
     "backward_input",
     "backward_weight",
 ]
@@ -99,6 +102,42 @@ def allow_eval(stage: PipelineStage) -> None:
         lambda mb_index: get(mb_index) if stage.has_backward else ())
     stage.set_local_bwd_input = (  # type: ignore[method-assign]
         lambda next_stage_bwd_outputs, mb_index: put(next_stage_bwd_outputs, mb_index) if stage.has_backward else None)
+
+
+def check_outputs_as_213(stage: PipelineStage) -> None:
+    """A stage checks its forward's outputs as torch 2.13 does: never the last stage's (they go to
+    the loss, not to a peer), the others' only with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Before 2.12
+    (2.11 on the GPU image) every stage checked its outputs on every forward against its metadata,
+    which need not describe them: inferred by a forward on meta tensors, contiguous, where the real
+    output is a view (a vocabulary-parallel head's logits cut from its padded gather: "Stage 1 forward
+    outputs: value 0 has a stride mismatch: expected (1008, 63, 1) actual (1024, 64, 1)"), or static
+    with the meta pass's dtypes, not the autocast's (a rehearsal's bf16 logits: "dtype mismatch:
+    expected torch.float32 actual torch.bfloat16"). A torch without that method keeps its own rule."""
+    check = getattr(stage, "_validate_fwd_outputs", None)
+    if check is None:
+        return
+
+    def as_213(outputs) -> None:
+        if not stage.is_last and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+            check(outputs)
+
+    stage._validate_fwd_outputs = as_213  # type: ignore[attr-defined]  # torch < 2.12's method, not in 2.13's stubs
+
+
+def no_warmup_to_self(stage: PipelineStage) -> None:
+    """Leave out the messages a stage's warm-up would send to its own rank. torch 2.11's schedules
+    open their first step with a message to and from each neighbouring stage
+    (``_get_init_p2p_neighbors_ops``), also where the neighbour is on the same rank (a V-shaped
+    placement's middle stages: ZBV, DualPipeV), which gloo refuses ("Pair is not connected ...
+    <--> [none]"): every V-shaped run on CPU failed at its first step. A rank needs no link to itself.
+    torch 2.13 warms stages up by its static/dynamic vote instead (the method is left for other stage
+    types, and so is this filter)."""
+    ops_of = stage._get_init_p2p_neighbors_ops
+
+    def to_others() -> list[dist.P2POp]:
+        return [op for op in ops_of() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = to_others  # type: ignore[method-assign]
 
 
 def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, inputs: list[torch.Tensor],

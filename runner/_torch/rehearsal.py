@@ -6,7 +6,7 @@ this file (like ``runner/_torch/pp.py`` and ``runner/_torch/dist.py`` for the re
 ``Work`` made from a future (``torch._C._distributed_c10d._create_work_from_future``), the options
 classes of the collectives, the backend plug-in's registry; and torch's memory tracker
 (``torch.distributed._tools.mem_tracker``, private), which ``peak_tracker`` adapts to stages
-called once per microbatch. Tested with torch 2.13.
+called once per microbatch. Tested with torch 2.13, and with 2.11 (the GPU image's) on CPU.
 
 Peers are assumed symmetric (every tp shard and dp replica does what this rank does), so each
 collective completes at once with a result of the right shape and dtype and finite values:
@@ -20,7 +20,8 @@ collective completes at once with a result of the right shape and dtype and fini
 * send: nothing (recorded); recv: ``RECV_FILL`` for floating tensors, 1 for integer ones. The
   pipeline schedules' static/dynamic vote (an int32[1] multiplied along the stages, on a schedule's
   first step) so reads 1: every peer voted static, as a real run of stages built with static
-  metadata would (it is counted as ``vote_send``/``vote_recv``, not as a message of the pipeline);
+  metadata would (it is counted as ``vote_send``/``vote_recv``, not as a message of the pipeline, and
+  so is torch 2.11's first-step exchange with the neighbouring stages, a float32 scalar);
 * barrier: nothing.
 
 Every call is counted in ``Ledger`` by kind and by the group's ranks, with the bytes this rank
@@ -92,11 +93,13 @@ def _fill(t: torch.Tensor) -> None:
 
 
 def _p2p_kind(kind: str, tensors) -> str:
-    """``send``/``recv``, or ``vote_send``/``vote_recv`` for the schedules' static/dynamic vote (an
-    int32[1]; no activation or gradient is one): the composed step costs the pipeline's messages from
-    ``send``'s bytes per message, which the 4-byte vote of a schedule's first step would dilute."""
-    vote = len(tensors) == 1 and tensors[0].dtype == torch.int32 and tensors[0].numel() == 1
-    return f"vote_{kind}" if vote else kind
+    """``send``/``recv``, or ``vote_send``/``vote_recv`` for a schedule's handshake on its first step,
+    one element (no activation or gradient is one): torch 2.13's static/dynamic vote (an int32[1]),
+    torch 2.11's exchange with its neighbours that sets up the batched messages (a float32 scalar).
+    The composed step costs the pipeline's messages from ``send``'s bytes per message, which a
+    4-byte handshake would dilute."""
+    handshake = len(tensors) == 1 and tensors[0].numel() == 1
+    return f"vote_{kind}" if handshake else kind
 
 
 class RehearsalGroup(dist.ProcessGroup):
@@ -314,14 +317,16 @@ def _no_multi_grad_hook_on_leaves(mod_tracker) -> None:
     mod_tracker._fw_pre_hook = pre_forward_without_leaves
 
 
-def peak_split(tracker) -> dict[str, int]:
-    """The tracker's peak on this rank's device: parameters, gradients, optimizer state,
-    activations and the rest (buffers, temporaries, other), and their total."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
+def peak_split(tracker, device: torch.device) -> dict[str, int]:
+    """The tracker's peak on ``device`` (this rank's): parameters, gradients, optimizer state,
+    activations and the rest (buffers, temporaries, other), and their total. The tracker keeps a
+    peak per device it saw: a GPU rank's has the CPU's too (AdamW's ``step`` counts live on the CPU
+    unless fused or capturable), in no promised order."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
 
     snapshot = tracker.get_tracker_snapshot("peak")
-    by_kind = next(iter(snapshot.values())) if snapshot else {}
+    by_kind = snapshot.get(torch.device(device), {})
     params, grads, opt = (by_kind.get(k, 0) for k in (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT))
-    total = by_kind.get("Total", 0)
+    total = by_kind.get(_TOTAL_KEY, 0)
     return {"params": params, "grads": grads, "optimizer_state": opt,
             "activations_and_rest": total - params - grads - opt, "total": total}

@@ -23,6 +23,7 @@ __all__ = ["Collective", "tp_collectives"]
 _FUNCTIONAL = "_c10d_functional::"
 _WAIT = _FUNCTIONAL + "wait_tensor"
 _NOT_COLLECTIVES = (_WAIT, _FUNCTIONAL + "_wrap_tensor_autograd")
+_ON_DEVICE = "gpu_user_annotation"  # a CUDA trace's copy of a record_function range, on the device's stream
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class Collective:
 def _kineto_offset_ns(events: Sequence[Mapping[str, Any]], actions: Sequence[Action]) -> int | None:
     """Nanoseconds to add to a trace timestamp (microseconds) to read it on the recorder's clock:
     the recorder timed each action inside the ``compute:`` range the trace holds for it, in the
-    same order. None when the two do not hold the same actions (nothing can be placed then)."""
-    ranges = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("compute:")),
-                    key=lambda e: e["ts"])
+    same order. None when the two do not hold the same actions (nothing can be placed then). On a
+    GPU the trace holds each range twice, on the host and on the device's stream (category
+    ``gpu_user_annotation``, where its kernels ran): the host's are the recorder's."""
+    ranges = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("compute:")
+                     and e.get("cat") != _ON_DEVICE), key=lambda e: e["ts"])
     if not actions or [e["name"] for e in ranges] != [f"compute:{a.op.name}" for a in actions]:
         return None
     return round(statistics.median(a.start_ns - e["ts"] * 1e3 for e, a in zip(ranges, actions)))

@@ -15,7 +15,7 @@ import functools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from torch.profiler import record_function
 
@@ -51,6 +51,10 @@ class Recorder:
         self.step = -1
         self.actions: list[Action] = []
         self.steps: list[StepSpan] = []
+        # Called before an action's start and end are read, while active: a rehearsal waits for the
+        # device there (``runner.rehearse.rank``), so that a CUDA action's time is its kernels', not
+        # their launch (kernels run after their calls return). None: the host's clock as it is.
+        self.synchronize: Callable[[], None] | None = None
 
     @staticmethod
     def _now() -> int:
@@ -72,8 +76,12 @@ class Recorder:
             yield
             return
         with record_function(f"compute:{stage}{kind}{microbatch}"):
+            if self.synchronize is not None:
+                self.synchronize()
             start = self._now()
             yield
+            if self.synchronize is not None:
+                self.synchronize()
             end = self._now()
         self.actions.append(Action(self.step, Op(stage, kind, microbatch), start, end))
 

@@ -197,6 +197,8 @@ def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh,
         stage = PipelineStage(module, index, layout.num_stages, env.device, group=mesh.pp_group,
                               input_args=io[index][0] if io else None, output_args=io[index][1] if io else None)
         _torch_pp.allow_eval(stage)
+        _torch_pp.no_warmup_to_self(stage)
+        _torch_pp.check_outputs_as_213(stage)
         stages.append(stage)
     schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
     step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel, grad_sums)

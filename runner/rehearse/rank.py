@@ -10,7 +10,8 @@ with static metadata (no shape messages). A rank runs in one of two passes (``Ra
   activations + the rest (buffers, temporaries, other);
 * time: after them (or after untimed warm-up steps where nothing is tracked), one timed step,
   untracked (the tracker's dispatch mode slows every op) and unprofiled: each compute action (F/B/I/W
-  per stage and microbatch, from the runner's recorder), the optimizer step (after clipping to after
+  per stage and microbatch, from the runner's recorder, which waits for the device at each action's
+  start and end: on a GPU an action's kernels, not their launch), the optimizer step (after clipping to after
   AdamW and the LR schedule), the step; and, where ``profiled``, a chrome trace of one more step by
   the run's own profiler (``traces/rank<r>.json`` in the rank's directory).
 
@@ -36,6 +37,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -161,7 +163,8 @@ class _Measure(Hook):
         profiler's step not counted), held bytes and collectives."""
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)
-            peak, self.tracker = peak_split(self.tracker), None  # it holds the modules: let them go
+            # (the tracker holds the modules: let them go)
+            peak, self.tracker = peak_split(self.tracker, self.trainer.env.device), None
             if self.peak is None or peak["total"] > self.peak["total"]:
                 self.peak = peak
         self.kept = None  # a step ran: from here on its gradients are kept, not stand-ins
@@ -233,6 +236,8 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, rank_pass: RankP
         trainer = Trainer(rehearsal_run(resolved, rank_pass, run_dir), cfg, env, hooks=[measure], static_stages=True)
         trainer.setup()
         measure.recorder, measure.trainer = trainer.profiler.recorder, trainer
+        # Each action timed on the device: a CUDA action's call returns before its kernels run.
+        trainer.profiler.recorder.synchronize = partial(synchronize, device)
         setup_s = time.perf_counter() - began
         wall = _steps(trainer, rank_pass, measure)
         trace = run_dir / "traces" / f"rank{rank}.json"

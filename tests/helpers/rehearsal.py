@@ -38,7 +38,7 @@ class HeldBytes(Hook):
     def after_step(self, ctx: StepContext, state: StepState) -> None:
         if self._tracker is not None and self._tracked(ctx, state):
             self._tracker.__exit__(None, None, None)
-            peaks, self._tracker = peak_split(self._tracker), None  # it holds the modules: let them go
+            peaks, self._tracker = peak_split(self._tracker, ctx.env.device), None  # it holds the modules: let them go
             self.peaks = gather_to_main(peaks, ctx.env)
         if state.step == ctx.resolved.steps:
             self.by_rank = gather_to_main(held_bytes(ctx.params, ctx.optimizer), ctx.env)
