@@ -137,6 +137,16 @@ def _ship_files(checkpoint: Path, target: Path) -> None:
         shutil.copy2(generation, target / generation.name)
 
 
+def _modes_of_umask(directory: Path) -> None:
+    """safetensors writes its shards owner-only (0600); an export is for sharing (a cluster's model
+    directory, a hub upload), so its files get the modes any new file of this process gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def _into_place(new: Path, out: Path) -> None:
     """``new`` becomes ``out``: a rename cannot replace a non-empty directory, so an old ``out``
     is renamed aside first and removed once the new one is in place."""
@@ -177,6 +187,7 @@ def export(source: Path, out: Path, *, dtype: str | None = None, max_shard_size:
         new.mkdir()
         model.save_pretrained(new, max_shard_size=shard_bytes)
         _ship_files(checkpoint, new)
+        _modes_of_umask(new)
         _into_place(new, out)
     except BaseException:  # killed, interrupted or failed: the target stays as it was
         shutil.rmtree(new, ignore_errors=True)

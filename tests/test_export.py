@@ -70,7 +70,7 @@ def test_resuming_with_another_tokenizer_is_refused_unless_allowed(trained, tmp_
     assert validate(run_config(trained, trained / "tokenizer-b", *common), tmp_path).resume == resolved.resume
 
 
-def test_export_writes_the_source_dtype_by_default_and_dtype_overrides_it(trained, tmp_path, capsys):
+def test_export_writes_the_source_dtype_unless_told_with_the_umasks_modes(trained, tmp_path, capsys):
     from safetensors import safe_open
 
     def dtypes(directory: Path) -> set:
@@ -81,7 +81,13 @@ def test_export_writes_the_source_dtype_by_default_and_dtype_overrides_it(traine
     out = capsys.readouterr().out
     assert "weights in bf16 (the source model's dtype" in out and dtypes(tmp_path / "default") == {torch.bfloat16}
     assert json.loads((tmp_path / "default" / "config.json").read_text())["dtype"] == "bfloat16"
-    main([str(trained / "run"), str(tmp_path / "fp32"), "--dtype", "fp32"])
+    umask = os.umask(0o022)
+    try:
+        main([str(trained / "run"), str(tmp_path / "fp32"), "--dtype", "fp32"])
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "fp32").iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes  # safetensors alone writes 0600: not shareable
     assert "weights in fp32 (--dtype)" in capsys.readouterr().out and dtypes(tmp_path / "fp32") == {torch.float32}
     assert _main("--help") == 0
     assert "default: the source model's dtype" in capsys.readouterr().out
