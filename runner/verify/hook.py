@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from runner.errors import VerifyError
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
-from runner.losses import build_loss
+from runner.losses import build_loss, counted_targets
 from runner.models.split import build_meta_model, materialize
 from runner.models.units import SequentialSpec, tied_groups
 from runner.optim import build_optimizer, clip_grads
@@ -184,7 +184,7 @@ class Reference:
         """The step's forward and backward on the global batch: its loss and global gradient norm."""
         self.optimizer.zero_grad(set_to_none=True)
         inputs, targets, kwargs = batch
-        loss = self.unsplit(inputs, targets, **kwargs).item()
+        loss = self.unsplit(inputs, targets, counted=counted_targets(targets), **kwargs).item()  # the whole batch
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return loss, torch.nn.utils.get_total_norm(grads).item()
 
