@@ -160,9 +160,13 @@ class PipelinedStep:
                     p.grad.div_(self.microbatches)
         return loss
 
+    @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, *, counted: int | None = None,
                  **kwargs: torch.Tensor) -> torch.Tensor | None:
-        """Forward only, every microbatch, through the same stages (torch's ``schedule.eval``)."""
+        """Forward only, every microbatch, through the same stages (torch's ``schedule.eval``),
+        without autograd: torch's eval does not turn it off, and with grad enabled each stage's
+        forward built a graph (FSDP and replicate registered their backward hooks on it) that
+        outlived the run with its process groups."""
         if self.loss_fn is not None:
             _weigh(self.loss_fn, targets, counted, self.microbatches, self.mesh.dp)
         return self._run(self.schedule.eval, inputs, targets, kwargs)
