@@ -1,6 +1,10 @@
 """Built-in losses. A loss takes one microbatch's logits ``(batch, seq, vocab)`` and targets
-``(batch, seq)`` and returns the scalar mean over that microbatch: the pipeline schedules and the
-unsplit reference both average it over microbatches."""
+``(batch, seq)`` and returns the scalar mean over that microbatch's counted targets (those not
+``IGNORE_INDEX``: padding, masked prompts). The pipeline schedules and the unsplit reference call
+it through ``TargetWeighted``, which weights each microbatch by its share of the batch's counted
+targets: the step's loss is then the mean over every counted target of the global batch, the
+unsplit model's on the whole batch, whatever the microbatches and replicas it is split into (a
+plain mean of microbatch means weights a target of a short microbatch more)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from runner.errors import ConfigError
 
-__all__ = ["cross_entropy", "build_loss", "check_loss"]
+__all__ = ["IGNORE_INDEX", "cross_entropy", "build_loss", "check_loss", "counted_targets", "TargetWeighted"]
+
+IGNORE_INDEX = -100  # a target the loss skips (torch's and transformers' convention)
 
 
 def build_loss(loss_cfg: DictConfig) -> Callable:
@@ -43,6 +49,40 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, label_smoothin
     which the pipeline enters) give the replicated loss, returned as the plain tensor the
     schedules and the loss reduction take (a copy, not ``to_local``'s view: the split-backward
     schedules detach the loss in place); its backward still runs through the DTensor."""
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                            label_smoothing=label_smoothing)
     return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+
+
+def counted_targets(targets: torch.Tensor) -> int:
+    """How many of ``targets`` a loss counts (not ``IGNORE_INDEX``)."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+class TargetWeighted:
+    """``loss_fn`` as the schedules call it, once per microbatch: its mean scaled by ``parts`` times
+    the microbatch's share of the counted targets of the whole batch (``weigh``), where ``parts``
+    is the count of microbatch means averaged into the step's loss (microbatches x dp replicas).
+    The average of the scaled means is the mean over all counted targets, however unevenly
+    padding falls between microbatches. Where every microbatch counts as many targets as any
+    other (no padding) each scale is exactly 1.0 (integer counts, one division) and the loss is
+    bit for bit ``loss_fn``'s."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+        self.parts = 1
+        self.counted = 0  # 0: not weighed, each microbatch's mean as it is
+
+    def weigh(self, *, counted: int, parts: int) -> None:
+        """The next step's (or evaluation batch's) counted targets over the whole batch, and the
+        microbatch means its loss averages."""
+        self.counted, self.parts = counted, parts
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, targets)
+        if not self.counted:  # nothing counted anywhere: the mean is not finite either way
+            return loss
+        here = (targets != IGNORE_INDEX).sum()
+        # A microbatch that counts nothing adds nothing (its mean, 0/0, is not finite); its
+        # gradient through the unselected branch is zero.
+        return torch.where(here > 0, loss * (here * self.parts / self.counted), torch.zeros_like(loss))

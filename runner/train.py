@@ -34,6 +34,7 @@ from runner.errors import NonFiniteLossError
 from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
+from runner.losses import counted_targets
 from runner.models.split import StageModule
 from runner.optim import UpdateSnapshot, build_optimizer, clip_coefficient, clip_grads
 from runner.options import OptimizerSync
@@ -316,8 +317,8 @@ class Trainer:
         inputs, targets, kwargs = batch
         self.optimizer.zero_grad(set_to_none=True)
         self._call("begin_step", state)
-        with self.profiler.recorder.pipeline_step(state.step):
-            state.local_loss = self.step_fn(inputs, targets, **kwargs)
+        with self.profiler.recorder.pipeline_step(state.step):  # the loss: a mean over the global batch's targets
+            state.local_loss = self.step_fn(inputs, targets, counted=counted_targets(state.batch[1]), **kwargs)
         self._call("after_backward", state)
         self.tied.sync_grads()  # between the ranks holding a tied weight's copies: blocks (docs/optimizer-sync.md)
 
@@ -431,7 +432,7 @@ class Trainer:
             for i in range(1, self.resolved.eval.steps + 1):
                 batch = get_batch(self.data, i, resolved.batch_size, resolved.seq_len, "val")
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)
-                losses.append(self.step_fn.evaluate(inputs, targets, **kwargs))
+                losses.append(self.step_fn.evaluate(inputs, targets, counted=counted_targets(batch[1]), **kwargs))
         # One all-reduce for all batches; only the last stage's rank holds losses.
         held = [loss for loss in losses if loss is not None]  # all of them or none
         local = torch.stack(held).mean() if held else None

@@ -11,6 +11,7 @@ import torch
 
 from runner.data.datasets import SyntheticData, TextData, get_batch
 from runner.errors import ConfigError
+from runner.losses import TargetWeighted, cross_entropy
 from runner.models.builtin import transformer
 from runner.optim import build_optimizer, lr_factor, param_groups
 from runner.verify.compare import compare, compare_drift, compare_weights
@@ -55,6 +56,53 @@ def test_padded_synthetic_batches_mask_the_pad_and_ignore_its_targets():
     assert pad.min() == 0 and pad.max() == 8 and (pad > 0).float().mean() > 0.5  # 0..seq/2, left
     assert torch.equal(mask, torch.arange(16) >= pad[:, None])
     assert torch.equal(targets == -100, ~mask) and (inputs[~mask] == 0).all()
+
+
+def _microbatch_mean(loss_fn, logits: torch.Tensor, targets: torch.Tensor, parts: int) -> torch.Tensor:
+    """What the schedules make of a loss over ``parts`` microbatches: the mean of its values."""
+    return torch.stack([loss_fn(x, y) for x, y in zip(logits.tensor_split(parts), targets.tensor_split(parts))]).mean()
+
+
+def test_weighted_microbatch_losses_average_to_the_whole_batchs_mean_over_its_counted_targets():
+    # Padding falls unevenly between microbatches: a plain mean of their means weights a target of
+    # a short microbatch more than the unsplit model's mean over the batch does. Weighted by their
+    # counted targets, the means average to the whole batch's loss, and its gradient.
+    torch.manual_seed(0)
+    _, targets, _ = get_batch(SyntheticData(vocab_size=32, signal=0.9, seed=0, padding=True), 1, 8, 16)
+    logits = torch.randn(8, 16, 32, requires_grad=True)
+    counts = (targets != -100).sum(1)
+    assert len(set(counts.tolist())) > 3  # uneven: the test means something
+    whole = cross_entropy(logits, targets)
+    (whole_grad,) = torch.autograd.grad(whole, logits)
+    plain = _microbatch_mean(cross_entropy, logits, targets, 8)
+    (plain_grad,) = torch.autograd.grad(plain, logits)
+    assert abs(plain.item() - whole.item()) > 5e-4  # the mean of means is another number, with other gradients
+    assert (plain_grad - whole_grad).abs().max() > 1e-4
+    weighted = TargetWeighted(cross_entropy)
+    weighted.weigh(counted=int(counts.sum()), parts=8)
+    loss = _microbatch_mean(weighted, logits, targets, 8)
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(loss, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-5, atol=1e-8)
+    # Two replicas of 4 microbatches each, weighed by the global count: their mean is the whole batch's too.
+    halves = [_microbatch_mean(weighted, logits[rows], targets[rows], 4) for rows in (slice(0, 4), slice(4, 8))]
+    torch.testing.assert_close(torch.stack(halves).mean(), whole, rtol=1e-6, atol=0)
+
+
+def test_weighted_losses_are_bit_identical_without_padding_and_a_microbatch_of_padding_adds_nothing():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(4, 16, 32, requires_grad=True), torch.randint(32, (4, 16))
+    weighted = TargetWeighted(cross_entropy)
+    weighted.weigh(counted=64, parts=4)
+    for x, y in zip(logits.tensor_split(4), targets.tensor_split(4)):  # every scale exactly 1.0
+        assert torch.equal(weighted(x, y), cross_entropy(x, y))
+    # A microbatch whose targets are all ignored: its own mean is 0/0; it adds 0, and no NaN gradient.
+    targets[0] = -100
+    weighted.weigh(counted=48, parts=4)
+    loss = _microbatch_mean(weighted, logits, targets, 4)
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(loss, cross_entropy(logits, targets), rtol=1e-6, atol=0)
+    assert torch.isfinite(grad).all() and not grad[0].any()
 
 
 def test_synthetic_data_follows_its_rule_at_the_signal_rate():

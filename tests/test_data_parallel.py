@@ -22,7 +22,7 @@ from runner.validate import validate
 from helpers.cli import run_cli
 from helpers.config import TINY, compose, resolved
 from helpers.parity import CLIP, SCHEDULES, assert_close_at_bf16, assert_matches, reference
-from helpers.ranks import run_cases
+from helpers.ranks import run_cases, stages_left
 
 BATCH = ["parallel.microbatches=4", "train.batch_size=16"]
 MODES = ["ddp", "fsdp"]
@@ -77,7 +77,7 @@ def dp(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
                                            f"checkpoint.resume={out / 'save-async' / 'checkpoints' / 'step-3'}")
     cases["keep"] = _resolved("schedule=gpipe", "parallel.pp=4", "train.steps=3", "checkpoint.every=1",
                               "checkpoint.keep=2")
-    return out, run_cases(out, 4, cases)
+    return out, run_cases(out, 4, cases, more_hooks=stages_left)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,18 @@ def test_bf16_with_fsdp_and_with_replicate_matches_the_unsplit_bf16_run(dp, ref_
     assert got["summary"]["val_losses"] == [
         {"step": v["step"], "val_loss": pytest.approx(v["val_loss"], rel=1e-2)}
         for v in ref_bf16["summary"]["val_losses"]], case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_no_finished_run_leaves_its_stages_alive_evaluations_included(dp):
+    # An evaluation at pp=2 x dp=2 ran the stages' forward with autograd on (torch's schedule.eval
+    # leaves it on): the graph and FSDP's backward hooks kept the stage modules, and with them their
+    # process groups and threads, alive after the run (before the fix: 1 of rank 0's stage modules
+    # under fsdp-bf16-1f1b, 2 under ddp-bf16-zbv; the pool's later cases hid it at its exit).
+    alive = {case: record.get("stages_alive") for case, record in dp[1].items() if "error" not in record}
+    assert alive["fsdp-bf16-1f1b"] == alive["ddp-bf16-zbv"] == 0, alive
+    assert set(alive.values()) == {0}, alive
 
 
 @pytest.mark.multiprocess

@@ -63,6 +63,7 @@ SYNTHESIZED = [("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3
 # The pp=2 cases held to the unsplit model; each run's recorded order replayed from its
 # schedule.csv (replay-*) must reproduce the run.
 DOUBLE_STEP = "double-step-on-rank-1-at-step-2"
+DOUBLE_ON_REPLICA_0 = "replica-0-steps-twice-at-step-2"
 PP2_CASES = [*SCHEDULES, *(f"csv-{csv}" for csv in CSV_FILES), *(f"torch-{name}" for name in TORCH_FILES),
              "explicit-split", *(name for name, *_ in SYNTHESIZED), "rounds",
              *(f"replay-{name}" for name in SCHEDULES)]
@@ -128,11 +129,15 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     # 2 updates and fails the run; following 1 (step 1's gradients and update, step 2's loss) misses it.
     cases[DOUBLE_STEP] = ["schedule=1f1b", *PP2, "verify=true"]
     cases[f"{DOUBLE_STEP}-verify-1-step"] = [*cases[DOUBLE_STEP], "verify_steps=1"]
+    # The same defect on the first of 2 replicas (plain dp): verify holds every replica's copy, not one.
+    cases[DOUBLE_ON_REPLICA_0] = ["parallel.pp=1", "parallel.dp=2", "parallel.dp_mode=ddp", *PP2[1:], "verify=true",
+                                  "train.steps=3", "model.n_layers=2"]
     # Every run writes the order that ran as schedule.csv; feeding it back must reproduce the run.
     for name in SCHEDULES:
         cases[f"replay-{name}"] = ["schedule=csv", f"schedule.csv={out / 'pp2' / name / 'schedule.csv'}", *PP2]
     return out, run_cases(out / "pp2", 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()},
-                          faults={name: "double-step:1:2" for name in cases if name.startswith(DOUBLE_STEP)})
+                          faults={**{name: "double-step:1:2" for name in cases if name.startswith(DOUBLE_STEP)},
+                                  DOUBLE_ON_REPLICA_0: "double-step:0:2"})
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +201,14 @@ def test_verify_catches_an_update_applied_twice_that_the_first_step_does_not_sho
     assert error.startswith("VerifyError: verify=true: the weights after step 2's update differ"), caught
     assert "block3.attn.qkv.weight: " in error and "block0." not in error and "more" in error  # rank 1 only
     assert "error" not in missed and missed["summary"]["verify"]["passed"]  # step 1 and the first update agree
+    # On replica 0 of 2: its copies are held to the reference too, not only the last replica's.
+    replica = pp2[1][DOUBLE_ON_REPLICA_0].get("error", "")
+    assert replica.startswith("VerifyError: verify=true: the weights after step 2's update differ"), replica
+    problems = replica.splitlines()[1:]
+    assert problems[0].partition("%")[2] == (" of the weights differ by more than 0.5 lr (lr 0.002; at most 1% may), "
+                                             "most of them in:")
+    assert all(line.startswith("  rank 0's copies: ") for line in problems), replica  # replica 1's are right
+    assert float(problems[0].partition(": ")[2].partition("%")[0]) > 50, replica  # nearly every element, by about 1 lr
 
 
 @pytest.mark.multiprocess

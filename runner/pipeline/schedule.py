@@ -215,10 +215,11 @@ def splits_backward(name: str, csv: str | None) -> bool:
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable, csv: str | None):
-    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch;
+    """The torch schedule over this rank's ``PipelineStage``s. Losses are means per microbatch,
+    weighted by their share of the batch's counted targets (``runner.losses.TargetWeighted``);
     the schedule sums their gradients (``scale_grads=False``) and the step divides them by the
     microbatch count once (``pipeline.PipelinedStep``): the step's loss and gradients are those of
-    the mean over microbatches, the same quantity as the unsplit model's."""
+    the mean over the batch's counted targets, the same quantity as the unsplit model's."""
     if csv is not None:  # the file's action order, whatever the name
         return _torch_pp.csv_schedule(stages, microbatches, loss_fn, csv_order(csv))
     generate = _generated(name)

@@ -15,7 +15,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from runner._torch import pp as _torch_pp
 from runner.layout import Layout, ResolvedRun
-from runner.losses import build_loss
+from runner.losses import TargetWeighted, build_loss, counted_targets
 from runner.models.split import StageModule, build_meta_model, fill, stage_io, stage_skeleton
 from runner.models.units import describe_names
 from runner.parallel.dp import DP_MODES
@@ -37,7 +37,8 @@ Batch = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]  # inputs, ta
 
 class UnsplitStep:
     """The reference: the whole model in one process, gradients accumulated over the same
-    microbatches as the pipeline, each scaled by 1/microbatches. ``forward`` (default: the model)
+    microbatches as the pipeline, each scaled by 1/microbatches (and each loss weighted by its
+    share of the batch's counted targets: ``TargetWeighted``). ``forward`` (default: the model)
     maps a microbatch's inputs and keyword inputs to logits. ``grad_sum``: the weights whose
     gradients ``mesh``'s tp group sums (what ``apply_tp`` returned)."""
 
@@ -48,7 +49,8 @@ class UnsplitStep:
         self.grad_sums = [grad_sum]
         self.loss_context = loss_context(loss_parallel)  # around forward and backward (runner.parallel.tp)
         self.microbatches = microbatches
-        self.loss_fn = loss_fn
+        self.replicas = mesh.dp if mesh is not None else 1  # whose microbatch means the step's loss averages
+        self.loss_fn = TargetWeighted(loss_fn)
         self.forward = forward or model
         self.recorder: Recorder | None = None
 
@@ -61,10 +63,14 @@ class UnsplitStep:
         kwarg_mbs = [{k: v.tensor_split(m)[i] for k, v in kwargs.items()} for i in range(m)]
         return zip(inputs.tensor_split(m), targets.tensor_split(m), kwarg_mbs)
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, *, counted: int | None = None,
+                 **kwargs: torch.Tensor) -> torch.Tensor:
+        """The step's forward and backward; ``counted``: the counted targets of the global batch
+        whose replica's rows these are (``_weigh``)."""
         model = self.modules[0]
         timed = self.recorder.action if self.recorder else lambda *_: nullcontext()
         losses: list[torch.Tensor] = []
+        _weigh(self.loss_fn, targets, counted, self.microbatches, self.replicas)
         with self.loss_context():
             self._accumulate(model, self._microbatches(inputs, targets, kwargs), losses, timed)
         if self.mesh is not None:
@@ -83,7 +89,9 @@ class UnsplitStep:
             losses.append(loss.detach())
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, *, counted: int | None = None,
+                 **kwargs: torch.Tensor) -> torch.Tensor:
+        _weigh(self.loss_fn, targets, counted, self.microbatches, self.replicas)
         with self.loss_context():
             return torch.stack([self.loss_fn(self.forward(x, **kw), y)
                                 for x, y, kw in self._microbatches(inputs, targets, kwargs)]).mean()
@@ -96,8 +104,10 @@ class PipelinedStep:
     each stage, the weights whose gradients the tp group sums (what ``apply_tp`` returned)."""
 
     def __init__(self, stages: list[PipelineStage], schedule, layout: Layout, mesh: Mesh,
-                 loss_parallel: bool = False, grad_sums: Sequence[tuple[str, ...]] | None = None):
+                 loss_parallel: bool = False, grad_sums: Sequence[tuple[str, ...]] | None = None,
+                 loss_fn: TargetWeighted | None = None):
         self.stages = stages
+        self.loss_fn = loss_fn  # the schedule's: weighed before each step (None: a loss the schedule owns)
         self.mesh = mesh
         self.modules = [s.submod for s in stages]
         self.grad_sums = list(grad_sums) if grad_sums is not None else [() for _ in stages]
@@ -134,7 +144,12 @@ class PipelinedStep:
                 e.add_note(f"runner: in pipeline stage(s) {[s.stage_index for s in self.stages]} on this rank")
             raise
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, *, counted: int | None = None,
+                 **kwargs: torch.Tensor) -> torch.Tensor | None:
+        """This rank's share of the step; ``counted``: the counted targets of the global batch
+        whose replica's rows these are (``_weigh``)."""
+        if self.loss_fn is not None:
+            _weigh(self.loss_fn, targets, counted, self.microbatches, self.mesh.dp)
         loss = self._run(self.schedule.step, inputs, targets, kwargs)
         sum_partial_grads(self.modules, self.grad_sums, self.mesh)
         # The schedules sum microbatch gradients (scale_grads=False: torch would scale per stage,
@@ -145,9 +160,26 @@ class PipelinedStep:
                     p.grad.div_(self.microbatches)
         return loss
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor | None:
-        """Forward only, every microbatch, through the same stages (torch's ``schedule.eval``)."""
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, *, counted: int | None = None,
+                 **kwargs: torch.Tensor) -> torch.Tensor | None:
+        """Forward only, every microbatch, through the same stages (torch's ``schedule.eval``),
+        without autograd: torch's eval does not turn it off, and with grad enabled each stage's
+        forward built a graph (FSDP and replicate registered their backward hooks on it) that
+        outlived the run with its process groups."""
+        if self.loss_fn is not None:
+            _weigh(self.loss_fn, targets, counted, self.microbatches, self.mesh.dp)
         return self._run(self.schedule.eval, inputs, targets, kwargs)
+
+
+def _weigh(loss_fn: TargetWeighted, targets: torch.Tensor, counted: int | None, microbatches: int,
+           replicas: int) -> None:
+    """The loss weighed for a step over ``targets``, a replica's rows of a global batch counting
+    ``counted`` targets; without ``counted``, over ``targets`` alone (each replica's own mean)."""
+    if counted is None:
+        loss_fn.weigh(counted=counted_targets(targets), parts=microbatches)
+    else:
+        loss_fn.weigh(counted=counted, parts=microbatches * replicas)
 
 
 def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
@@ -200,8 +232,9 @@ def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh,
         _torch_pp.no_warmup_to_self(stage)
         _torch_pp.check_outputs_as_213(stage)
         stages.append(stage)
-    schedule = build_schedule(layout.schedule, stages, layout.microbatches, loss_fn, layout.csv)
-    step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel, grad_sums)
+    weighted = TargetWeighted(loss_fn)
+    schedule = build_schedule(layout.schedule, stages, layout.microbatches, weighted, layout.csv)
+    step = PipelinedStep(stages, schedule, layout, mesh, loss_parallel, grad_sums, loss_fn=weighted)
     rank_of = {p: layout.stage_to_rank[s] for s, units in enumerate(layout.stages) for u in units
                for p in _params_of(meta, u)}
     embeddings = {n for names in meta.tied for n in names

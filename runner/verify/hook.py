@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from runner.errors import VerifyError
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
-from runner.losses import build_loss
+from runner.losses import build_loss, counted_targets
 from runner.models.split import build_meta_model, materialize
 from runner.models.units import SequentialSpec, tied_groups
 from runner.optim import build_optimizer, clip_grads
@@ -79,11 +79,22 @@ def collect_grads(modules: Sequence[nn.Module], skip: Collection[str] = ()) -> d
 
 def gather(modules: Sequence[nn.Module], env: DistEnv, value: Callable[[nn.Parameter], torch.Tensor | None] = _grad,
            skip: Collection[str] = ()) -> dict[str, torch.Tensor | None]:
-    """Every rank's ``collect``, by full name, on rank 0 (empty elsewhere). Collective."""
-    gathered = gather_to_main(collect(modules, value, skip), env)
-    if gathered is None:  # not rank 0
-        return {}
-    return {name: t for part in gathered for name, t in part.items()}
+    """Every rank's ``collect``, by full name, on rank 0 (empty elsewhere): where ranks hold
+    copies of one tensor (dp replicas, tp and FSDP peers), the last rank's. Collective."""
+    return _merged(gather_to_main(collect(modules, value, skip), env) or [])
+
+
+def _merged(parts: Sequence[dict[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
+    return {name: t for part in parts for name, t in part.items()}
+
+
+def _other_copies(parts: Sequence[dict[str, torch.Tensor | None]],
+                  merged: dict[str, torch.Tensor | None]) -> list[tuple[int, dict[str, torch.Tensor | None]]]:
+    """Per rank, its copies of tensors ``merged`` holds another rank's copy of (a dp replica's,
+    a tp or FSDP peer's): each must match the reference as the merged one does, or a defect on
+    one replica would pass."""
+    others = [(rank, {n: t for n, t in part.items() if merged.get(n) is not t}) for rank, part in enumerate(parts)]
+    return [(rank, copies) for rank, copies in others if copies]
 
 
 def gather_grads(modules: Sequence[nn.Module], env: DistEnv,
@@ -173,7 +184,7 @@ class Reference:
         """The step's forward and backward on the global batch: its loss and global gradient norm."""
         self.optimizer.zero_grad(set_to_none=True)
         inputs, targets, kwargs = batch
-        loss = self.unsplit(inputs, targets, **kwargs).item()
+        loss = self.unsplit(inputs, targets, counted=counted_targets(targets), **kwargs).item()  # the whole batch
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return loss, torch.nn.utils.get_total_norm(grads).item()
 
@@ -273,16 +284,22 @@ class Verify(Hook):
         """The first step: the reference built (a resumed run's AdamW state copied into it), its
         loss and every gradient against the run's, before clipping."""
         assert state.loss is not None  # reduced before after_reduce
-        got = gather_grads(ctx.modules, ctx.env, ctx.not_counted)
+        parts = gather_to_main(collect_grads(ctx.modules, ctx.not_counted), ctx.env)
         moments = _gather_adam_state(ctx) if ctx.resolved.resume is not None else None
         report = None
-        if ctx.env.is_main:
+        if parts is not None:  # rank 0
             self.reference = Reference(ctx.cfg, ctx.resolved)
             if moments is not None:
                 self.reference.resume_state(moments, ctx.scheduler.state_dict())
             ref_loss, self.ref_grad_norm = self.reference.backward(state.batch)
             rtol, atol = TOLERANCES[ctx.resolved.train.precision]
-            report = compare(got, collect_grads([self.reference.model]), state.loss, ref_loss, rtol=rtol, atol=atol)
+            got, ref = _merged(parts), collect_grads([self.reference.model])
+            report = compare(got, ref, state.loss, ref_loss, rtol=rtol, atol=atol)
+            for rank, copies in _other_copies(parts, got):
+                other = compare(copies, {n: ref[n] for n in copies if n in ref}, ref_loss, ref_loss,  # gradients only
+                                rtol=rtol, atol=atol)
+                report["problems"] += [f"rank {rank}'s copy of {p}" for p in other["problems"]]
+            report["passed"] = not report["problems"]
             report = _with_dropout_hint(report, ctx.cfg)
             report.update(grad_norm=state.grad_norm, ref_grad_norm=self.ref_grad_norm, steps=[])
             log.info("verify: step %d: max abs grad diff %.3g, max rel diff %.3g, loss diff %.3g -> %s", state.step,
@@ -310,12 +327,17 @@ class Verify(Hook):
         if not nth or nth > ctx.resolved.verify_steps:
             return
         busy(f"verifying the weights after step {state.step} against the unsplit model")
-        got = gather(ctx.modules, ctx.env, _weight)
+        parts = gather_to_main(collect(ctx.modules, _weight), ctx.env)
         report = None
-        if ctx.env.is_main:
+        if parts is not None:  # rank 0
             assert self.reference is not None
             units, fraction = WEIGHT_TOLERANCES[ctx.resolved.train.precision]
-            report = compare_weights(got, self.reference.weights(), self.lr, max_lr_units=units, max_fraction=fraction)
+            got, ref = _merged(parts), self.reference.weights()
+            report = compare_weights(got, ref, self.lr, max_lr_units=units, max_fraction=fraction)
+            for rank, copies in _other_copies(parts, got):  # each replica's and peer's copies, on their own
+                other = compare_weights(copies, ref, self.lr, max_lr_units=units, max_fraction=fraction)
+                report["problems"] += [f"rank {rank}'s copies: {p}" for p in other["problems"]]
+            report["passed"] = not report["problems"]
             log.info("verify: weights after step %d: at most %.3g lr apart, %.3g%% of them beyond %g lr -> %s",
                      state.step, report["max_lr_units"], 100 * report["fraction_off"], units,
                      "passed" if report["passed"] else "FAILED")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
@@ -255,6 +257,28 @@ def final_weights() -> list[Hook]:
     return [FinalWeights()]
 
 
+class StagesLeft(Hook):
+    """Weak references to this rank's stage modules; ``alive()``, once the run has returned: how
+    many something still holds (a finished run must leave none: a module kept alive keeps its
+    process groups and their threads running into the interpreter's exit)."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+
+    def begin_step(self, ctx: StepContext, state: StepState) -> None:
+        if state.first:
+            self.refs = [weakref.ref(m) for m in ctx.modules]
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in self.refs)
+
+
+def stages_left() -> list[Hook]:
+    """``run_cases``' ``more_hooks`` for ``StagesLeft``: each record's ``stages_alive`` (rank 0's)."""
+    return [StagesLeft()]
+
+
 @contextlib.contextmanager
 def _fault(spec: str | None):
     """``RUNNER_FAULT=<spec>`` (``runner.faults``) in this rank while one case trains."""
@@ -296,11 +320,13 @@ def train_cases(env, out_dir: str, cases: dict[str, dict], more_hooks=None, faul
             record = resolved
         else:
             try:
-                grads = FirstGrads()
+                grads, more = FirstGrads(), more_hooks() if more_hooks else []
                 with _fault((faults or {}).get(name)):
-                    result = train(resolved, cfg, env, hooks=[grads, *(more_hooks() if more_hooks else [])])
+                    result = train(resolved, cfg, env, hooks=[grads, *more])
                 record = {"losses": result.losses, "grads": grads.grads, "clipped": grads.clipped,
                           "summary": result.summary}
+                for hook in (h for h in more if isinstance(h, StagesLeft)):
+                    record["stages_alive"] = hook.alive()
             except RunnerError as e:
                 record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if env.is_main:
