@@ -208,6 +208,41 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
                             barrier=False)
 
 
+def test_rehearsed_candidates_of_a_tied_model_take_the_sum_with_the_barrier_as_without_it():
+    """A rehearsed candidate whose first and last pipeline ranks hold a tied weight's copies: with
+    the barrier its step takes the sum after the pipeline where they meet, priced by the calibrated
+    all-reduce as the step without the barrier prices it (``tied_meetings``); 1F1B's first rank ends
+    its step last either way, so both steps grow by exactly that all-reduce, the pipeline by nothing."""
+    from types import SimpleNamespace
+
+    from runner.layout import TiedSpan
+    from runner.plan.calibrate import Calibration
+    from runner.plan.planner import Candidate
+    from runner.plan.rehearsed import cost_from_rehearsal
+
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0, allreduce_latency_s=3e-4,
+                              allreduce_bandwidth=2e9)
+    stage_costs = {f"{s}{k}": v * 1e-3 for s in range(P) for k, v in COSTS.items()}
+    step = {"step_s": 1.0, "stage_costs_s": stage_costs, "collectives_s": 1e-4, "optimizer_s": 0.2e-3,
+            "deferred": {"update_s": {str(p): 0.25e-3 for p in range(P)},
+                         "update_collectives_s": {str(p): 0.0 for p in range(P)}}}
+    report = {"step": step, "ranks": [{"rank": p} for p in range(P)]}
+    order, meet = schedule_order("1f1b", P, M, 1), 3e-4 + 8000 / 2e9
+    got = {}
+    for tied in ((), (TiedSpan((0, P - 1), 8000),)):
+        layout = SimpleNamespace(num_stages=P, pp=P, microbatches=M, stage_to_rank={s: s for s in range(P)}, tied=tied)
+        for barrier in (True, False):
+            c = Candidate("1f1b", M, 1, [], valid=True)
+            cost_from_rehearsal(c, layout, order, report, calibration, 1e-4, {s: 1.0 for s in range(P)}, None,
+                                barrier=barrier)
+            got[bool(tied), barrier] = c
+    for barrier in (True, False):
+        untied, tied_c = got[False, barrier], got[True, barrier]
+        assert tied_c.predicted_step_time_s - untied.predicted_step_time_s == pytest.approx(meet, rel=1e-9), barrier
+        assert tied_c.pipeline_s == untied.pipeline_s and tied_c.bubble == untied.bubble
+    assert got[True, True].after_pipeline_s == pytest.approx(meet + 1e-4 + 0.2e-3, rel=1e-9)
+
+
 def _step_bounds(timeline, rank: int, k: int) -> tuple[float, float]:
     """Rank ``rank``'s step ``k`` in a ``deferred_timeline``: its first action's start, its last's end."""
     mine = [a for a in timeline if a.rank == rank and a.op.microbatch // M == k]
