@@ -581,7 +581,7 @@ def test_a_barrier_rehearsal_of_a_tied_model_composes_its_sum_after_the_pipeline
     table = format_rehearsal({"layout": f"pp={pp}", "world_size": pp * dp, "device": "cpu", "schedule": schedule,
                               "microbatches": 4, "ranks": [], "times_are": "measured", "memory": ["fits"],
                               "assumption": "-", "step": {**step, "mfu": None, "mfu_unknown": "cpu"}})
-    assert f"tied weights' gradient sums {meet:.3f} s (pipeline ranks 0/{pp - 1} meet)" in table
+    assert f"tied weights' gradient sums {meet * 1e3:.2f} ms (pipeline ranks 0/{pp - 1} meet)" in table
 
 
 def test_pipeline_messages_are_messages_where_the_pipeline_group_is_the_world(tmp_path):
