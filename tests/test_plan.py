@@ -268,6 +268,25 @@ def test_the_fit_of_deferred_probes_of_a_tied_model_keeps_the_tied_meeting_out_o
     assert fit([replace(o, meetings=[]) for o in observations], calibration).rest_scale > 1.6 * 1.05
 
 
+def test_the_fit_of_barrier_probes_of_a_tied_model_keeps_the_tied_sum_out_of_the_rest():
+    """With the barrier a tied model's step holds the tied gradient's sum after the pipeline (its
+    ranks 0 and 1 are every rank here: its seconds exactly; not under ZBV's V), which the planner now
+    predicts as such: the fit takes it out of the measured rest, so the rest's scale is the truth's
+    and each probe's fitted step its measured one; left in, the rest would count it twice."""
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=3e-4, busy_delay_s=5e-4)
+    truth = Fit(forward_scale=1.3, backward_scale=1.1, gap_s=4e-4, rest_scale=1.6)
+    observations = []
+    for o in _observations(truth, calibration):
+        meet = 0.0 if o.measured.label == "zbv" else 0.003
+        o = replace(o, meetings=[((0, 1), meet)] if meet else [])
+        observations.append(replace(o, measured=replace(o.measured, step_s=o.measured.step_s + meet)))
+    fitted = fit(observations, calibration)
+    assert fitted.rest_scale == pytest.approx(1.6, rel=1e-6)
+    for probe in fitted.probes:
+        assert probe["fitted_step_s"] == pytest.approx(probe["measured_step_s"], rel=1e-6), probe["label"]
+    assert fit([replace(o, meetings=[]) for o in observations], calibration).rest_scale > 1.6 * 1.2
+
+
 def _previous_run(run_dir: Path, layout, order, *, forward_s: float, backward_s: float, pipeline_s: float,
                   step_s: float) -> None:
     """The files a finished run leaves that the planner reads: its stages and recorded bubble,

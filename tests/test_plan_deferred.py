@@ -208,6 +208,41 @@ def test_rehearsed_candidates_without_the_barrier_are_scored_by_deferreds_steady
                             barrier=False)
 
 
+def test_rehearsed_candidates_of_a_tied_model_take_the_sum_with_the_barrier_as_without_it():
+    """A rehearsed candidate whose first and last pipeline ranks hold a tied weight's copies: with
+    the barrier its step takes the sum after the pipeline where they meet, priced by the calibrated
+    all-reduce as the step without the barrier prices it (``tied_meetings``); 1F1B's first rank ends
+    its step last either way, so both steps grow by exactly that all-reduce, the pipeline by nothing."""
+    from types import SimpleNamespace
+
+    from runner.layout import TiedSpan
+    from runner.plan.calibrate import Calibration
+    from runner.plan.planner import Candidate
+    from runner.plan.rehearsed import cost_from_rehearsal
+
+    calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0, allreduce_latency_s=3e-4,
+                              allreduce_bandwidth=2e9)
+    stage_costs = {f"{s}{k}": v * 1e-3 for s in range(P) for k, v in COSTS.items()}
+    step = {"step_s": 1.0, "stage_costs_s": stage_costs, "collectives_s": 1e-4, "optimizer_s": 0.2e-3,
+            "deferred": {"update_s": {str(p): 0.25e-3 for p in range(P)},
+                         "update_collectives_s": {str(p): 0.0 for p in range(P)}}}
+    report = {"step": step, "ranks": [{"rank": p} for p in range(P)]}
+    order, meet = schedule_order("1f1b", P, M, 1), 3e-4 + 8000 / 2e9
+    got = {}
+    for tied in ((), (TiedSpan((0, P - 1), 8000),)):
+        layout = SimpleNamespace(num_stages=P, pp=P, microbatches=M, stage_to_rank={s: s for s in range(P)}, tied=tied)
+        for barrier in (True, False):
+            c = Candidate("1f1b", M, 1, [], valid=True)
+            cost_from_rehearsal(c, layout, order, report, calibration, 1e-4, {s: 1.0 for s in range(P)}, None,
+                                barrier=barrier)
+            got[bool(tied), barrier] = c
+    for barrier in (True, False):
+        untied, tied_c = got[False, barrier], got[True, barrier]
+        assert tied_c.predicted_step_time_s - untied.predicted_step_time_s == pytest.approx(meet, rel=1e-9), barrier
+        assert tied_c.pipeline_s == untied.pipeline_s and tied_c.bubble == untied.bubble
+    assert got[True, True].after_pipeline_s == pytest.approx(meet + 1e-4 + 0.2e-3, rel=1e-9)
+
+
 def _step_bounds(timeline, rank: int, k: int) -> tuple[float, float]:
     """Rank ``rank``'s step ``k`` in a ``deferred_timeline``: its first action's start, its last's end."""
     mine = [a for a in timeline if a.rank == rank and a.op.microbatch // M == k]
@@ -288,6 +323,65 @@ def test_a_plan_without_the_barrier_of_a_tied_model_adds_its_ranks_meeting(monke
         else:
             assert added >= meet * (1 - 1e-6), a.schedule
         assert b.pipeline_s == a.pipeline_s  # the pipeline alone has no meeting: what it adds is after it
+
+
+def test_with_the_barrier_a_tied_weights_sum_starts_when_the_last_of_its_ranks_ends_its_backward():
+    """``Trainer.step`` sums the tied gradient after the pipeline's backward, before the norm's
+    all-reduce: with the barrier the step waits for it where its ranks meet. Over every rank the sum
+    follows the pipeline's end: its seconds added exactly. 1F1B's first rank ends last, so a sum
+    between ranks 1 and 2, which end earlier, hides under it unless it is longer than their wait;
+    one rank holding both ends (V placements) meets nobody."""
+    from runner.pipeline.simulate import expected_makespan
+
+    one = schedule_order("1f1b", P, M, 1)
+    ends = {r: max(a.end for a in simulate(one, COSTS, num_stages=P) if a.rank == r) for r in range(P)}
+    assert ends[0] == _makespan(one) > max(ends[1], ends[2])
+    assert expected_makespan(one, COSTS, num_stages=P, meetings=[(tuple(range(P)), 0.25)]) == pytest.approx(
+        _makespan(one) + 0.25)
+    assert expected_makespan(one, COSTS, num_stages=P, meetings=[((0, P - 1), 0.25)]) == pytest.approx(
+        _makespan(one) + 0.25)
+    hidden = _makespan(one) - max(ends[1], ends[2])
+    assert expected_makespan(one, COSTS, num_stages=P, meetings=[((1, 2), hidden / 2)]) == _makespan(one)
+    assert expected_makespan(one, COSTS, num_stages=P, meetings=[((1, 2), hidden + 1.0)]) == pytest.approx(
+        _makespan(one) + 1.0)
+    zbv = schedule_order("zbv", 2, M, 2)
+    assert expected_makespan(zbv, COSTS, num_stages=4, meetings=[((0,), 5.0)]) == expected_makespan(
+        zbv, COSTS, num_stages=4)
+    # Varying action times: the sum over every rank still adds its seconds to each draw's end.
+    assert expected_makespan(one, COSTS, num_stages=P, jitter=0.2, meetings=[(tuple(range(P)), 0.25)]) == (
+        pytest.approx(expected_makespan(one, COSTS, num_stages=P, jitter=0.2) + 0.25))
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_with_the_barrier_of_a_tied_model_adds_the_sum_the_plan_without_it_counts(monkeypatch):
+    """The same children and layout, tied and not, with the barrier: at pp=2 the tied gradient's
+    sum is between every rank after the pipeline, so each tied candidate's step is longer by exactly
+    its all-reduce (the calibrated price ``tied_meetings`` gives the plan without the barrier) and
+    its pipeline unchanged; ZBV holds both ends on rank 0: unchanged. Without the barrier a step
+    validated at its own end overlaps nothing: the barrier's step, sum and all."""
+    _fixed_children(monkeypatch)
+    common = [*TINY, *FIXED, "parallel.pp=2", "train.batch_size=8", "plan.microbatches=[4]",
+              "plan.weight_grad_fraction=0.5", "plan.schedules=[1f1b,zbh1,zbv]"]
+    untied, _, _, _ = plan(compose(*common))
+    tied, _, _, _ = plan(compose(*common, "model.tie_embeddings=true"))
+    free, _, _, _ = plan(compose(*common, "model.tie_embeddings=true", "plan.barrier=false"))
+    meet = 2e-4 + 4 * 48 * 32 / 1e9  # FIXED's message: no all-reduce measured, a message's latency and bandwidth
+
+    def key(c):
+        return c.schedule, c.stages_per_rank, tuple(c.split_points or ()), tuple(sorted(c.stage_costs_s.items()))
+
+    before, without = {key(c): c for c in untied if c.valid}, {key(c): c for c in free if c.valid}
+    pairs = [(before[key(c)], c) for c in tied if c.valid and key(c) in before]
+    assert {a.schedule for a, _ in pairs} == {"1f1b", "zbh1", "zbv"}
+    for a, b in pairs:
+        step_a, step_b = a.prediction().step_s, b.prediction().step_s
+        if a.schedule == "zbv":
+            assert step_b == step_a and b.after_pipeline_s == a.after_pipeline_s
+        else:
+            assert step_b - step_a == pytest.approx(meet, rel=1e-6), a.schedule
+            assert b.after_pipeline_s - a.after_pipeline_s == pytest.approx(meet, rel=1e-6)
+        assert b.pipeline_s == a.pipeline_s and b.bubble == a.bubble
+        assert without[key(b)].commit_step_s == pytest.approx(step_b, rel=1e-9), a.schedule
 
 
 def test_commit_steps_are_the_last_evaluated_saved_and_verified_steps_and_amortize_the_steady_step():

@@ -13,7 +13,7 @@ import torch._inductor.analysis.device_info as datasheet
 
 from bench.accuracy import accuracy, percentile
 from runner.errors import ConfigError
-from runner.pipeline.schedule import schedule_order
+from runner.pipeline.schedule import V_SHAPED, schedule_order
 from runner.pipeline.simulate import peak_in_flight
 from runner.plan.memory import rank_memory
 from runner.plan.planner import Candidate, plan
@@ -122,6 +122,39 @@ def test_target_costs_put_the_first_stages_whole_backward_in_its_weight_step(lla
     assert costs["0W"] == pytest.approx(seconds(first, "I") + seconds(first, "W"), rel=1e-12) == costs["0B"]
     assert (costs["1I"], costs["1W"]) == pytest.approx((seconds(second, "I"), seconds(second, "W")), rel=1e-12)
     assert counts[first[0]].flops["I"] == 0  # the embedding takes token ids: no input gradient to count
+
+
+def test_a_target_plan_with_the_barrier_of_a_tied_model_adds_the_sum_the_plan_without_it_counts():
+    """``plan.target`` with ``model.tie_embeddings`` and the barrier: where the embedding and the
+    head sit on different ranks (not V placements) the step takes the tied gradient's ring all-reduce between them after
+    the pipeline (``tied_s``: 2 latencies + its fp32 bytes over the link at 2 ranks, every rank at
+    pp=2: exactly that, whatever the schedule), the same seconds the plan without the barrier puts on
+    a 1F1B steady step and on a commit step; one rank (pp=1) or both ends on one rank (ZBV, DualPipeV): nothing."""
+    common = [*TINY, "model.dim=256", "train.seq_len=128", "plan.target=nvidia a100", "plan.world_size=2",
+              "plan.microbatches=[4]", "plan.comm_latency_s=1e-4", "plan.comm_bandwidth=1e9"]
+
+    def candidates(*more):
+        return {(c.schedule, c.pp, c.dp_mode): c for c in plan_target(compose(*common, *more)).candidates if c.valid}
+
+    untied, tied = candidates(), candidates("model.tie_embeddings=true")
+    free = candidates("model.tie_embeddings=true", "plan.barrier=false")
+    free_untied = candidates("plan.barrier=false")
+    assert set(tied) == set(untied) == set(free)
+    meet = 2 * 1e-4 + 4 * 48 * 256 / 1e9
+    split = [k for k in tied if k[1] == 2 and k[0] not in V_SHAPED]
+    assert {k[0] for k in split} >= {"1f1b", "zbh2"}
+    for key in split:
+        a, b = untied[key], tied[key]
+        assert b.tied_s == pytest.approx(meet, rel=1e-9) and a.tied_s == 0.0, key
+        assert b.step_time_s == pytest.approx(a.step_time_s + meet, rel=1e-9), key
+        assert b.pipeline_s == a.pipeline_s and b.sync_s == a.sync_s and b.optimizer_s == a.optimizer_s
+        assert free[key].commit_step_s - free_untied[key].commit_step_s == pytest.approx(meet, rel=1e-6), key
+    one = ("1f1b", 2, "none")
+    assert (free[one].step_time_s - free_untied[one].step_time_s) == pytest.approx(
+        tied[one].step_time_s - untied[one].step_time_s, rel=1e-6)
+    for key in [k for k in tied if k[1] == 1 or k[0] in V_SHAPED]:
+        assert tied[key].step_time_s == untied[key].step_time_s and tied[key].tied_s == 0.0, key
+    assert {"zbv", "dualpipev"} <= {k[0] for k in tied}
 
 
 def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():

@@ -536,6 +536,54 @@ def test_a_deferred_rehearsal_of_a_tied_model_composes_the_meeting_of_the_ranks_
     assert f"pipeline ranks 0/1 meet to sum a tied weight's gradient: {meet * 1e3:.2f} ms" in table
 
 
+@pytest.mark.parametrize("layout", [("1f1b", 2, 1), ("1f1b", 4, 1), ("1f1b", 2, 2), ("zbv", 2, 1)],
+                         ids=["pp2-world", "pp4-world", "pp2-dp2", "zbv-v"])
+def test_a_barrier_rehearsal_of_a_tied_model_composes_its_sum_after_the_pipeline_at_every_pp(layout, tmp_path):
+    """``model.tie_embeddings`` with the barrier: ``Trainer.step`` sums the tied gradient between the
+    pipeline ranks holding a copy after the pipeline's backward, so the composed barrier step takes
+    it there (``tied_s``: each sum from when the last of its ranks ends its backward; 1F1B's first
+    rank ends last, so exactly its all-reduce, latency + fp32 bytes / bandwidth, as the deferred step
+    prices it) at every pp: at pp = world size the rehearsal files it under ``world`` beside the
+    loss/norm all-reduce (taken out of ``collectives_s``), elsewhere under ``pp`` (never counted
+    there). A V placement holds both ends on rank 0: no sum, the untied step."""
+    from runner.rehearse.compose import compose_step
+    from runner.rehearse.launch import check_rehearsal, format_rehearsal
+
+    from helpers.config import TINY, compose
+
+    schedule, pp, dp = layout
+    common = [*TINY, f"parallel.pp={pp}", f"parallel.dp={dp}", f"schedule={schedule}", "parallel.microbatches=4",
+              f"train.batch_size={8 * dp}", f"parallel.dp_mode={'ddp' if dp > 1 else 'none'}", "rehearse=on"]
+    link, grad_bytes = {"latency_s": 1e-4, "bandwidth": 1e8}, 4 * 48 * 32
+    untied_run = check_rehearsal(compose(*common), tmp_path / "untied").resolved
+    tied_run = check_rehearsal(compose(*common, "model.tie_embeddings=true"), tmp_path / "tied").resolved
+    untied, _ = compose_step(untied_run, _fixed_ranks(untied_run, {}), **link)
+    ranks = _fixed_ranks(tied_run, {})
+    if schedule != "zbv":
+        for r in ranks:  # the tied sum, filed as the rehearsal files it, on the ranks holding a copy
+            if r["coords"]["pp"] in (0, pp - 1) and pp * dp == 2:
+                r["collectives"]["world"] = {"all_reduce": {"count": 2, "bytes": 8 + grad_bytes}}
+            elif r["coords"]["pp"] in (0, pp - 1):
+                r["collectives"]["pp"]["all_reduce"] = {"count": 1, "bytes": grad_bytes}
+    step, _ = compose_step(tied_run, ranks, **link)
+    validation_s = 1e-4 + 8 / 1e8
+    assert step["collectives_s"] == pytest.approx(validation_s) == untied["collectives_s"]
+    assert step["pipeline_s"] == untied["pipeline_s"] and step["bubble"] == untied["bubble"]
+    if schedule == "zbv":
+        assert step["tied_meetings"] == [] and step["tied_s"] == 0.0 and step["step_s"] == untied["step_s"]
+        return
+    meet = 1e-4 + grad_bytes / 1e8
+    assert step["tied_meetings"] == [{"ranks": [0, pp - 1], "seconds": pytest.approx(meet)}]
+    assert step["tied_s"] == pytest.approx(meet, rel=1e-9) and untied["tied_s"] == 0.0
+    assert step["step_s"] == step["barrier_step_s"] == pytest.approx(
+        step["pipeline_s"] + meet + validation_s + 0.4e-3, rel=1e-9)
+    assert step["barrier_step_s"] - untied["barrier_step_s"] == pytest.approx(meet, rel=1e-9)
+    table = format_rehearsal({"layout": f"pp={pp}", "world_size": pp * dp, "device": "cpu", "schedule": schedule,
+                              "microbatches": 4, "ranks": [], "times_are": "measured", "memory": ["fits"],
+                              "assumption": "-", "step": {**step, "mfu": None, "mfu_unknown": "cpu"}})
+    assert f"tied weights' gradient sums {meet * 1e3:.2f} ms (pipeline ranks 0/{pp - 1} meet)" in table
+
+
 def test_pipeline_messages_are_messages_where_the_pipeline_group_is_the_world(tmp_path):
     """At pp = world size the rehearsal names the pipeline group "world": its sends are still the
     pipeline's messages (their size costs each message), not collectives after the pipeline or

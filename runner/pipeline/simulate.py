@@ -144,14 +144,33 @@ def expected_makespan(
     comm_s: float = 0.0,
     jitter: float = 0.0,
     samples: int = 32,
+    meetings: Sequence[tuple[Sequence[int], float]] = (),
 ) -> float:
     """The mean step length when action times vary by ``jitter`` around their costs: longer than
-    the step of mean times, since every dependency waits for the later of its inputs."""
+    the step of mean times, since every dependency waits for the later of its inputs. With
+    ``meetings`` (the tied weights' gradient sums, as ``deferred_step`` takes them) the step with
+    the barrier up to where every rank has ended its backward and its sums (``_meet``): a sum
+    starts when the last of its ranks has ended its own last action."""
     if not jitter:
         samples = 1
-    return statistics.fmean(
-        max(a.end for a in simulate(order, costs, num_stages=num_stages, comm_s=comm_s, jitter=jitter, seed=i))
-        for i in range(samples))
+    ends = []
+    for seed in range(samples):
+        end, _ = _replay(order, _cost_of(costs, jitter, seed), num_stages, comm_s)
+        ends.append(max(_meet({rank: end[ops[-1]] for rank, ops in order.items() if ops}, meetings).values()))
+    return statistics.fmean(ends)
+
+
+def _meet(times: Mapping[int, float], meetings: Sequence[tuple[Sequence[int], float]]) -> dict[int, float]:
+    """Each rank's time after the tied weights' gradient sums it takes part in (``meetings``: the
+    pipeline ranks holding a copy and the seconds of their all-reduce, in the order
+    ``TiedWeights.sync_grads`` runs them), from ``times``, when each rank arrives: a sum starts
+    when the last of its ranks arrives. One rank holding every copy (V placements) meets nobody."""
+    out = dict(times)
+    for ranks, seconds in meetings:
+        if len(set(ranks)) > 1:
+            met = max(out[r] for r in ranks) + seconds
+            out.update({r: met for r in ranks})
+    return out
 
 
 def peak_in_flight(order: Mapping[int, Sequence[Op]], weights: Mapping[int, float] | None = None,
@@ -250,11 +269,7 @@ def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[
             own = {rank: end.get((s, kind, k * m + mb)) for rank, (s, kind, mb) in last.items()}
             if any(t is None for t in own.values()):
                 return None
-            times = {rank: t for rank, t in own.items() if t is not None}
-            for ranks, seconds in meetings:  # the tied gradients' sums, one after the other
-                met = max(times[r] for r in ranks) + seconds
-                times.update({r: met for r in ranks})
-            left[k] = times
+            left[k] = _meet({rank: t for rank, t in own.items() if t is not None}, meetings)  # the tied sums
         return left[k]
 
     def start(rank: int, k: int, end: Mapping[tuple, float]) -> float | None:

@@ -103,8 +103,9 @@ class Candidate:
     fits_memory: bool = True
     # the simulated pipeline with mean action times (no jitter); plan.barrier=false: its steady step, steps overlapping
     pipeline_s: float | None = None
-    # of the predicted step: the loss/norm all-reduce and the optimizer (plan.barrier=false: what the
-    # updates between a rank's steps, the deferred all-reduce and the jitter add to the steady pipeline)
+    # of the predicted step: the tied weights' sums, the loss/norm all-reduce and the optimizer (plan.barrier=false:
+    # what the updates between a rank's steps, the tied sums, the deferred all-reduce and the jitter add to the
+    # steady pipeline)
     after_pipeline_s: float | None = None
     stage_costs_s: dict[str, float] = field(default_factory=dict)  # "<stage><F|B|I|W>": seconds, as simulated
     lower_bound_s: float | None = None  # no order of this layout's actions runs its pipeline faster
@@ -141,9 +142,8 @@ class Candidate:
         self.after_pipeline_s = self.predicted_step_time_s - self.pipeline_s
         self.bubble = 1 - busy_s / (pp * self.pipeline_s)
         self.commit_step_s = (expected_makespan(order, costs, num_stages=num_stages, comm_s=comm_s,
-                                                jitter=calibration.action_jitter)
-                              + max((s for _, s in meetings), default=0.0) + max(updates.values(), default=0.0)
-                              + calibration.latency_s)
+                                                jitter=calibration.action_jitter, meetings=meetings)
+                              + max(updates.values(), default=0.0) + calibration.latency_s)
 
     def amortize(self, committed: int, steps: int) -> None:
         """``amortized_step_s``: ``committed`` of ``steps`` steps at ``commit_step_s`` (``committed_steps``)."""
@@ -265,17 +265,20 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     candidate.valid = True
     rank_stages = {r: layout.stages_on(r) for r in range(layout.pp)}
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
-    if plan_cfg.barrier:
-        candidate.after_pipeline_s = model.rest_scale * rest_s(rank_stages, layout.stages, child, calibration)
-        candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
+    meetings = tied_meetings(layout.tied, calibration)
+    if plan_cfg.barrier:  # the pipeline, the tied sums where their ranks meet, the all-reduce and the update
+        met = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                jitter=calibration.action_jitter, meetings=meetings) if meetings else makespan
+        candidate.predicted_step_time_s = met + model.rest_scale * rest_s(rank_stages, layout.stages, child,
+                                                                          calibration)
+        candidate.after_pipeline_s = candidate.predicted_step_time_s - makespan
         candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
         candidate.pipeline_s = max(a.end for a in timeline)
     else:
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=model.scaled_updates(rank_updates(rank_stages, layout.stages, child,
                                                                            calibration)),
-                                 calibration=calibration, busy_s=sum(busy.values()),
-                                 meetings=tied_meetings(layout.tied, calibration))
+                                 calibration=calibration, busy_s=sum(busy.values()), meetings=meetings)
     problem = Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
                       barrier=plan_cfg.barrier)
     candidate.lower_bound_s = lower_bound(problem)

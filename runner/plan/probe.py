@@ -108,7 +108,7 @@ class Observation:
     sent_bytes: int  # the largest message between its stages
     rest_s: float  # the predicted rest of its step, unscaled
     updates_s: dict[int, float] = field(default_factory=dict)  # deferred: each rank's update, unscaled
-    meetings: list[tuple[tuple[int, ...], float]] = field(default_factory=list)  # deferred: ``tied_meetings``
+    meetings: list[tuple[tuple[int, ...], float]] = field(default_factory=list)  # ``tied_meetings``: both modes
 
 
 def read_run(path: str | Path, label: str | None = None) -> Measured:
@@ -186,14 +186,16 @@ def run_probe(launch: Launch, trial: DictConfig, steps: int, recorded: int, run_
     return read_run(run_dir, label)
 
 
-def predicted_pipelines(observations: Sequence[Observation], model: Fit, calibration: Calibration) -> list[float]:
-    """Each observation's pipeline as ``model`` predicts it (as the planner predicts candidates)."""
+def predicted_pipelines(observations: Sequence[Observation], model: Fit, calibration: Calibration, *,
+                        meetings: bool = False) -> list[float]:
+    """Each observation's pipeline as ``model`` predicts it (as the planner predicts candidates);
+    with ``meetings``, up to the end of its tied weights' gradient sums (``Observation.meetings``)."""
     out = []
     for o in observations:
         costs = model.action_costs(o.compute, calibration.action_overhead_s)
         comm = calibration.message_s(o.sent_bytes, min(v for (_, k), v in costs.items() if k == "F"))
         out.append(expected_makespan(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm,
-                                     jitter=calibration.action_jitter))
+                                     jitter=calibration.action_jitter, meetings=o.meetings if meetings else ()))
     return out
 
 
@@ -201,7 +203,7 @@ def fit(observations: Sequence[Observation], calibration: Calibration) -> Fit:
     """The scales from the recorded action costs (beyond the calibrated overhead), pooled over the
     observations; then the per-action gap that makes the predicted pipelines add up to the
     measured ones (the simulated step grows piecewise linearly with it: secant steps); then the
-    rest of the step, pooled."""
+    rest of the step, pooled (with the barrier, less what the tied weights' sums add: modelled)."""
     overhead = calibration.action_overhead_s
 
     def scale(kinds: str) -> float:
@@ -226,19 +228,22 @@ def fit(observations: Sequence[Observation], calibration: Calibration) -> Fit:
         errors.append(sum(predicted_pipelines(observations, replace(model, gap_s=gaps[-1]), calibration)) - target)
     gap = gaps[min(range(len(gaps)), key=lambda i: abs(errors[i]))]
     model = replace(model, gap_s=gap)
+    predicted = predicted_pipelines(observations, model, calibration)
+    # With the barrier the tied weights' sums follow the measured pipeline: not the rest's to scale.
+    met = [predicted_pipelines([o], model, calibration, meetings=True)[0] - p if o.meetings else 0.0
+           for o, p in zip(observations, predicted)]
     steady: list[tuple[float, float]] = []  # deferred runs: (measured, fitted) steady step
     if all(o.measured.deferred and o.measured.steady_s for o in observations):
         model = replace(model, rest_scale=_deferred_rest_scale(observations, model, calibration))
         steady = [(o.measured.steady_s or 0.0, deferred_steps(o, model, calibration)) for o in observations]
     else:
-        rest_run = sum(max(0.0, o.measured.step_s - o.measured.pipeline_s) for o in observations)
+        rest_run = sum(max(0.0, o.measured.step_s - o.measured.pipeline_s - t) for o, t in zip(observations, met))
         rest_planned = sum(o.rest_s for o in observations)
         model = replace(model, rest_scale=rest_run / rest_planned if rest_run > 0 and rest_planned > 0 else 1.0)
-    predicted = predicted_pipelines(observations, model, calibration)
     probes: list[dict] = [{"label": o.measured.label, "microbatches": o.measured.microbatches,
                            "measured_pipeline_s": o.measured.pipeline_s, "measured_step_s": o.measured.step_s,
-                           "fitted_pipeline_s": p, "fitted_step_s": p + o.rest_s * model.rest_scale}
-                          for o, p in zip(observations, predicted)]
+                           "fitted_pipeline_s": p, "fitted_step_s": p + t + o.rest_s * model.rest_scale}
+                          for o, p, t in zip(observations, predicted, met)]
     for probe, (measured, fitted) in zip(probes, steady):  # the steady step, as summary.json's bubble.steady has it
         probe.update(measured_step_s=measured, fitted_step_s=fitted, step="bubble.steady")
     return replace(model, probes=probes)

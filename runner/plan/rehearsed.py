@@ -9,8 +9,10 @@ from its calibration), into a directory of the plan's, then reads its ``rehearsa
 candidate's step is then the rehearsal's composed step, recomposed here with the planner's own
 message cost: the median measured time of each (stage, F/B/I/W) action, times the calibrated
 co-running slowdown (a rehearsed rank runs alone; the run's ranks share the host), replayed by the
-simulator in the candidate's order with the planner's message cost per send, plus the rehearsal's
-tp/dp collectives on the planner's link and its slowest rank's optimizer step.
+simulator in the candidate's order with the planner's message cost per send, the tied weights'
+gradient sums where the ranks holding a copy meet after the pipeline (``Layout.tied``, priced by
+the calibration as without the barrier), plus the rehearsal's tp/dp collectives on the planner's
+link and its slowest rank's optimizer step.
 
 With ``plan.barrier=false`` each rehearsal runs ``train.optimizer_sync=deferred`` (the candidates'
 commands do), and a candidate is scored by that mode's steady step instead
@@ -118,18 +120,20 @@ def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op
         raise ValueError(f"the rehearsal measured no {', '.join(f'{s}{k}' for s, k in missing)} action")
     timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
     busy = sum(a.end - a.start for a in timeline)
-    model_step = candidate.predicted_step_time_s
-    if barrier:
+    model_step, meetings = candidate.predicted_step_time_s, tied_meetings(layout.tied, calibration)
+    if barrier:  # the pipeline, the tied sums where their ranks meet, the collectives and the update
         makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
                                      jitter=calibration.action_jitter)
-        candidate.after_pipeline_s = float(step["collectives_s"]) + float(step["optimizer_s"])
-        candidate.predicted_step_time_s = makespan + candidate.after_pipeline_s
+        met = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
+                                jitter=calibration.action_jitter, meetings=meetings) if meetings else makespan
+        candidate.predicted_step_time_s = met + float(step["collectives_s"]) + float(step["optimizer_s"])
+        candidate.after_pipeline_s = candidate.predicted_step_time_s - makespan
         candidate.pipeline_s = max(a.end for a in timeline)
         candidate.bubble = 1 - busy / (layout.pp * makespan)
     else:  # as a modelled candidate (Candidate.score_deferred), with the rehearsed updates
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=_deferred_updates(step, calibration.corunning_slowdown),
-                                 calibration=calibration, busy_s=busy, meetings=tied_meetings(layout.tied, calibration))
+                                 calibration=calibration, busy_s=busy, meetings=meetings)
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     candidate.lower_bound_s = lower_bound(Problem(layout.microbatches, layout.stage_to_rank, costs, comm_s,
                                                   dict(saved_bytes), barrier=barrier))

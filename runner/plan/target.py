@@ -8,7 +8,9 @@ unit's forward, input-gradient (I) and weight-gradient (W) passes are counted op
 product is ``plan.world_size``; a tp degree is one more factor of ``Degrees``) x dp mode x schedule
 x microbatches; each is simulated as the planner simulates probed candidates
 (``runner.pipeline.simulate``), with a message of ``latency + bytes / bandwidth`` per cross-rank
-dependency, then the step's gradient synchronisation over dp and the slowest rank's AdamW update; without the
+dependency, then the gradient sum of a weight tied across pipeline ranks where the ranks holding its
+copies meet after their backward (``tied_s``), the step's gradient synchronisation over dp and the
+slowest rank's AdamW update; without the
 barrier (``plan.barrier=false``) the steady step of ``train.optimizer_sync=deferred`` instead, each
 rank's synchronisation and update between its own steps, and the ranks holding a tied weight's copies
 meeting after every backward to sum its gradient (``runner.pipeline.simulate.deferred_step``).
@@ -38,7 +40,7 @@ from runner.pipeline.schedule import (
     placement,
     schedule_order,
 )
-from runner.pipeline.simulate import deferred_step, peak_in_flight, simulate
+from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
 from runner.plan.memory import FP32, rank_memory, rank_params
 from runner.plan.planner import DEFERRED, committed_steps
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
@@ -95,6 +97,9 @@ class TargetCandidate:
     pipeline_s: float | None = None  # of the step: the simulated pipeline
     sync_s: float | None = None  # the gradient all-reduce (ddp) or all-gather + reduce-scatter (fsdp) over dp
     optimizer_s: float | None = None  # the slowest rank's norm, clip and AdamW update
+    # the tied weights' gradient sums where the pipeline ranks holding a copy meet, beyond the pipeline's
+    # end (with the barrier, and a commit step's; plan.barrier=false's steady step has them in it)
+    tied_s: float = 0.0
     bubble: float | None = None
     mfu: float | None = None  # model FLOPs per second over the ranks' dense peak
     memory_per_rank: list[dict[str, int]] = field(default_factory=list)  # runner.plan.memory, per pipeline rank
@@ -264,18 +269,19 @@ def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount],
     timeline = simulate(order, costs, num_stages=num_stages, comm_s=link.seconds(message))
     c.pipeline_s = max(a.end for a in timeline)
     c.bubble = 1 - sum(a.end - a.start for a in timeline) / (c.pp * c.pipeline_s)
+    meetings = _meetings(meta, stages, to_rank, c, link)
+    c.tied_s = expected_makespan(order, costs, num_stages=num_stages, comm_s=link.seconds(message),
+                                 meetings=meetings) - c.pipeline_s if meetings else 0.0
     compute_bytes = 2 if cfg.train.precision == "bf16" else FP32
     params = rank_params(stages, {n: counts[n].params for n in names}, to_rank, c.pp)
     shards = c.dp if c.dp_mode == "fsdp" else 1
     syncs = [_sync_s(p, c.dp, c.dp_mode, compute_bytes, link) for p in params]
     updates = [p / shards * _ADAMW_BYTES / (peaks.bandwidth * eff) for p in params]
     c.sync_s, c.optimizer_s = max(syncs), max(updates)
-    c.step_time_s = c.pipeline_s + c.sync_s + c.optimizer_s
+    c.step_time_s = c.pipeline_s + c.tied_s + c.sync_s + c.optimizer_s
     if not cfg.plan.barrier:  # train.optimizer_sync=deferred: each rank's sync and update between its own steps
-        between, meetings = {r: syncs[r] + updates[r] * _SNAPSHOT for r in range(c.pp)}, \
-            _meetings(meta, stages, to_rank, c, link)
-        c.commit_step_s = (c.pipeline_s + max((s for _, s in meetings), default=0.0) + max(between.values())
-                           + link.latency_s)
+        between = {r: syncs[r] + updates[r] * _SNAPSHOT for r in range(c.pp)}
+        c.commit_step_s = c.pipeline_s + c.tied_s + max(between.values()) + link.latency_s
         c.pipeline_s = deferred_step(order, costs, num_stages=num_stages, comm_s=link.seconds(message))
         c.bubble = 1 - sum(a.end - a.start for a in timeline) / (c.pp * c.pipeline_s)
         c.step_time_s = deferred_step(order, costs, num_stages=num_stages, comm_s=link.seconds(message),

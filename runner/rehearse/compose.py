@@ -5,8 +5,9 @@ link; null: 10 us and 50 GB/s); the step's MFU where the device's peak is known 
 table, as ``plan.target`` reads it; the model's FLOPs counted as the planner counts them); and each
 rank's peak memory against a capacity.
 
-Two steps are composed: the barrier's (the pipeline, then the tp/dp collectives, then the slowest
-rank's optimizer step), and where the run has ``train.optimizer_sync=deferred`` its steady step
+Two steps are composed: the barrier's (the pipeline, then the tied weights' gradient sums where the
+ranks holding a copy meet, then the tp/dp collectives, then the slowest rank's optimizer step), and
+where the run has ``train.optimizer_sync=deferred`` its steady step
 (``runner.pipeline.simulate.deferred_step``: steps back to back, each pipeline rank's own update
 between its own steps, the tied weights' gradient sums where the ranks holding a copy meet, the
 loss/norm all-reduce waited for a step later); ``step_s`` is the one
@@ -22,7 +23,7 @@ from runner.layout import ResolvedRun
 from runner.options import OptimizerSync
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
-from runner.pipeline.simulate import SimAction, deferred_step, simulate
+from runner.pipeline.simulate import SimAction, deferred_step, expected_makespan, simulate
 
 __all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH", "VALIDATION_BYTES"]
 
@@ -60,6 +61,19 @@ def _collective_s(r: dict, latency: float, bandwidth: float) -> float:
                for kind, k in kinds.items() if kind not in P2P)
 
 
+def _meetings(resolved: ResolvedRun, latency: float, bandwidth: float) -> list[tuple[tuple[int, ...], float]]:
+    """The tied weights' gradient sums, where the pipeline ranks holding a copy meet after every
+    backward (``Layout.tied``), each an all-reduce of its gradient on the link: not a rank's own
+    collectives, in either step."""
+    return [(span.ranks, latency + span.grad_bytes / bandwidth) for span in resolved.layout.tied]
+
+
+def _filed_under_world(meetings: Sequence[tuple[tuple[int, ...], float]], world_size: int) -> float:
+    """The seconds of the sums the rehearsal files among a rank's "world" collectives (at pp = world
+    size the ranks holding a copy are the world), taken out of them where they are meetings."""
+    return sum(s for ranks, s in meetings if len(ranks) == world_size)
+
+
 def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[int, str], float], comm_s: float,
               latency: float, bandwidth: float) -> dict[str, Any]:
     """``train.optimizer_sync=deferred``'s steady step: each pipeline rank's update between its own
@@ -68,9 +82,7 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
     ``VALIDATION_BYTES``) waited for a step later; the pipeline as ``deferred_step`` replays it
     without either (mean times: what the updates and the all-reduce add is ``step_s`` less it)."""
     validation_s = latency + VALIDATION_BYTES / bandwidth
-    # The tied weights' gradient sums, where the ranks holding a copy meet after every backward: not
-    # a rank's own collectives (at pp = world size the rehearsal files such a sum under "world").
-    meetings = [(span.ranks, latency + span.grad_bytes / bandwidth) for span in resolved.layout.tied]
+    meetings = _meetings(resolved, latency, bandwidth)
     update: dict[int, float] = {}
     collectives: dict[int, float] = {}
     for r in ranks:
@@ -79,7 +91,7 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
         p = r["coords"]["pp"]
         update[p] = max(update.get(p, 0.0), r["update_s"])
         validated = "all_reduce" in r["collectives"].get("world", {})
-        met = sum(s for ranks_, s in meetings if p in ranks_ and len(ranks_) == resolved.world_size)
+        met = _filed_under_world(meetings, resolved.world_size)
         collectives[p] = max(collectives.get(p, 0.0),
                              _collective_s(r, latency, bandwidth) - validated * validation_s - met)
     order, stages = _order(resolved), resolved.layout.num_stages
@@ -111,15 +123,22 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     sends = [k["bytes"] / k["count"] for r in ranks for kinds in r["collectives"].values()
              for kind, k in kinds.items() if kind == "send"]
     comm_s = latency + (max(sends) / bw if sends else 0.0)
-    timeline = simulate(_order(resolved), costs, num_stages=resolved.layout.num_stages, comm_s=comm_s)
+    order, num_stages = _order(resolved), resolved.layout.num_stages
+    timeline = simulate(order, costs, num_stages=num_stages, comm_s=comm_s)
     pipeline_s = max(a.end for a in timeline)
     busy = sum(a.end - a.start for a in timeline)
     bubble = 1 - busy / (resolved.pp * pipeline_s)
-    collectives_s = max(_collective_s(r, latency, bw) for r in ranks)
+    meetings = _meetings(resolved, latency, bw)
+    # What the tied sums add after the pipeline: each starts when the last of its ranks ends its backward.
+    tied_s = expected_makespan(order, costs, num_stages=num_stages, comm_s=comm_s,
+                               meetings=meetings) - pipeline_s if meetings else 0.0
+    collectives_s = max(_collective_s(r, latency, bw) for r in ranks) - _filed_under_world(meetings,
+                                                                                           resolved.world_size)
     optimizer_s = max(r["optimizer_s"] for r in ranks)
-    barrier_s = pipeline_s + collectives_s + optimizer_s
+    barrier_s = pipeline_s + tied_s + collectives_s + optimizer_s
     sync = OptimizerSync(resolved.train.optimizer_sync)
-    step = {"optimizer_sync": sync.value, "barrier_step_s": barrier_s, "pipeline_s": pipeline_s,
+    step = {"optimizer_sync": sync.value, "barrier_step_s": barrier_s, "pipeline_s": pipeline_s, "tied_s": tied_s,
+            "tied_meetings": [{"ranks": list(ranks_), "seconds": s} for ranks_, s in meetings],
             "collectives_s": collectives_s, "optimizer_s": optimizer_s, "bubble": bubble, "message_s": comm_s,
             "stage_costs_s": {f"{s}{k}": v for (s, k), v in sorted(costs.items())},
             "link": {"latency_s": latency, "bandwidth": bw}}
@@ -127,7 +146,7 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
         step["deferred"] = _deferred(resolved, ranks, costs, comm_s, latency, bw)
         step["step_s"] = step["deferred"]["step_s"]
     elif sync == OptimizerSync.post_validate:  # the barrier's step, each rank's update with its snapshot
-        step["step_s"] = pipeline_s + collectives_s + max(r["update_s"] for r in ranks)
+        step["step_s"] = pipeline_s + tied_s + collectives_s + max(r["update_s"] for r in ranks)
     else:
         step["step_s"] = barrier_s
     step["tokens_per_s"] = resolved.tokens_per_step / step["step_s"]

@@ -381,7 +381,9 @@ def _step_lines(step: dict[str, Any]) -> list[str]:
     rate = (f"{step['tokens_per_s']:.0f} tokens/s, "
             + (f"MFU {step['mfu']:.1%} of {step['peak_of']}" if step.get("mfu") is not None
                else f"MFU unknown ({step.get('mfu_unknown')})"))
-    parts = (f"pipeline {step['pipeline_s']:.3f} s, collectives {step['collectives_s']:.3f} s, optimizer "
+    meet = "; ".join("/".join(map(str, m["ranks"])) for m in step.get("tied_meetings", []))
+    tied = f", tied weights' gradient sums {step['tied_s'] * 1e3:.2f} ms (pipeline ranks {meet} meet)" if meet else ""
+    parts = (f"pipeline {step['pipeline_s']:.3f} s{tied}, collectives {step['collectives_s']:.3f} s, optimizer "
              f"{step['optimizer_s']:.3f} s), bubble {step['bubble']:.1%}")
     deferred = step.get("deferred")
     if deferred is None:
