@@ -119,5 +119,5 @@ def test_a_runs_reported_step_times_are_the_devices_written_as_the_device_passes
     # call ended; the waits all after the last step's end event.
     assert all(seen >= 2 * step + 2 or step == steps for step, seen in written), written
     assert device.waits and set(device.waits) == {2 * steps}
-    assert summary["step_time_s"] == pytest.approx(device_seconds(3.5))  # the median of steps 2 to 5 (the first left out)
+    assert summary["step_time_s"] == pytest.approx(device_seconds(3.5))  # the median of steps 2 to 5
     assert summary["tokens_per_s"] == pytest.approx(trainer.resolved.tokens_per_step / summary["step_time_s"])
