@@ -121,3 +121,20 @@ def test_a_runs_reported_step_times_are_the_devices_written_as_the_device_passes
     assert device.waits and set(device.waits) == {2 * steps}
     assert summary["step_time_s"] == pytest.approx(device_seconds(3.5))  # the median of steps 2 to 5
     assert summary["tokens_per_s"] == pytest.approx(trainer.resolved.tokens_per_step / summary["step_time_s"])
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_on_cuda_a_steps_time_is_its_kernels_not_their_launch_and_reading_it_adds_no_wait():
+    import time
+
+    timer = StepTimer(torch.device("cuda", 0))
+    torch.cuda.synchronize()
+    timer.begin(1)
+    began = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # a kernel of 2e8 cycles: about 0.1 s at the H100's clock
+    timer.end(1, time.perf_counter() - began)
+    assert timer.on_device and not timer.ready(1)  # the kernel still runs: nothing waited for it
+    torch.cuda.synchronize()
+    assert timer.ready(1) and timer.seconds(1) > 0.03 and timer.seconds(1) > 10 * timer.host[1], (
+        timer.seconds(1), timer.host)
