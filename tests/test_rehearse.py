@@ -184,12 +184,13 @@ SHARDED = ["device=cpu", "model.dim=128", "model.n_layers=8", "model.n_heads=4",
            "train.seq_len=16", "train.batch_size=16", "profile.enabled=false", "verify=false"]
 
 
-# torch 2.11 (the GPU image's) builds an FSDP stage with 60-180 KB more at the peak than 2.13 (tracked
-# as activations by the MemTracker: 1.84 MB against 1.72 MB for pp2-fsdp4; its source not traced), so
-# the bound below, 2.13's, holds there only for tp.
+# torch 2.11's MemTracker (the GPU image's) reads an FSDP stage's build 120-180 KB above 2.13's: 1.84
+# MB against 1.72 MB for pp2-fsdp4, 1.45 against 1.27 for fsdp2-over-tp4. The storages alive are the
+# same: counted one by one (each op's new storages, until freed) both versions peak at 2.13's figure,
+# under the bound. The test measures with the tracker a rehearsal reports, so it skips there.
 _FSDP_BUILD_BOUND = pytest.mark.skipif(torch.__version__ < (2, 13), reason=(
-    f"torch {torch.__version__}: its fully_shard build peaks 60-180 KB above this test's bound (2.13's); "
-    "the shards' values are checked under 2.13"))
+    f"torch {torch.__version__}: its MemTracker reads an FSDP build 120-180 KB above the storages alive "
+    "(and above this bound); the storages' own peak is 2.13's"))
 
 
 @pytest.mark.timeout(120)
