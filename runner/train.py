@@ -48,6 +48,7 @@ from runner.outputs.metrics import (
 )
 from runner.outputs.profile import RunProfiler
 from runner.outputs.provenance import device_name
+from runner.outputs.step_timer import StepTimer
 from runner.parallel.mesh import Mesh, build_mesh
 from runner.pipeline.step import Batch, build_step
 from runner.ranks.clock import StartupClock
@@ -224,7 +225,7 @@ class Trainer:
                                   *build_callbacks(cfg.get("callbacks")), *hooks]
         self.static_stages = static_stages  # stages built with static metadata (runner.pipeline.step.build_step)
         self.losses: list[float] = []
-        self.step_times: list[float] = []
+        self.step_times: list[float] = []  # the host's seconds of each step's call (the reported ones: self.timer)
         self.val_losses: list[tuple[int, float]] = []
         self.pending: Pending | None = None  # deferred: the step applied, validated in the next one
 
@@ -260,6 +261,9 @@ class Trainer:
         self.config = as_ran(cfg, resolved)
         self.metrics = (MetricsWriter(self.run_dir, run_config=self.config,
                                       resumed_after=self.first_step) if env.is_main else None)
+        # The reported step times: on CUDA the device's, read as the metrics are written (only rank 0 writes them).
+        self.timer = StepTimer(env.device if env.is_main else torch.device("cpu"))
+        self.unwritten: list[dict] = []  # validated steps' records waiting for their device time
         self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
                                    not_counted=frozenset(self.tied.not_counted()), optimizer=self.optimizer,
                                    scheduler=self.scheduler, resolved=resolved, cfg=cfg)
@@ -284,6 +288,7 @@ class Trainer:
         batch = _replica_share(state.batch, self.mesh, env.device)
         self.profiler.begin_step(index - self.first_step)
         start = time.perf_counter()
+        self.timer.begin(state.step)
         rng = _rng_state(env.device) if self.pending is not None else None
         self._forward_backward(state, batch)
         done = []
@@ -300,6 +305,7 @@ class Trainer:
             self.scheduler.step()
             self._call("after_step", state)
         step_time = time.perf_counter() - start
+        self.timer.end(state.step, step_time)
         self.profiler.end_step()
         self.step_times.append(step_time)
         if state.first:
@@ -448,6 +454,26 @@ class Trainer:
     def _record(self, record: dict) -> None:
         if self.metrics is None:
             return
+        self.unwritten.append(record)
+        self._write_records()
+
+    def _write_records(self, *, finished: bool = False, failed: bool = False) -> None:
+        """The records waiting, in step order, with their reported step times (``self.timer``):
+        those the device has finished (on CPU every one as it comes; on CUDA a step's once a later
+        wait has passed its end: the next step's, under ``barrier`` and ``deferred`` alike), or every
+        one where the run is ``finished`` (waiting for the device) or ``failed`` (the host's times:
+        the device may not answer)."""
+        while self.unwritten:
+            record = self.unwritten[0]
+            step = record["step"]
+            if not (failed or finished or self.timer.ready(step)):
+                return
+            seconds = self.timer.host[step] if failed else self.timer.seconds(step, wait=finished)
+            record.update(step_time_s=seconds, tokens_per_s=self.resolved.tokens_per_step / seconds)
+            self._write(self.unwritten.pop(0))
+
+    def _write(self, record: dict) -> None:
+        assert self.metrics is not None
         self.metrics.write(record)
         step = record["step"]
         val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
@@ -463,6 +489,7 @@ class Trainer:
             self.val_losses.append((record["step"], record["val_loss"]))
         self._record(record)
         self.checkpoint(record["step"])
+        self._write_records()  # a save waits for the device (its copies): its step's time is known
 
     def run(self) -> TrainResult:
         self.setup()
@@ -472,9 +499,11 @@ class Trainer:
                 for record in self.step(index):  # deferred: the last step, and any evaluated or saved, at its end
                     self._commit(record)
             assert self.pending is None  # the last step is validated at its end
+            self._write_records(finished=True)
             self.checkpointer.wait()  # the last asynchronous save, committed
         except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
             if self.metrics:
+                self._write_records(failed=True)
                 self.metrics.close(failed=True)
             raise
         self.checkpointer.close()
@@ -497,7 +526,7 @@ class Trainer:
         val_losses = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r] + self.val_losses
         summary = make_summary(
             resolved=self.resolved, clock=self.clock, first_step=self.first_step + 1,
-            losses=[r["loss"] for r in history] + self.losses, step_times=self.step_times,
+            losses=[r["loss"] for r in history] + self.losses, step_times=self.timer.all_seconds(),
             peak_mem=[r[0] for r in per_rank], device_names=[r[1] for r in per_rank],
             config_path=write_resolved_config(self.run_dir, self.config),
         )

@@ -23,6 +23,7 @@ from runner.plan.target import count_units, plan_target
 
 from helpers.cli import run_cli
 from helpers.config import ROOT, TINY, compose
+from helpers.datasheet import h100_fp32_flops
 from helpers.hf import write_model
 from helpers.plan import FIXED
 
@@ -164,7 +165,7 @@ def test_target_plans_the_builtin_transformer_too_and_refuses_unknown_devices():
     assert any(c.valid and c.pp == 2 for c in result.candidates) and any(c.recommended for c in result.candidates)
     # The H100's bf16 figure in torch's table includes 2:4 sparsity; fp32 is dense already.
     h100 = device_peaks("NVIDIA H100")
-    assert h100.flops["torch.bfloat16"] == 989.5e12 and h100.flops["torch.float32"] == 67e12
+    assert h100.flops["torch.bfloat16"] == 989.5e12 and h100.flops["torch.float32"] == h100_fp32_flops()
     # torch 2.11 (the GPU image's, read on an H100) has no sparsity factor in its table, and the same
     # with-sparsity H100 figures.
     info = datasheet.lookup_device_info("NVIDIA H100")

@@ -28,11 +28,15 @@ parameters, gradients and optimizer state (``memory.held_bytes``) and the collec
 bytes by kind and mesh dimension: tp, dp, pp, world).
 
 ``rank_main`` rehearses several ranks in turn in one process (a spawned one: the imports and the
-interpreter's start are paid once); ``run_rank`` leaves no process group behind."""
+interpreter's start are paid once); ``run_rank`` leaves no process group behind, and begins by
+letting go of what a rank before it held (``free_previous_rank``: on CUDA the caching allocator's
+blocks emptied and its peak reset, so that ``device_peak_bytes``, the allocator's high-water mark, is
+this rank's alone, and a rank near the device's capacity is not short of the blocks another cached)."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -54,7 +58,7 @@ from runner.ranks.dist import cleanup, synchronize
 from runner.rehearse.memory import held_bytes
 from runner.rehearse.world import collectives_by_dim, init_rehearsal, reset_collectives
 
-__all__ = ["RankPass", "rehearsal_run", "run_rank", "rank_main", "prime_optimizer"]
+__all__ = ["RankPass", "rehearsal_run", "run_rank", "rank_main", "prime_optimizer", "free_previous_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +225,26 @@ def _steps(trainer, rank_pass: RankPass, measure: _Measure) -> dict[str, float]:
     return wall
 
 
+def free_previous_rank(device: torch.device, cuda: Any = torch.cuda) -> None:
+    """What an earlier rank rehearsed in this process held, let go before the next: its tensors
+    (those in reference cycles collected; its ``Trainer`` is gone once ``run_rank`` returns) and on
+    CUDA, once the device has finished with them, the blocks the caching allocator kept (the next
+    rank, alone on its GPU in the real run, gets the whole device) and the allocator's peak
+    statistics (``device_peak_bytes`` then counts this rank alone). The memory tracker's peaks need
+    nothing: a tracker follows the tensors made while it is entered, one step at a time. ``cuda``:
+    ``torch.cuda`` (the tests' stand-in)."""
+    gc.collect()
+    if device.type == "cuda":
+        cuda.synchronize(device)
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats(device)
+
+
+def _device_peak(device: torch.device) -> int | None:
+    """CUDA's allocator high-water mark since ``free_previous_rank`` (None on CPU: the tracker's is the one)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, rank_pass: RankPass, run_dir: Path) -> dict:
     """Rehearse ``rank`` of ``resolved`` in this process (which must hold no process group) for
     ``rank_pass``; returns its measurements (the keys of a pass not run are None)."""
@@ -228,6 +252,7 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, rank_pass: RankP
 
     run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", 0) if resolved.device == "cuda" else torch.device("cpu")
+    free_previous_rank(device)
     began = time.perf_counter()
     env = init_rehearsal(rank, resolved.world_size, device)
     timed = rank_pass.timed_step
@@ -256,6 +281,7 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, rank_pass: RankP
                 "snapshot_bytes": trainer.post_validate.snapshot.nbytes() if trainer.post_validate else None,
                 "profiled_step": rank_pass.steps if rank_pass.profiled else None,
                 "collectives": measure.collectives, "memory_tracker": "torch.distributed._tools.MemTracker",
+                "device_peak_bytes": _device_peak(device),
                 "trace": str(trace) if trace.is_file() else None, "wall_s": {"setup": setup_s, **wall}}
     finally:
         if measure.tracker is not None:  # a step failed while tracked: its dispatch mode leaves with it

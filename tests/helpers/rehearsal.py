@@ -71,6 +71,18 @@ def _map_large_allocations() -> None:
     libc.mallopt(-8, 1)  # M_ARENA_MAX
 
 
+def _load_what_a_first_step_loads() -> None:
+    """One backward and one AdamW step of a tiny tensor: what a process's first ones map once
+    (modules imported lazily, their libraries: about 75 MB of address space with the CPU wheel, 214 MB
+    with torch 2.11's CUDA wheel) is mapped before the baseline, so the budget holds the rank's
+    tensors and not the size of the torch build."""
+    import torch
+
+    weight = torch.ones(4, requires_grad=True)
+    (weight * 2).sum().backward()
+    torch.optim.AdamW([weight]).step()
+
+
 def rehearse_under_a_memory_limit(cfg_dict: dict, rank: int, budget: int | None, out: str) -> None:
     """A forked process's target: rehearse ``rank`` of the run for one step (its memory pass: AdamW's
     state made, one tracked step) with this process's
@@ -94,6 +106,7 @@ def rehearse_under_a_memory_limit(cfg_dict: dict, rank: int, budget: int | None,
     cfg = OmegaConf.create(cfg_dict)
     run_dir = Path(out).parent / "run"
     resolved = check_rehearsal(cfg, run_dir).resolved
+    _load_what_a_first_step_loads()
     baseline = _vm_bytes("VmSize")
     if budget is not None:
         resource.setrlimit(resource.RLIMIT_AS, (baseline + budget, resource.getrlimit(resource.RLIMIT_AS)[1]))
