@@ -20,7 +20,7 @@ from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
            "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step",
-           "deferred_step", "deferred_timeline"]
+           "deferred_step", "deferred_timeline", "expected_ends"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -151,13 +151,24 @@ def expected_makespan(
     ``meetings`` (the tied weights' gradient sums, as ``deferred_step`` takes them) the step with
     the barrier up to where every rank has ended its backward and its sums (``_meet``): a sum
     starts when the last of its ranks has ended its own last action."""
+    return expected_ends(order, costs, num_stages=num_stages, comm_s=comm_s, jitter=jitter, samples=samples,
+                         meetings=meetings)[1]
+
+
+def expected_ends(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+                  *, num_stages: int, comm_s: float = 0.0, jitter: float = 0.0, samples: int = 32,
+                  meetings: Sequence[tuple[Sequence[int], float]] = ()) -> tuple[float, float]:
+    """``expected_makespan`` without and with ``meetings``, from the same draws: the pipeline's mean
+    end, and the mean end of the tied weights' gradient sums after it (the same without any)."""
     if not jitter:
         samples = 1
-    ends = []
+    pipeline, met = [], []
     for seed in range(samples):
         end, _ = _replay(order, _cost_of(costs, jitter, seed), num_stages, comm_s)
-        ends.append(max(_meet({rank: end[ops[-1]] for rank, ops in order.items() if ops}, meetings).values()))
-    return statistics.fmean(ends)
+        last = {rank: end[ops[-1]] for rank, ops in order.items() if ops}
+        pipeline.append(max(last.values()))
+        met.append(max(_meet(last, meetings).values()))
+    return statistics.fmean(pipeline), statistics.fmean(met)
 
 
 def _meet(times: Mapping[int, float], meetings: Sequence[tuple[Sequence[int], float]]) -> dict[int, float]:

@@ -45,7 +45,7 @@ from runner.pipeline.schedule import (
     read_csv_schedule,
     schedule_order,
 )
-from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
+from runner.pipeline.simulate import deferred_step, expected_ends, expected_makespan, peak_in_flight, simulate
 from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
@@ -123,6 +123,20 @@ class Candidate:
     commit_step_s: float | None = None
     # plan.barrier=false: the step averaged over the run's steps, its committed ones at commit_step_s
     amortized_step_s: float | None = None
+
+    def score_barrier(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
+                      num_stages: int, pp: int, comm_s: float, calibration: Calibration, busy_s: float,
+                      pipeline_s: float, rest_s: float, meetings: Sequence[tuple[tuple[int, ...], float]]) -> None:
+        """``plan.barrier=true``: the step is the pipeline's mean end with action times varying as
+        calibrated, the tied weights' gradient sums where the ranks holding a copy meet after it
+        (``meetings``: ``tied_meetings``), then ``rest_s`` (the all-reduce and the update);
+        ``pipeline_s`` is the pipeline with mean times. The model's costs and the rehearsed ones alike."""
+        makespan, met = expected_ends(order, costs, num_stages=num_stages, comm_s=comm_s,
+                                      jitter=calibration.action_jitter, meetings=meetings)
+        self.predicted_step_time_s = met + rest_s
+        self.after_pipeline_s = self.predicted_step_time_s - makespan
+        self.bubble = 1 - busy_s / (pp * makespan)
+        self.pipeline_s = pipeline_s
 
     def score_deferred(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
                        num_stages: int, pp: int, comm_s: float, updates: Mapping[int, float],
@@ -257,8 +271,6 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     except ValueError as e:
         candidate.reason = f"the order cannot run: {e}"
         return None
-    makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                 jitter=calibration.action_jitter)
     busy = {r: 0.0 for r in range(layout.pp)}
     for a in timeline:
         busy[a.rank] += a.end - a.start
@@ -266,14 +278,11 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     rank_stages = {r: layout.stages_on(r) for r in range(layout.pp)}
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     meetings = tied_meetings(layout.tied, calibration)
-    if plan_cfg.barrier:  # the pipeline, the tied sums where their ranks meet, the all-reduce and the update
-        met = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                jitter=calibration.action_jitter, meetings=meetings) if meetings else makespan
-        candidate.predicted_step_time_s = met + model.rest_scale * rest_s(rank_stages, layout.stages, child,
-                                                                          calibration)
-        candidate.after_pipeline_s = candidate.predicted_step_time_s - makespan
-        candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
-        candidate.pipeline_s = max(a.end for a in timeline)
+    if plan_cfg.barrier:
+        candidate.score_barrier(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
+                                calibration=calibration, busy_s=sum(busy.values()),
+                                pipeline_s=max(a.end for a in timeline), meetings=meetings,
+                                rest_s=model.rest_scale * rest_s(rank_stages, layout.stages, child, calibration))
     else:
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=model.scaled_updates(rank_updates(rank_stages, layout.stages, child,
