@@ -70,7 +70,7 @@ from runner.ranks.host import usable_cpus
 from runner.validate import validate
 
 __all__ = ["Candidate", "PlanResult", "DEFERRED", "check_barrier_free", "check_plan_keys", "check_schedules",
-           "committed_steps", "plan", "tried_schedules"]
+           "amortized_step", "committed_steps", "plan", "tried_schedules"]
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,7 @@ class Candidate:
     def amortize(self, committed: int, steps: int) -> None:
         """``amortized_step_s``: ``committed`` of ``steps`` steps at ``commit_step_s`` (``committed_steps``)."""
         if self.commit_step_s is not None and self.predicted_step_time_s is not None and steps:
-            steady = self.predicted_step_time_s
-            self.amortized_step_s = steady + committed / steps * (self.commit_step_s - steady)
+            self.amortized_step_s = amortized_step(self.predicted_step_time_s, self.commit_step_s, committed, steps)
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -587,6 +586,12 @@ def committed_steps(cfg: DictConfig) -> tuple[int, int]:
 
     head = min(cfg.verify_steps + 1 if resolve_verify(cfg) else 0, steps)  # verify's, from step 1
     return head + max(0, every(steps - 1) - every(head)) + (steps > head), steps
+
+
+def amortized_step(steady_s: float, commit_s: float, committed: int, steps: int) -> float:
+    """The step averaged over ``steps``, ``committed`` of them (``committed_steps``) at ``commit_s``
+    and the others at ``steady_s``."""
+    return steady_s + committed / steps * (commit_s - steady_s)
 
 
 def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:

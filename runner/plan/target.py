@@ -42,7 +42,7 @@ from runner.pipeline.schedule import (
 )
 from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
 from runner.plan.memory import FP32, rank_memory, rank_params
-from runner.plan.planner import DEFERRED, committed_steps
+from runner.plan.planner import DEFERRED, amortized_step, committed_steps
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
 from runner.validate import tied_spans
 
@@ -359,7 +359,7 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     committed, steps = committed_steps(cfg)
     for c in out:  # plan.barrier=false: the steps validated at their own end, over the run's
         if c.commit_step_s is not None and c.step_time_s is not None:
-            c.amortized_step_s = c.step_time_s + committed / max(steps, 1) * (c.commit_step_s - c.step_time_s)
+            c.amortized_step_s = amortized_step(c.step_time_s, c.commit_step_s, committed, max(steps, 1))
     out.sort(key=lambda c: (not c.valid, not c.fits_device, c.step_time_s or 0.0))
     _mark_ties(out, cfg.plan.tie_tolerance)
     return TargetPlan(out, peaks, link, world_size)
