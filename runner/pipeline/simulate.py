@@ -262,12 +262,10 @@ def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[
                    meetings: Sequence[tuple[Sequence[int], float]] = ()):
     """``train.optimizer_sync=deferred``'s step boundary (``runner.train.Trainer.step``): rank r's
     step k+1 begins after its own step k's forward and backward end (``e(r, k)``: its last action,
-    then the tied weights' gradient sums it takes part in: ``meetings``, each the pipeline ranks
-    holding a copy and the seconds of their all-reduce, in the order ``TiedWeights.sync_grads`` runs
-    them; a sum starts when the last of its ranks arrives), then the wait for step k-1's loss and
-    norm all-reduce (``R(k-1)``, done ``reduce_s`` after the last rank started it), then step k's
-    update (``update_s[r]``: the norm's squares that start step k's all-reduce, the snapshot,
-    AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) = max_r s(r, k) + reduce_s`` and step k+1
+    then the tied weights' gradient sums it takes part in: ``_meet``), then the wait for step k-1's
+    loss and norm all-reduce (``R(k-1)``, done ``reduce_s`` after the last rank started it), then
+    step k's update (``update_s[r]``: the norm's squares that start step k's all-reduce, the
+    snapshot, AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) = max_r s(r, k) + reduce_s`` and step k+1
     starts at ``s(r, k) + update_s[r]``."""
     size = {rank: len(ops) for rank, ops in order.items()}
     last = {rank: (ops[-1].stage, ops[-1].kind, ops[-1].microbatch) for rank, ops in order.items() if ops}
@@ -337,7 +335,6 @@ def _deferred_replay(order: Mapping[int, Sequence[Op]], cost, *, num_stages: int
                      meetings: Sequence[tuple[Sequence[int], float]], steps: int
                      ) -> tuple[dict[tuple, float], dict[Op, tuple[int, float]]]:
     m = 1 + max(op.microbatch for ops in order.values() for op in ops)
-    meetings = [(tuple(ranks), seconds) for ranks, seconds in meetings if len(set(ranks)) > 1]  # one rank: none
     return _replay(repeat_steps(order, steps), cost, num_stages, comm_s,
                    _deferred_gate(order, m, update_s or {}, reduce_s, meetings))
 
