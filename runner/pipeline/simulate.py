@@ -259,7 +259,7 @@ def steady_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str
 
 
 def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[int, float], reduce_s: float,
-                   meetings: Sequence[tuple[Sequence[int], float]] = ()):
+                   meetings: Sequence[tuple[Sequence[int], float]]):
     """``train.optimizer_sync=deferred``'s step boundary (``runner.train.Trainer.step``): rank r's
     step k+1 begins after its own step k's forward and backward end (``e(r, k)``: its last action,
     then the tied weights' gradient sums it takes part in: ``_meet``), then the wait for step k-1's

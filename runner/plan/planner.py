@@ -141,7 +141,7 @@ class Candidate:
     def score_deferred(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
                        num_stages: int, pp: int, comm_s: float, updates: Mapping[int, float],
                        calibration: Calibration, busy_s: float,
-                       meetings: Sequence[tuple[tuple[int, ...], float]] = ()) -> None:
+                       meetings: Sequence[tuple[tuple[int, ...], float]]) -> None:
         """``plan.barrier=false``: the step is ``train.optimizer_sync=deferred``'s steady step
         (``deferred_step``: steps back to back, each rank's update between its own steps, the tied
         weights' gradient sums where the ranks holding a copy meet (``meetings``: ``tied_meetings``),
