@@ -14,7 +14,7 @@ from runner.errors import ConfigError
 from runner.outputs.timeline import write_schedule_csv
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import schedule_order
-from runner.pipeline.simulate import deferred_step, peak_in_flight, simulate
+from runner.pipeline.simulate import peak_in_flight, simulate
 from runner.plan.calibrate import Calibration, calibrate, solve_action_overhead
 from runner.plan.costs import ChildCost, stage_costs
 from runner.plan.planner import plan
@@ -258,11 +258,7 @@ def test_the_fit_of_deferred_probes_of_a_tied_model_keeps_the_tied_meeting_out_o
     for o in _observations(truth, calibration):
         meetings = [] if o.measured.label == "zbv" else [((0, 1), 0.003)]
         o = replace(o, updates_s={0: 0.004, 1: 0.001}, meetings=meetings)
-        costs = truth.action_costs(o.compute, calibration.action_overhead_s)
-        comm_s = calibration.message_s(o.sent_bytes, min(v for (_, k), v in costs.items() if k == "F"))
-        steady = deferred_step(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm_s,
-                               update_s=truth.scaled_updates(o.updates_s), reduce_s=calibration.latency_s,
-                               meetings=meetings)
+        steady = deferred_steps(o, truth, calibration)  # with o.meetings
         observations.append(replace(o, measured=replace(o.measured, deferred=True, steady_s=steady)))
     assert fit(observations, calibration).rest_scale == pytest.approx(1.6, rel=1e-3)
     assert fit([replace(o, meetings=[]) for o in observations], calibration).rest_scale > 1.6 * 1.05

@@ -20,7 +20,7 @@ from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
            "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step",
-           "deferred_step", "deferred_timeline"]
+           "deferred_step", "deferred_timeline", "expected_ends"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -151,13 +151,24 @@ def expected_makespan(
     ``meetings`` (the tied weights' gradient sums, as ``deferred_step`` takes them) the step with
     the barrier up to where every rank has ended its backward and its sums (``_meet``): a sum
     starts when the last of its ranks has ended its own last action."""
+    return expected_ends(order, costs, num_stages=num_stages, comm_s=comm_s, jitter=jitter, samples=samples,
+                         meetings=meetings)[1]
+
+
+def expected_ends(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float] | Mapping[str, float],
+                  *, num_stages: int, comm_s: float = 0.0, jitter: float = 0.0, samples: int = 32,
+                  meetings: Sequence[tuple[Sequence[int], float]] = ()) -> tuple[float, float]:
+    """``expected_makespan`` without and with ``meetings``, from the same draws: the pipeline's mean
+    end, and the mean end of the tied weights' gradient sums after it (the same without any)."""
     if not jitter:
         samples = 1
-    ends = []
+    pipeline, met = [], []
     for seed in range(samples):
         end, _ = _replay(order, _cost_of(costs, jitter, seed), num_stages, comm_s)
-        ends.append(max(_meet({rank: end[ops[-1]] for rank, ops in order.items() if ops}, meetings).values()))
-    return statistics.fmean(ends)
+        last = {rank: end[ops[-1]] for rank, ops in order.items() if ops}
+        pipeline.append(max(last.values()))
+        met.append(max(_meet(last, meetings).values()))
+    return statistics.fmean(pipeline), statistics.fmean(met)
 
 
 def _meet(times: Mapping[int, float], meetings: Sequence[tuple[Sequence[int], float]]) -> dict[int, float]:
@@ -248,15 +259,13 @@ def steady_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str
 
 
 def _deferred_gate(order: Mapping[int, Sequence[Op]], m: int, update_s: Mapping[int, float], reduce_s: float,
-                   meetings: Sequence[tuple[Sequence[int], float]] = ()):
+                   meetings: Sequence[tuple[Sequence[int], float]]):
     """``train.optimizer_sync=deferred``'s step boundary (``runner.train.Trainer.step``): rank r's
     step k+1 begins after its own step k's forward and backward end (``e(r, k)``: its last action,
-    then the tied weights' gradient sums it takes part in: ``meetings``, each the pipeline ranks
-    holding a copy and the seconds of their all-reduce, in the order ``TiedWeights.sync_grads`` runs
-    them; a sum starts when the last of its ranks arrives), then the wait for step k-1's loss and
-    norm all-reduce (``R(k-1)``, done ``reduce_s`` after the last rank started it), then step k's
-    update (``update_s[r]``: the norm's squares that start step k's all-reduce, the snapshot,
-    AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) = max_r s(r, k) + reduce_s`` and step k+1
+    then the tied weights' gradient sums it takes part in: ``_meet``), then the wait for step k-1's
+    loss and norm all-reduce (``R(k-1)``, done ``reduce_s`` after the last rank started it), then
+    step k's update (``update_s[r]``: the norm's squares that start step k's all-reduce, the
+    snapshot, AdamW). So ``s(r, k) = max(e(r, k), R(k-1))``, ``R(k) = max_r s(r, k) + reduce_s`` and step k+1
     starts at ``s(r, k) + update_s[r]``."""
     size = {rank: len(ops) for rank, ops in order.items()}
     last = {rank: (ops[-1].stage, ops[-1].kind, ops[-1].microbatch) for rank, ops in order.items() if ops}
@@ -326,7 +335,6 @@ def _deferred_replay(order: Mapping[int, Sequence[Op]], cost, *, num_stages: int
                      meetings: Sequence[tuple[Sequence[int], float]], steps: int
                      ) -> tuple[dict[tuple, float], dict[Op, tuple[int, float]]]:
     m = 1 + max(op.microbatch for ops in order.values() for op in ops)
-    meetings = [(tuple(ranks), seconds) for ranks, seconds in meetings if len(set(ranks)) > 1]  # one rank: none
     return _replay(repeat_steps(order, steps), cost, num_stages, comm_s,
                    _deferred_gate(order, m, update_s or {}, reduce_s, meetings))
 

@@ -45,7 +45,7 @@ from runner.pipeline.schedule import (
     read_csv_schedule,
     schedule_order,
 )
-from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
+from runner.pipeline.simulate import deferred_step, expected_ends, expected_makespan, peak_in_flight, simulate
 from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
@@ -70,7 +70,7 @@ from runner.ranks.host import usable_cpus
 from runner.validate import validate
 
 __all__ = ["Candidate", "PlanResult", "DEFERRED", "check_barrier_free", "check_plan_keys", "check_schedules",
-           "committed_steps", "plan", "tried_schedules"]
+           "amortized_step", "committed_steps", "plan", "tried_schedules"]
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,24 @@ class Candidate:
     # plan.barrier=false: the step averaged over the run's steps, its committed ones at commit_step_s
     amortized_step_s: float | None = None
 
+    def score_barrier(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
+                      num_stages: int, pp: int, comm_s: float, calibration: Calibration, busy_s: float,
+                      pipeline_s: float, rest_s: float, meetings: Sequence[tuple[tuple[int, ...], float]]) -> None:
+        """``plan.barrier=true``: the step is the pipeline's mean end with action times varying as
+        calibrated, the tied weights' gradient sums where the ranks holding a copy meet after it
+        (``meetings``: ``tied_meetings``), then ``rest_s`` (the all-reduce and the update);
+        ``pipeline_s`` is the pipeline with mean times. The model's costs and the rehearsed ones alike."""
+        makespan, met = expected_ends(order, costs, num_stages=num_stages, comm_s=comm_s,
+                                      jitter=calibration.action_jitter, meetings=meetings)
+        self.predicted_step_time_s = met + rest_s
+        self.after_pipeline_s = self.predicted_step_time_s - makespan
+        self.bubble = 1 - busy_s / (pp * makespan)
+        self.pipeline_s = pipeline_s
+
     def score_deferred(self, order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *,
                        num_stages: int, pp: int, comm_s: float, updates: Mapping[int, float],
                        calibration: Calibration, busy_s: float,
-                       meetings: Sequence[tuple[tuple[int, ...], float]] = ()) -> None:
+                       meetings: Sequence[tuple[tuple[int, ...], float]]) -> None:
         """``plan.barrier=false``: the step is ``train.optimizer_sync=deferred``'s steady step
         (``deferred_step``: steps back to back, each rank's update between its own steps, the tied
         weights' gradient sums where the ranks holding a copy meet (``meetings``: ``tied_meetings``),
@@ -148,8 +162,7 @@ class Candidate:
     def amortize(self, committed: int, steps: int) -> None:
         """``amortized_step_s``: ``committed`` of ``steps`` steps at ``commit_step_s`` (``committed_steps``)."""
         if self.commit_step_s is not None and self.predicted_step_time_s is not None and steps:
-            steady = self.predicted_step_time_s
-            self.amortized_step_s = steady + committed / steps * (self.commit_step_s - steady)
+            self.amortized_step_s = amortized_step(self.predicted_step_time_s, self.commit_step_s, committed, steps)
 
     def prediction(self) -> Prediction:
         """The times of a valid candidate (``_predict`` sets them together with ``valid``)."""
@@ -257,8 +270,6 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     except ValueError as e:
         candidate.reason = f"the order cannot run: {e}"
         return None
-    makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                 jitter=calibration.action_jitter)
     busy = {r: 0.0 for r in range(layout.pp)}
     for a in timeline:
         busy[a.rank] += a.end - a.start
@@ -266,14 +277,11 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     rank_stages = {r: layout.stages_on(r) for r in range(layout.pp)}
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
     meetings = tied_meetings(layout.tied, calibration)
-    if plan_cfg.barrier:  # the pipeline, the tied sums where their ranks meet, the all-reduce and the update
-        met = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                jitter=calibration.action_jitter, meetings=meetings) if meetings else makespan
-        candidate.predicted_step_time_s = met + model.rest_scale * rest_s(rank_stages, layout.stages, child,
-                                                                          calibration)
-        candidate.after_pipeline_s = candidate.predicted_step_time_s - makespan
-        candidate.bubble = 1 - sum(busy.values()) / (len(busy) * makespan)
-        candidate.pipeline_s = max(a.end for a in timeline)
+    if plan_cfg.barrier:
+        candidate.score_barrier(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
+                                calibration=calibration, busy_s=sum(busy.values()),
+                                pipeline_s=max(a.end for a in timeline), meetings=meetings,
+                                rest_s=model.rest_scale * rest_s(rank_stages, layout.stages, child, calibration))
     else:
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=model.scaled_updates(rank_updates(rank_stages, layout.stages, child,
@@ -578,6 +586,12 @@ def committed_steps(cfg: DictConfig) -> tuple[int, int]:
 
     head = min(cfg.verify_steps + 1 if resolve_verify(cfg) else 0, steps)  # verify's, from step 1
     return head + max(0, every(steps - 1) - every(head)) + (steps > head), steps
+
+
+def amortized_step(steady_s: float, commit_s: float, committed: int, steps: int) -> float:
+    """The step averaged over ``steps``, ``committed`` of them (``committed_steps``) at ``commit_s``
+    and the others at ``steady_s``."""
+    return steady_s + committed / steps * (commit_s - steady_s)
 
 
 def check_barrier_free(cfg: DictConfig, overrides: Sequence[str]) -> None:

@@ -34,7 +34,7 @@ from runner.layout import TiedSpan
 from runner.models.split import build_meta_model
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
-from runner.pipeline.simulate import deferred_step, expected_makespan, simulate
+from runner.pipeline.simulate import deferred_step, expected_ends, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost, stage_costs
 from runner.plan.tp_cost import collective_s
@@ -186,16 +186,21 @@ def run_probe(launch: Launch, trial: DictConfig, steps: int, recorded: int, run_
     return read_run(run_dir, label)
 
 
-def predicted_pipelines(observations: Sequence[Observation], model: Fit, calibration: Calibration, *,
-                        meetings: bool = False) -> list[float]:
-    """Each observation's pipeline as ``model`` predicts it (as the planner predicts candidates);
-    with ``meetings``, up to the end of its tied weights' gradient sums (``Observation.meetings``)."""
+def predicted_pipelines(observations: Sequence[Observation], model: Fit, calibration: Calibration) -> list[float]:
+    """Each observation's pipeline as ``model`` predicts it (as the planner predicts candidates)."""
+    return [pipeline for pipeline, _ in _predicted_ends(observations, model, calibration)]
+
+
+def _predicted_ends(observations: Sequence[Observation], model: Fit,
+                    calibration: Calibration) -> list[tuple[float, float]]:
+    """Each observation's pipeline as ``model`` predicts it, and the end of its tied weights'
+    gradient sums after it (``Observation.meetings``; the pipeline's where there are none)."""
     out = []
     for o in observations:
         costs = model.action_costs(o.compute, calibration.action_overhead_s)
         comm = calibration.message_s(o.sent_bytes, min(v for (_, k), v in costs.items() if k == "F"))
-        out.append(expected_makespan(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm,
-                                     jitter=calibration.action_jitter, meetings=o.meetings if meetings else ()))
+        out.append(expected_ends(o.measured.order, costs, num_stages=len(o.measured.stages), comm_s=comm,
+                                 jitter=calibration.action_jitter, meetings=o.meetings))
     return out
 
 
@@ -228,10 +233,10 @@ def fit(observations: Sequence[Observation], calibration: Calibration) -> Fit:
         errors.append(sum(predicted_pipelines(observations, replace(model, gap_s=gaps[-1]), calibration)) - target)
     gap = gaps[min(range(len(gaps)), key=lambda i: abs(errors[i]))]
     model = replace(model, gap_s=gap)
-    predicted = predicted_pipelines(observations, model, calibration)
+    ends = _predicted_ends(observations, model, calibration)
+    predicted = [pipeline for pipeline, _ in ends]
     # With the barrier the tied weights' sums follow the measured pipeline: not the rest's to scale.
-    met = [predicted_pipelines([o], model, calibration, meetings=True)[0] - p if o.meetings else 0.0
-           for o, p in zip(observations, predicted)]
+    met = [end - pipeline for pipeline, end in ends]
     steady: list[tuple[float, float]] = []  # deferred runs: (measured, fitted) steady step
     if all(o.measured.deferred and o.measured.steady_s for o in observations):
         model = replace(model, rest_scale=_deferred_rest_scale(observations, model, calibration))

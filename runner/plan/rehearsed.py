@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 
 from runner.layout import Layout
 from runner.pipeline.ops import Op
-from runner.pipeline.simulate import expected_makespan, simulate
+from runner.pipeline.simulate import simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.probe import tied_meetings
 from runner.plan.problem import Problem, lower_bound
@@ -121,15 +121,10 @@ def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op
     timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
     busy = sum(a.end - a.start for a in timeline)
     model_step, meetings = candidate.predicted_step_time_s, tied_meetings(layout.tied, calibration)
-    if barrier:  # the pipeline, the tied sums where their ranks meet, the collectives and the update
-        makespan = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                     jitter=calibration.action_jitter)
-        met = expected_makespan(order, costs, num_stages=layout.num_stages, comm_s=comm_s,
-                                jitter=calibration.action_jitter, meetings=meetings) if meetings else makespan
-        candidate.predicted_step_time_s = met + float(step["collectives_s"]) + float(step["optimizer_s"])
-        candidate.after_pipeline_s = candidate.predicted_step_time_s - makespan
-        candidate.pipeline_s = max(a.end for a in timeline)
-        candidate.bubble = 1 - busy / (layout.pp * makespan)
+    if barrier:  # as a modelled candidate (Candidate.score_barrier), with the rehearsed collectives and update
+        candidate.score_barrier(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
+                                calibration=calibration, busy_s=busy, pipeline_s=max(a.end for a in timeline),
+                                rest_s=float(step["collectives_s"]) + float(step["optimizer_s"]), meetings=meetings)
     else:  # as a modelled candidate (Candidate.score_deferred), with the rehearsed updates
         candidate.score_deferred(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                  updates=_deferred_updates(step, calibration.corunning_slowdown),

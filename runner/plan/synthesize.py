@@ -136,22 +136,21 @@ class _Finalists:
     last ``FINALISTS`` that were the search's best when found (``check`` accepted those already:
     where the runtime refuses shorter spans, they still leave an accepted order to re-score)."""
 
-    def __init__(self, size: int = FINALISTS):
-        self.size = size
+    def __init__(self) -> None:
         self.heap: list[tuple[float, int, tuple, Order, str]] = []  # (-span, n, key, order, origin): the longest first
         self.keys: set[tuple] = set()
         self.bests: list[tuple[float, Order, str]] = []
 
     def best(self, span: float, order: Order, origin: str) -> None:
-        self.bests = [*self.bests[1 - self.size:], (span, order, origin)]
+        self.bests = [*self.bests[1 - FINALISTS:], (span, order, origin)]
 
     def offer(self, span: float, order: Order, origin: str) -> None:
         key = _key(order)
-        if key in self.keys or (len(self.heap) >= self.size and span >= -self.heap[0][0]):
+        if key in self.keys or (len(self.heap) >= FINALISTS and span >= -self.heap[0][0]):
             return
         heapq.heappush(self.heap, (-span, len(self.keys), key, order, origin))
         self.keys.add(key)
-        if len(self.heap) > self.size:
+        if len(self.heap) > FINALISTS:
             self.keys.discard(heapq.heappop(self.heap)[2])
 
     def entries(self) -> list[tuple[float, Order, str]]:

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner._torch.dispatch import FakeTensorMode
 from runner.errors import ConfigError
 from runner.losses import build_loss
-from runner.models.split import MetaModel, StageModule, build_meta_model, split_by_cost, tied_stages
+from runner.models.split import MetaModel, StageModule, build_meta_model, split_by_cost
 from runner.parallel.dims import ParallelDims
 from runner.parallel.parallelize import checkpointed_blocks
 from runner.pipeline.ops import Op
@@ -42,8 +42,9 @@ from runner.pipeline.schedule import (
 )
 from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
 from runner.plan.memory import FP32, rank_memory, rank_params
-from runner.plan.planner import DEFERRED, committed_steps
+from runner.plan.planner import DEFERRED, amortized_step, committed_steps
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
+from runner.validate import tied_spans
 
 __all__ = ["UnitCount", "Degrees", "TargetCandidate", "Link", "count_units", "degrees", "plan_target"]
 
@@ -245,15 +246,11 @@ def _order(name: str, pp: int, m: int, spr: int) -> dict[int, list[Op]]:
 def _meetings(meta: MetaModel, stages: list[list[str]], to_rank: dict[int, int], c: TargetCandidate,
               link: Link) -> list[tuple[tuple[int, ...], float]]:
     """The tied weights' gradient sums where the pipeline ranks holding a copy meet after every
-    backward (``runner.parallel.tied``): each a ring all-reduce of its fp32 gradient (FSDP: a shard)
-    between them, priced as ``_sync_s`` prices dp's."""
-    out = []
-    for owners, numel in tied_stages(meta, stages):
-        ranks = tuple(sorted({to_rank[s] for s in owners}))
-        if len(ranks) > 1:
-            n, nbytes = len(ranks), numel * FP32 / (c.dp if c.dp_mode == "fsdp" else 1)
-            out.append((ranks, 2 * link.latency_s * (n - 1) + 2 * (n - 1) / n * nbytes / link.bandwidth))
-    return out
+    backward (``runner.validate.tied_spans``, as a run's ``Layout.tied``): each a ring all-reduce of
+    its fp32 gradient (FSDP: a shard) between them, priced as ``_sync_s`` prices dp's."""
+    spans = tied_spans(meta, stages, to_rank, OmegaConf.create({"tp": c.tp, "dp": c.dp, "dp_mode": c.dp_mode}))
+    return [(span.ranks, 2 * link.latency_s * (len(span.ranks) - 1)
+             + 2 * (len(span.ranks) - 1) / len(span.ranks) * span.grad_bytes / link.bandwidth) for span in spans]
 
 
 def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount], peaks: DevicePeaks,
@@ -362,7 +359,7 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     committed, steps = committed_steps(cfg)
     for c in out:  # plan.barrier=false: the steps validated at their own end, over the run's
         if c.commit_step_s is not None and c.step_time_s is not None:
-            c.amortized_step_s = c.step_time_s + committed / max(steps, 1) * (c.commit_step_s - c.step_time_s)
+            c.amortized_step_s = amortized_step(c.step_time_s, c.commit_step_s, committed, max(steps, 1))
     out.sort(key=lambda c: (not c.valid, not c.fits_device, c.step_time_s or 0.0))
     _mark_ties(out, cfg.plan.tie_tolerance)
     return TargetPlan(out, peaks, link, world_size)

@@ -68,6 +68,11 @@ def _meetings(resolved: ResolvedRun, latency: float, bandwidth: float) -> list[t
     return [(span.ranks, latency + span.grad_bytes / bandwidth) for span in resolved.layout.tied]
 
 
+def _listed(meetings: Sequence[tuple[tuple[int, ...], float]]) -> list[dict[str, Any]]:
+    """``meetings`` as ``rehearsal.json`` lists them."""
+    return [{"ranks": list(ranks), "seconds": seconds} for ranks, seconds in meetings]
+
+
 def _filed_under_world(meetings: Sequence[tuple[tuple[int, ...], float]], world_size: int) -> float:
     """The seconds of the sums the rehearsal files among a rank's "world" collectives (at pp = world
     size the ranks holding a copy are the world), taken out of them where they are meetings."""
@@ -78,11 +83,13 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
               latency: float, bandwidth: float) -> dict[str, Any]:
     """``train.optimizer_sync=deferred``'s steady step: each pipeline rank's update between its own
     steps (its slowest rehearsed rank's ``update_s``, measured on the deferred path, and its tp/dp
-    collectives on the link, less the loss/norm all-reduce) and that all-reduce (one message of
-    ``VALIDATION_BYTES``) waited for a step later; the pipeline as ``deferred_step`` replays it
-    without either (mean times: what the updates and the all-reduce add is ``step_s`` less it)."""
+    collectives on the link, less the loss/norm all-reduce and the tied sums), the tied weights'
+    gradient sums where their ranks meet, and that all-reduce (one message of ``VALIDATION_BYTES``)
+    waited for a step later; the pipeline as ``deferred_step`` replays it without them (mean times:
+    what the updates, the sums and the all-reduce add is ``step_s`` less it)."""
     validation_s = latency + VALIDATION_BYTES / bandwidth
     meetings = _meetings(resolved, latency, bandwidth)
+    met = _filed_under_world(meetings, resolved.world_size)
     update: dict[int, float] = {}
     collectives: dict[int, float] = {}
     for r in ranks:
@@ -91,7 +98,6 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
         p = r["coords"]["pp"]
         update[p] = max(update.get(p, 0.0), r["update_s"])
         validated = "all_reduce" in r["collectives"].get("world", {})
-        met = _filed_under_world(meetings, resolved.world_size)
         collectives[p] = max(collectives.get(p, 0.0),
                              _collective_s(r, latency, bandwidth) - validated * validation_s - met)
     order, stages = _order(resolved), resolved.layout.num_stages
@@ -103,7 +109,7 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
     return {"step_s": step_s, "pipeline_s": pipeline_s, "bubble": 1 - busy / (resolved.pp * pipeline_s),
             "update_s": {str(p): v for p, v in sorted(update.items())},
             "update_collectives_s": {str(p): v for p, v in sorted(collectives.items())}, "reduce_s": validation_s,
-            "tied_meetings": [{"ranks": list(ranks_), "seconds": s} for ranks_, s in meetings],
+            "tied_meetings": _listed(meetings),
             "step_without_meetings_s": deferred_step(order, costs, num_stages=stages, comm_s=comm_s, update_s=between,
                                                      reduce_s=validation_s) if meetings else step_s}
 
@@ -138,8 +144,8 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     barrier_s = pipeline_s + tied_s + collectives_s + optimizer_s
     sync = OptimizerSync(resolved.train.optimizer_sync)
     step = {"optimizer_sync": sync.value, "barrier_step_s": barrier_s, "pipeline_s": pipeline_s, "tied_s": tied_s,
-            "tied_meetings": [{"ranks": list(ranks_), "seconds": s} for ranks_, s in meetings],
-            "collectives_s": collectives_s, "optimizer_s": optimizer_s, "bubble": bubble, "message_s": comm_s,
+            "tied_meetings": _listed(meetings), "collectives_s": collectives_s, "optimizer_s": optimizer_s,
+            "bubble": bubble, "message_s": comm_s,
             "stage_costs_s": {f"{s}{k}": v for (s, k), v in sorted(costs.items())},
             "link": {"latency_s": latency, "bandwidth": bw}}
     if sync == OptimizerSync.deferred:
