@@ -65,18 +65,18 @@ class TargetWeighted:
     is the count of microbatch means averaged into the step's loss (microbatches x dp replicas).
     The average of the scaled means is the mean over all counted targets, however unevenly
     padding falls between microbatches. Where every microbatch counts as many targets as any
-    other (no padding) each scale is exactly 1.0 (integer counts, one division) and the loss is
-    bit for bit ``loss_fn``'s."""
+    other (no padding) each scale would be exactly 1.0, so a batch that ignores no target is not
+    weighed at all: the loss is ``loss_fn``'s, with no counting on the device in the step."""
 
     def __init__(self, loss_fn: Callable):
         self.loss_fn = loss_fn
         self.parts = 1
         self.counted = 0  # 0: not weighed, each microbatch's mean as it is
 
-    def weigh(self, *, counted: int, parts: int) -> None:
-        """The next step's (or evaluation batch's) counted targets over the whole batch, and the
-        microbatch means its loss averages."""
-        self.counted, self.parts = counted, parts
+    def weigh(self, *, counted: int, total: int, parts: int) -> None:
+        """The next step's (or evaluation batch's) counted targets over the whole batch of
+        ``total`` targets, and the microbatch means its loss averages."""
+        self.counted, self.parts = (0 if counted == total else counted), parts
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, targets)

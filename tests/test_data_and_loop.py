@@ -79,7 +79,7 @@ def test_weighted_microbatch_losses_average_to_the_whole_batchs_mean_over_its_co
     assert abs(plain.item() - whole.item()) > 5e-4  # the mean of means is another number, with other gradients
     assert (plain_grad - whole_grad).abs().max() > 1e-4
     weighted = TargetWeighted(cross_entropy)
-    weighted.weigh(counted=int(counts.sum()), parts=8)
+    weighted.weigh(counted=int(counts.sum()), total=targets.numel(), parts=8)
     loss = _microbatch_mean(weighted, logits, targets, 8)
     (grad,) = torch.autograd.grad(loss, logits)
     torch.testing.assert_close(loss, whole, rtol=1e-6, atol=0)
@@ -93,12 +93,17 @@ def test_weighted_losses_are_bit_identical_without_padding_and_a_microbatch_of_p
     torch.manual_seed(0)
     logits, targets = torch.randn(4, 16, 32, requires_grad=True), torch.randint(32, (4, 16))
     weighted = TargetWeighted(cross_entropy)
-    weighted.weigh(counted=64, parts=4)
+    weighted.weigh(counted=64, total=64, parts=4)
     for x, y in zip(logits.tensor_split(4), targets.tensor_split(4)):  # every scale exactly 1.0
         assert torch.equal(weighted(x, y), cross_entropy(x, y))
+    # Nothing ignored: the loss's own tensor, nothing counted or scaled on the device in the step.
+    means = []
+    unweighed = TargetWeighted(lambda x, y: means.append(cross_entropy(x, y)) or means[-1])
+    unweighed.weigh(counted=64, total=64, parts=4)
+    assert all(unweighed(x, y) is means[-1] for x, y in zip(logits.tensor_split(4), targets.tensor_split(4)))
     # A microbatch whose targets are all ignored: its own mean is 0/0; it adds 0, and no NaN gradient.
     targets[0] = -100
-    weighted.weigh(counted=48, parts=4)
+    weighted.weigh(counted=48, total=64, parts=4)
     loss = _microbatch_mean(weighted, logits, targets, 4)
     (grad,) = torch.autograd.grad(loss, logits)
     torch.testing.assert_close(loss, cross_entropy(logits, targets), rtol=1e-6, atol=0)

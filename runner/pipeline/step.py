@@ -177,9 +177,9 @@ def _weigh(loss_fn: TargetWeighted, targets: torch.Tensor, counted: int | None, 
     """The loss weighed for a step over ``targets``, a replica's rows of a global batch counting
     ``counted`` targets; without ``counted``, over ``targets`` alone (each replica's own mean)."""
     if counted is None:
-        loss_fn.weigh(counted=counted_targets(targets), parts=microbatches)
+        loss_fn.weigh(counted=counted_targets(targets), total=targets.numel(), parts=microbatches)
     else:
-        loss_fn.weigh(counted=counted, parts=microbatches * replicas)
+        loss_fn.weigh(counted=counted, total=targets.numel() * replicas, parts=microbatches * replicas)
 
 
 def build_step(resolved: ResolvedRun, cfg: DictConfig, env: DistEnv, mesh: Mesh, *,
