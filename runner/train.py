@@ -181,13 +181,12 @@ class PostValidation:
 class Pending:
     """``train.optimizer_sync=deferred``: a step whose update is applied and not yet validated, with
     its reduction's wait and its gradients (the next step's backward makes new ones), which its
-    hooks and a redo need; its learning rate and time, for its record."""
+    hooks and a redo need; its learning rate, for its record."""
 
     state: StepState
     wait: Callable[[], tuple[float, float]]
     grads: list[torch.Tensor | None]
     lr: float = 0.0
-    step_time: float = 0.0
 
 
 def _set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
@@ -225,7 +224,6 @@ class Trainer:
                                   *build_callbacks(cfg.get("callbacks")), *hooks]
         self.static_stages = static_stages  # stages built with static metadata (runner.pipeline.step.build_step)
         self.losses: list[float] = []
-        self.step_times: list[float] = []  # the host's seconds of each step's call (the reported ones: self.timer)
         self.val_losses: list[tuple[int, float]] = []
         self.pending: Pending | None = None  # deferred: the step applied, validated in the next one
 
@@ -304,18 +302,16 @@ class Trainer:
         if validated:
             self.scheduler.step()
             self._call("after_step", state)
-        step_time = time.perf_counter() - start
-        self.timer.end(state.step, step_time)
+        self.timer.end(state.step, time.perf_counter() - start)
         self.profiler.end_step()
-        self.step_times.append(step_time)
         if state.first:
             self.clock.mark("first_step")  # with shape inference (and compilation)
             self.clock.say("first step done")
         if validated:
-            done.append(self._validated_record(state, lr, step_time))
+            done.append(self._validated_record(state, lr))
         else:
             assert self.pending is not None
-            self.pending.lr, self.pending.step_time = lr, step_time
+            self.pending.lr = lr
         return done
 
     def _forward_backward(self, state: StepState, batch: Batch) -> None:
@@ -347,11 +343,11 @@ class Trainer:
         verified = self.resolved.verify and step <= self.first_step + self.resolved.verify_steps + 1
         return step == self.resolved.steps or self.evaluation_due(step) or self.checkpointer.due(step) or verified
 
-    def _validated_record(self, state: StepState, lr: float, step_time: float) -> dict:
+    def _validated_record(self, state: StepState, lr: float) -> dict:
+        """The step's metrics line, but for its time (``_write_records`` adds it: ``self.timer``)."""
         assert state.loss is not None and state.grad_norm is not None  # reduced by the update
         self.losses.append(state.loss)
-        return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm,
-                "step_time_s": step_time, "tokens_per_s": self.resolved.tokens_per_step / step_time}
+        return {"step": state.step, "loss": state.loss, "lr": lr, "grad_norm": state.grad_norm}
 
     def _validate_pending(self) -> tuple[dict, bool]:
         """``deferred``: the previous step's reduction waited for and its update validated, with its
@@ -369,7 +365,7 @@ class Trainer:
             self.post_validate.reruns += 1
         else:
             _set_grads(self.params, current)
-        return self._validated_record(pending.state, pending.lr, pending.step_time), redone
+        return self._validated_record(pending.state, pending.lr), redone
 
     def _check_finite(self, state: StepState) -> None:
         # Every rank sees the same reduced values: all stop at this step, before the optimizer's
@@ -490,6 +486,11 @@ class Trainer:
         self._record(record)
         self.checkpoint(record["step"])
         self._write_records()  # a save waits for the device (its copies): its step's time is known
+
+    @property
+    def step_times(self) -> list[float]:
+        """The host's seconds of each step's call, in order (the reported ones: ``self.timer``)."""
+        return list(self.timer.host.values())
 
     def run(self) -> TrainResult:
         self.setup()
