@@ -171,8 +171,9 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
                                             tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier)
+    committed, steps = committed_steps(cfg)
     for c in candidates:  # plan.barrier=false: the steps validated at their own end, over the run's
-        c.amortize(*committed_steps(cfg))
+        c.amortize(committed, steps)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
           f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone"

@@ -231,10 +231,15 @@ def _sync_s(params: int, dp: int, dp_mode: str, compute_bytes: int, link: Link) 
     with compute: an upper bound for replicate's all-reduce, which starts in the last backward)."""
     if dp == 1 or dp_mode == "none":
         return 0.0
-    share = (dp - 1) / dp
     if dp_mode == "fsdp":  # all-gather of the parameters (compute dtype), reduce-scatter of fp32 gradients
-        return 2 * link.latency_s * (dp - 1) + share * params * (compute_bytes + FP32) / link.bandwidth
-    return 2 * link.latency_s * (dp - 1) + 2 * share * params * FP32 / link.bandwidth
+        return 2 * link.latency_s * (dp - 1) + (dp - 1) / dp * params * (compute_bytes + FP32) / link.bandwidth
+    return _all_reduce_s(params * FP32, dp, link)
+
+
+def _all_reduce_s(nbytes: int, ranks: int, link: Link) -> float:
+    """A ring all-reduce of ``nbytes`` between ``ranks`` ranks: 2 (ranks - 1) messages, each moving
+    1 / ranks of the bytes."""
+    return 2 * link.latency_s * (ranks - 1) + 2 * ((ranks - 1) / ranks) * nbytes / link.bandwidth
 
 
 def _order(name: str, pp: int, m: int, spr: int) -> dict[int, list[Op]]:
@@ -247,10 +252,9 @@ def _meetings(meta: MetaModel, stages: list[list[str]], to_rank: dict[int, int],
               link: Link) -> list[tuple[tuple[int, ...], float]]:
     """The tied weights' gradient sums where the pipeline ranks holding a copy meet after every
     backward (``runner.validate.tied_spans``, as a run's ``Layout.tied``): each a ring all-reduce of
-    its fp32 gradient (FSDP: a shard) between them, priced as ``_sync_s`` prices dp's."""
+    its fp32 gradient (FSDP: a shard) between them (``_all_reduce_s``, as ``_sync_s`` prices dp's)."""
     spans = tied_spans(meta, stages, to_rank, OmegaConf.create({"tp": c.tp, "dp": c.dp, "dp_mode": c.dp_mode}))
-    return [(span.ranks, 2 * link.latency_s * (len(span.ranks) - 1)
-             + 2 * (len(span.ranks) - 1) / len(span.ranks) * span.grad_bytes / link.bandwidth) for span in spans]
+    return [(span.ranks, _all_reduce_s(span.grad_bytes, len(span.ranks), link)) for span in spans]
 
 
 def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount], peaks: DevicePeaks,
