@@ -722,6 +722,32 @@ def test_a_ranks_peak_is_read_on_its_own_device_whatever_order_the_tracker_keeps
         "params": 0, "grads": 0, "optimizer_state": 8, "activations_and_rest": 0, "total": 8}
 
 
+def test_a_barrier_ranks_optimizer_time_is_its_kernels_not_their_launch(monkeypatch):
+    # On CUDA the clip's and AdamW's calls return before their kernels run: the measured step's
+    # optimizer time waits for the device at the clip and at the step's end, as its actions do (a
+    # fake device: each wait takes 50 ms); the other steps wait for nothing.
+    import time
+    from types import SimpleNamespace
+
+    import runner.rehearse.rank as rank_module
+
+    waited: list = []
+
+    def synchronize(device):
+        time.sleep(0.05)
+        waited.append(device)
+
+    monkeypatch.setattr(rank_module, "synchronize", synchronize)
+    measure = rank_module._Measure(step=2, last=2, tracked=1)
+    measure.trainer = SimpleNamespace(post_validate=None)
+    cuda = torch.device("cuda", 0)
+    ctx = SimpleNamespace(env=SimpleNamespace(device=cuda))
+    for step in (1, 2):
+        measure.after_clip(ctx, SimpleNamespace(step=step))  # type: ignore[arg-type]
+        measure.after_step(ctx, SimpleNamespace(step=step))  # type: ignore[arg-type]
+    assert waited == [cuda, cuda] and measure.optimizer_s >= 0.05
+
+
 def test_a_rehearsed_rank_begins_by_freeing_what_the_rank_before_it_held_then_empties_cudas_cache(tmp_path,
                                                                                                    monkeypatch):
     # The ranks run in turn in one process: the previous rank's tensors (a trainer's reference cycles

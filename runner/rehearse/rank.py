@@ -153,12 +153,16 @@ class _Measure(Hook):
             synchronize(ctx.env.device)
             self._backward = (time.perf_counter(), stats.snapshot_s, stats.rollback_s)
 
+    # The barrier's AdamW and LR step, timed on the device (as the recorder times the actions): a
+    # CUDA call returns before its kernels run.
     def after_clip(self, ctx: StepContext, state: StepState) -> None:
-        if state.step == self.step:
+        if state.step == self.step and self.trainer.post_validate is None:
+            synchronize(ctx.env.device)
             self._clipped = time.perf_counter()
 
     def after_step(self, ctx: StepContext, state: StepState) -> None:
-        if state.step == self.step and self.trainer.post_validate is None:  # the barrier's AdamW and LR step
+        if state.step == self.step and self.trainer.post_validate is None:
+            synchronize(ctx.env.device)
             self.optimizer_s = time.perf_counter() - self._clipped
 
     def end_step(self, step: int) -> None:
