@@ -9,9 +9,9 @@ pp=2 x tp=2 under zbv (with sequence and loss parallelism) and dualpipev, whose 
 on rank 0, and at pp=1 x dp=2 (FSDP) x tp=2, over five optimizer steps; and a tied Llama as large
 checkpoints come (bf16 on disk, several safetensors files and their index, written by transformers'
 ``save_pretrained(max_shard_size=...)``) in a read-only directory the run did not write, under zbv
-at pp=2 x tp=2 with ``verify``, left byte for byte as it was. Each rank records, before its first
-step, every parameter gathered whole (``full_tensor``) next to the file's tensor; transformers' own
-losses run once here."""
+at pp=2 x tp=2 with ``verify`` over left-padded batches, left byte for byte as it was. Each rank
+records, before its first step, every parameter gathered whole (``full_tensor``) next to the file's
+tensor; transformers' own losses run once here."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
+from runner.data.datasets import build_dataset, get_batch
 from runner.hooks import Hook
 from runner.models.shards import param_layouts, shard_range
 
@@ -48,9 +49,10 @@ TIED_V = {
                        "train.batch_size=8", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
     "tied-dualpipev": ["parallel.pp=2", "parallel.tp=2", "schedule=dualpipev", "parallel.microbatches=4",
                        "train.batch_size=8", "verify=true"],  # verify caught the double update after step 1
-    # bf16 shards and their index, read-only: each rank's slices from several files, cast to fp32.
+    # bf16 shards and their index, read-only: each rank's slices from several files, cast to fp32;
+    # left-padded batches (targets of -100), each microbatch's loss weighted by its counted targets.
     "tied-sharded-bf16-zbv": ["parallel.pp=2", "parallel.tp=2", "schedule=zbv", "parallel.microbatches=4",
-                              "train.batch_size=8", "verify=true"],
+                              "train.batch_size=8", "verify=true", "data.padding=true"],
 }
 TIED = {**TIED_V, "tied-fsdp-tp2": ["parallel.pp=1", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.tp=2",
                                     "parallel.microbatches=2", "train.batch_size=8"]}
@@ -260,6 +262,10 @@ def test_a_sharded_bf16_checkpoint_in_a_read_only_directory_trains_and_is_left_a
         with safe_open(path / file, framework="pt") as f:
             dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"BF16"}
+    cfg = compose(*_base(path), *TIED["tied-sharded-bf16-zbv"])
+    _, targets, _ = get_batch(build_dataset(cfg.data, seed=cfg.train.seed), 1, 8, 16)
+    counted = (targets != -100).view(4, -1).sum(1).tolist()  # its 4 microbatches' counted targets
+    assert len(set(counted)) > 1  # padded unevenly: the weighting decides the loss
     assert all(p.stat().st_mode & 0o222 == 0 for p in [path, *path.iterdir()])  # read-only (root may write anyway)
     for rank, loaded in enumerate(ranks["tied-sharded-bf16-zbv"]["loaded"]):  # every shard read exactly, in fp32
         assert loaded and all(r["diff"] == 0 for r in loaded.values()), rank
