@@ -3,7 +3,9 @@ files of a real profiled run in test_cli (which already runs one)."""
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 from torch.distributed.pipelining.schedules import get_schedule_class
@@ -13,6 +15,7 @@ from runner.outputs.profile import Window, plan_window
 from runner.outputs.timeline import (
     HostClock,
     clock_offsets,
+    mean_costs,
     measured_bubble,
     measured_slices,
     plot_schedule,
@@ -32,6 +35,8 @@ from runner.pipeline.simulate import (
     simulate,
     steady_step,
 )
+
+from helpers.cuda_stream import LATENCY, FakeStream
 
 
 def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():
@@ -227,3 +232,115 @@ def test_a_recorder_that_waits_for_the_device_times_an_action_by_its_work_not_it
     assert timed(synchronize) == [101]
     calls = []
     assert timed(lambda: calls.append(1), active=False) == [] and calls == []  # outside the window: no wait
+
+
+WORK_NS = {"F": 400_000, "B": 900_000}  # the stand-in device's time of each action's kernels
+LAUNCH_NS = 30_000  # the host's time of each action's call (its launches)
+
+
+def _step_on_stream(recorder: Recorder, stream, step: int) -> list[tuple[str, int, int]]:
+    """A pp=1 step of 2 microbatches on the stand-in stream, behind the host: (action, where the
+    stream starts and ends it) on the host's clock, the device's truth."""
+    truth = []
+    with recorder.pipeline_step(step):
+        for kind, mb in (("F", 0), ("F", 1), ("B", 0), ("B", 1)):
+            with recorder.action(0, kind, mb):
+                began = max(stream.free_at, stream.host + LATENCY)
+                stream.launch(LAUNCH_NS, WORK_NS[kind])
+            truth.append((f"0{kind}{mb}", began, stream.free_at))
+            stream.host_work(5_000)  # the schedule's own host work between actions
+    return truth
+
+
+def test_on_cuda_an_actions_time_is_its_kernels_read_after_the_steps_own_wait_and_placed_on_the_hosts_clock(
+        tmp_path):
+    # A stand-in CUDA stream (tests/helpers/cuda_stream.py): a call returns after 30 us, its kernels
+    # run later. Each action's span is two events on the stream, read once a later wait has passed
+    # them (the recorder adds none of its own) and placed on the host's clock from the event
+    # recorded right after the step's wait for its loss (``anchor``: the stream drained): the
+    # device's durations exactly, and its starts early by that event's launch latency, never before
+    # the call that launched them. The host's clock alone read 30 us per action (the launches).
+    stream = FakeStream()
+    recorder = Recorder(stream.event, now=stream.now)
+    recorder.active = True
+    stream.launch(10_000, 5_000_000)  # the previous step's update still runs: the stream is behind
+    truth = _step_on_stream(recorder, stream, 1)
+    assert recorder.actions == [] and stream.waits == 0  # nothing read yet: the device has not passed them
+    stream.drain()  # the step's wait for its loss
+    recorder.anchor()
+    assert recorder.actions == [] and stream.waits == 1  # the anchor is not reached yet: read a step later
+    stream.launch(10_000, 3_000_000)  # step 1's update, after its wait
+    truth += _step_on_stream(recorder, stream, 2)
+    assert recorder.actions == []
+    stream.drain()
+    recorder.anchor()
+    assert len(recorder.actions) == 4 and [s.step for s in recorder.steps] == [1] and stream.waits == 2
+    # Under train.optimizer_sync=deferred nothing waits at a step's end: steps 3 and 4 are read
+    # from the wait in step 4 (after its forward and backward), as one group, as exactly.
+    for step in (3, 4):
+        stream.launch(10_000, 3_000_000)  # the previous step's update
+        truth += _step_on_stream(recorder, stream, step)
+    stream.drain()
+    recorder.anchor()
+    assert len(recorder.actions) == 8 and stream.waits == 3
+    recorder.settle()  # the window's end: the rest read, waiting for the device
+    assert recorder.device is not None and recorder.device.pending == 0
+    assert [(a.op.name, a.start_ns, a.end_ns) for a in recorder.actions] == [
+        (name, start - LATENCY, end - LATENCY) for name, start, end in truth]
+    assert all(a.call_ns is not None and a.start_ns >= a.call_ns[0] for a in recorder.actions)
+    assert all(a.end_ns - a.start_ns == WORK_NS[a.op.kind] for a in recorder.actions)
+    assert all(a.host_ns[1] - a.host_ns[0] < 2 * LAUNCH_NS for a in recorder.actions)  # the launches
+    ends = [t[2] for t in truth]
+    assert [(s.step, s.start_ns, s.end_ns) for s in recorder.steps] == [
+        (k, truth[4 * k - 4][1] - LATENCY, ends[4 * k - 1] - LATENCY) for k in (1, 2, 3, 4)]
+    gc.collect()
+    assert stream.recorded == 4 * 10 + 3 and len(stream.alive) == 0  # every event let go once read
+    # What the timeline, the bubble and the simulator's costs are made of: the device's times.
+    assert mean_costs({0: recorder.actions}) == {(0, "F"): 4e-4, (0, "B"): 9e-4}
+    write_chrome_trace(tmp_path / "timeline.json", measured_slices({0: recorder.actions}, {0: recorder.steps}),
+                       ranks=[0])
+    slices = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sorted({round(e["dur"], 6) for e in slices if e.get("tid") == 0 and e["ph"] == "X"}) == [400.0, 900.0]
+    assert [round(e["dur"], 6) for e in slices if e.get("tid") == 1 and e["ph"] == "X"] == [2600.0] * 4
+
+
+def test_an_anchor_on_a_stream_still_busy_keeps_the_durations_and_no_start_before_its_launch():
+    # Where the stream was not drained at the anchor (work queued behind the wait), the starts
+    # come out early, by at most what was queued, never before the call that launched them; the
+    # durations are the device's all the same. The docstring of runner.pipeline.device_spans says so.
+    stream = FakeStream()
+    recorder = Recorder(stream.event, now=stream.now)
+    recorder.active = True
+    stream.launch(10_000, 5_000_000)
+    truth = _step_on_stream(recorder, stream, 1)
+    queued = stream.free_at - stream.host
+    recorder.anchor()  # no wait before it: 6.8 ms still queued
+    recorder.settle()
+    placed = {a.op.name: a for a in recorder.actions}
+    for name, start, end in truth:
+        a = placed[name]
+        assert a.end_ns - a.start_ns == end - start and a.call_ns is not None
+        assert a.call_ns[0] <= a.start_ns <= start and start - a.start_ns <= queued
+
+
+def test_on_cpu_the_recorder_makes_no_events_and_reads_the_hosts_clock(monkeypatch):
+    import torch
+
+    from runner.outputs.profile import RunProfiler
+    from runner.outputs.config import ProfileConfig
+    from runner.ranks.dist import DistEnv
+
+    def no_event(*args, **kwargs):
+        raise AssertionError("a CUDA event made on CPU")
+
+    monkeypatch.setattr(torch.cuda, "Event", no_event)
+    profiler = RunProfiler(ProfileConfig(enabled=False), steps=3, env=DistEnv(0, 1, torch.device("cpu")),
+                           run_dir=Path("."))
+    recorder = profiler.recorder
+    assert recorder.device is None
+    recorder.active = True
+    with recorder.pipeline_step(1), recorder.action(0, "F", 0):
+        pass
+    recorder.anchor()
+    recorder.settle()
+    assert len(recorder.actions) == 1 and recorder.actions[0].call_ns is None and len(recorder.steps) == 1
