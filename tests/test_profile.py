@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from runner._torch import pp as _torch_pp
+from runner.hooks import Hook
 from runner.outputs.profile import Window, plan_window
 from runner.outputs.timeline import (
     HostClock,
@@ -324,10 +326,8 @@ def test_an_anchor_on_a_stream_still_busy_keeps_the_durations_and_no_start_befor
 
 
 def test_on_cpu_the_recorder_makes_no_events_and_reads_the_hosts_clock(monkeypatch):
-    import torch
-
-    from runner.outputs.profile import RunProfiler
     from runner.outputs.config import ProfileConfig
+    from runner.outputs.profile import RunProfiler
     from runner.ranks.dist import DistEnv
 
     def no_event(*args, **kwargs):
@@ -344,3 +344,129 @@ def test_on_cpu_the_recorder_makes_no_events_and_reads_the_hosts_clock(monkeypat
     recorder.anchor()
     recorder.settle()
     assert len(recorder.actions) == 1 and recorder.actions[0].call_ns is None and len(recorder.steps) == 1
+
+
+class _Kernels(Hook):
+    """The stand-in stream's work in a real (CPU) run: each forward's kernels as it returns, its
+    backward's as the gradient reaches the model's output, each update's, and 1 ms before each
+    step's forward and backward (the batch's copy, say); ``windows``: where the
+    stream ran each forward's and backward's (host's clock)."""
+
+    def __init__(self, stream: FakeStream):
+        self.stream = stream
+        self.windows: set[tuple[int, int]] = set()
+        self.hooked = False
+
+    def begin_step(self, ctx, state) -> None:
+        if not self.hooked:
+            self.hooked = True
+            ctx.modules[0].register_forward_hook(self._forward)
+            ctx.optimizer.register_step_post_hook(lambda *_: self.stream.launch(10_000, 3_000_000))
+        # Work queued before the step's forward (as a batch's copy): post_validate's wait drained the
+        # stream after the update; an action on an idle stream would also hold its own launch.
+        self.stream.launch(5_000, 1_000_000)
+
+    def _launch(self, kind: str) -> None:
+        began = max(self.stream.free_at, self.stream.host + LATENCY)
+        self.stream.launch(LAUNCH_NS, WORK_NS[kind])
+        self.windows.add((began, self.stream.free_at))
+
+    def _forward(self, module, args, out) -> None:
+        self._launch("F")
+        out.register_hook(lambda grad: self._launch("B"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sync", ["barrier", "post_validate", "deferred"])
+def test_a_cuda_runs_actions_and_bubble_are_the_devices_read_with_no_wait_of_their_own(sync, tmp_path, monkeypatch):
+    # A real pp=1 run on CPU, its recorder on the stand-in stream (kernels queued by hooks on the
+    # model and the optimizer), the step's loss read after the stream drains (as CUDA's .tolist()
+    # does): the recorded window's actions are where the stream ran each forward and backward, so
+    # the summary's per-action costs and pipeline step are the device's (not the launches', nor
+    # the CPU's). The only waits are the steps' own, under deferred too (the loss read in the next
+    # step), until the window is settled at the run's end.
+    import runner.train
+    from runner.outputs.profile import RunProfiler
+    from runner.ranks.dist import DistEnv
+    from runner.train import Trainer
+    from runner.validate import validate
+
+    from helpers.config import TINY, compose
+
+    stream = FakeStream()
+    stream.launch(0, 5_000_000)  # a device behind its host from the start
+    waits_at_settle: list[int] = []
+
+    def profiler(*args, **kwargs):
+        made = RunProfiler(*args, **kwargs)
+        made.recorder = Recorder(stream.event, now=stream.now)
+        settle = made.recorder.settle
+        made.recorder.settle = lambda: waits_at_settle.append(stream.waits) or settle()  # type: ignore[method-assign]
+        return made
+
+    reduce = runner.train.start_reduce
+    drains = []
+
+    def start_reduce(*args, **kwargs):
+        wait = reduce(*args, **kwargs)
+        return lambda: drains.append(stream.drain()) or wait()
+
+    monkeypatch.setattr(runner.train, "RunProfiler", profiler)
+    monkeypatch.setattr(runner.train, "start_reduce", start_reduce)
+    kernels = _Kernels(stream)
+    cfg = compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", f"train.optimizer_sync={sync}",
+                  "train.grad_clip=0")
+    trainer = Trainer(validate(cfg, tmp_path), cfg, DistEnv(0, 1, torch.device("cpu")), hooks=[kernels])
+    summary = trainer.run().summary
+    assert summary is not None
+    recorder = trainer.profiler.recorder
+    assert waits_at_settle[0] == len(drains) == 5  # nothing waited for the device but the steps' reads
+    assert recorder.device is not None and recorder.device.pending == 0
+    assert sorted((a.step, a.op.name) for a in recorder.actions) == sorted(
+        (step, f"0{kind}{mb}") for step in (3, 4, 5) for kind in "FB" for mb in (0, 1))
+    assert {(a.start_ns + LATENCY, a.end_ns + LATENCY) for a in recorder.actions} <= kernels.windows
+    bubble = summary["bubble"]
+    assert bubble["mean_costs_s"] == pytest.approx({"0B": 9e-4, "0F": 4e-4}, rel=1e-12)
+    assert bubble["pipeline_step_s"] == pytest.approx(2.6e-3, abs=1e-12) and bubble["per_rank"] == [0.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_on_cuda_a_recorded_forward_is_its_kernels_placed_before_the_wait_that_passed_it():
+    # A real GPU: a "forward" of 20 matmuls, its synchronized time measured first; recorded behind
+    # a 2e8-cycle sleep kernel (the stream busy: its launch returns long before it runs), its span
+    # is its kernels' (close to the synchronized time; its call's host time is the launches), read
+    # only after the step's own wait, and placed before that wait returned.
+    import time
+    from functools import partial
+
+    device = torch.device("cuda", 0)
+    x = torch.randn(4096, 4096, device=device)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(20):
+            y = (y @ x) / 64.0
+        return y
+
+    forward()
+    torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    forward()
+    torch.cuda.synchronize(device)
+    synced_s = time.perf_counter() - began
+    recorder = Recorder(partial(torch.cuda.Event, enable_timing=True))
+    recorder.active = True
+    torch.cuda._sleep(200_000_000)  # about 0.1 s at an H100's clock
+    with recorder.pipeline_step(1), recorder.action(0, "F", 0):
+        y = forward()
+    assert recorder.actions == [] and recorder.device is not None and recorder.device.pending == 2
+    y.sum().item()  # the step's own wait for its loss
+    waited_ns = time.perf_counter_ns()
+    recorder.anchor()
+    recorder.settle()
+    (a,) = recorder.actions
+    assert a.call_ns is not None
+    device_s, host_s = (a.end_ns - a.start_ns) / 1e9, (a.call_ns[1] - a.call_ns[0]) / 1e9
+    assert device_s == pytest.approx(synced_s, rel=0.25) and host_s < 0.5 * device_s, (device_s, synced_s, host_s)
+    assert a.call_ns[0] <= a.start_ns and waited_ns - 2_000_000 <= a.end_ns <= waited_ns, (a, waited_ns)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -126,11 +126,10 @@ def _steady(actions, spans, order, costs, num_stages: int) -> dict:
 
 class RunProfiler:
     def __init__(self, profile_cfg: ProfileConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1,
-                 tp: int = 1, event: Callable[[], Any] | None = None):
+                 tp: int = 1):
         """``steps`` this run trains, numbered from ``first_step`` (1, or N + 1 after resuming
-        from step N); at ``tp`` > 1 the timeline gets each rank's tensor-parallel collectives.
-        ``event``: makes the recorder's timing events (the tests' stand-in); by default
-        ``torch.cuda.Event(enable_timing=True)`` on a CUDA device, none on CPU (the host's clock)."""
+        from step N); at ``tp`` > 1 the timeline gets each rank's tensor-parallel collectives. On
+        a CUDA device the recorder times its spans by CUDA events (``runner.pipeline.recorder``)."""
         self.enabled = profile_cfg.enabled
         self.tp = tp
         self.collectives: list[Collective] = []
@@ -140,9 +139,7 @@ class RunProfiler:
         if clamped and env.is_main:
             log.info("profile window clamped to %d steps: wait=%d warmup=%d active=%d", steps,
                      self.window.wait, self.window.warmup, self.window.active)
-        if event is None and env.device.type == "cuda":
-            event = partial(torch.cuda.Event, enable_timing=True)
-        self.recorder = Recorder(event)
+        self.recorder = Recorder(partial(torch.cuda.Event, enable_timing=True) if env.device.type == "cuda" else None)
         self._step = 0  # the step begin_step last saw
         self.clock = host_clock()  # to place this host's clock next to rank 0's
         self.torch_profiler = None
