@@ -396,20 +396,24 @@ def test_a_cuda_runs_actions_and_bubble_are_the_devices_read_with_no_wait_of_the
     stream = FakeStream()
     stream.launch(0, 5_000_000)  # a device behind its host from the start
     waits_at_settle: list[int] = []
+    recorders: list[Recorder] = []
 
     def profiler(*args, **kwargs):
         made = RunProfiler(*args, **kwargs)
         made.recorder = Recorder(stream.event, now=stream.now)
+        recorders.append(made.recorder)
         settle = made.recorder.settle
         made.recorder.settle = lambda: waits_at_settle.append(stream.waits) or settle()  # type: ignore[method-assign]
         return made
 
     reduce = runner.train.start_reduce
-    drains = []
+    drains = []  # the spans not read yet (their events held) at each of the steps' own waits
 
     def start_reduce(*args, **kwargs):
         wait = reduce(*args, **kwargs)
-        return lambda: drains.append(stream.drain()) or wait()
+        device = recorders[0].device
+        assert device is not None
+        return lambda: drains.append(device.pending) or stream.drain() or wait()
 
     monkeypatch.setattr(runner.train, "RunProfiler", profiler)
     monkeypatch.setattr(runner.train, "start_reduce", start_reduce)
@@ -422,6 +426,7 @@ def test_a_cuda_runs_actions_and_bubble_are_the_devices_read_with_no_wait_of_the
     recorder = trainer.profiler.recorder
     assert waits_at_settle[0] == len(drains) == 5  # nothing waited for the device but the steps' reads
     assert recorder.device is not None and recorder.device.pending == 0
+    assert max(drains) == 10  # two steps' spans (4 actions and the pipeline step each) at most
     assert sorted((a.step, a.op.name) for a in recorder.actions) == sorted(
         (step, f"0{kind}{mb}") for step in (3, 4, 5) for kind in "FB" for mb in (0, 1))
     assert {(a.start_ns + LATENCY, a.end_ns + LATENCY) for a in recorder.actions} <= kernels.windows
