@@ -755,7 +755,7 @@ def test_a_rehearsals_snapshot_and_step_end_wait_for_the_device_and_a_real_runs_
     # waits at a post_validate or deferred step's end: a rehearsal (``Trainer.wait_for_device``, which
     # ``run_rank`` sets) waits before reading the host's clock at the snapshot's ends and the step's
     # end, so ``snapshot_s`` and the step (``update_s``: its end less its pipeline's) are the
-    # device's. A stand-in device: each snapshot's copies and each update take 0.1 s after their
+    # device's. A stand-in device: each snapshot's copies and each update take 0.05 s after their
     # call; a wait sleeps what is queued. A real run (no wait) reads their launches.
     import time
 
@@ -776,7 +776,7 @@ def test_a_rehearsals_snapshot_and_step_end_wait_for_the_device_and_a_real_runs_
         device["queued"] += seconds
 
     take = UpdateSnapshot.take
-    monkeypatch.setattr(UpdateSnapshot, "take", lambda self: (take(self), queue(0.1))[0])
+    monkeypatch.setattr(UpdateSnapshot, "take", lambda self: (take(self), queue(0.05))[0])
     steps = 2
     cfg = compose(*TINY, "parallel.pp=1", f"train.steps={steps}", f"train.optimizer_sync={sync}", "train.grad_clip=0")
     for rehearsed in (False, True):
@@ -784,15 +784,15 @@ def test_a_rehearsals_snapshot_and_step_end_wait_for_the_device_and_a_real_runs_
         trainer = Trainer(validate(cfg, tmp_path / str(rehearsed)), cfg, DistEnv(0, 1, torch.device("cpu")))
         trainer.wait_for_device = wait if rehearsed else None
         trainer.setup()
-        trainer.optimizer.register_step_post_hook(lambda *_: queue(0.1))
+        trainer.optimizer.register_step_post_hook(lambda *_: queue(0.05))
         for index in range(steps):
             trainer.step(index)
         stats = trainer.post_validate
         assert stats is not None
-        if rehearsed:  # each step: the snapshot's 0.1 s, then the update's 0.1 s at the step's end
-            assert stats.snapshot_s >= 0.1 * steps and min(trainer.step_times) >= 0.2, (stats, trainer.step_times)
+        if rehearsed:  # each step: the snapshot's 0.05 s, then the update's 0.05 s at the step's end
+            assert stats.snapshot_s >= 0.05 * steps and min(trainer.step_times) >= 0.1, (stats, trainer.step_times)
         else:
-            assert device["waits"] == 0 and stats.snapshot_s < 0.1 * steps
+            assert device["waits"] == 0 and stats.snapshot_s < 0.05 * steps
         device["queued"] = 0.0
 
 
