@@ -226,6 +226,10 @@ class Trainer:
         self.losses: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
         self.pending: Pending | None = None  # deferred: the step applied, validated in the next one
+        # A rehearsal's wait for the device (``runner.rehearse.rank``), before the host's clock is read
+        # for a time the step reports (its start and end, the snapshot's, a rollback's): on CUDA they
+        # are then the device's work, not its launches. None (a real run): no wait is added.
+        self.wait_for_device: Callable[[], None] | None = None
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -285,7 +289,7 @@ class Trainer:
                           batch=get_batch(self.data, index + 1, resolved.batch_size, resolved.seq_len))
         batch = _replica_share(state.batch, self.mesh, env.device)
         self.profiler.begin_step(index - self.first_step)
-        start = time.perf_counter()
+        start = self._clock()
         self.timer.begin(state.step)
         rng = _rng_state(env.device) if self.pending is not None else None
         self._forward_backward(state, batch)
@@ -302,7 +306,7 @@ class Trainer:
         if validated:
             self.scheduler.step()
             self._call("after_step", state)
-        self.timer.end(state.step, time.perf_counter() - start)
+        self.timer.end(state.step, self._clock() - start)
         self.profiler.end_step()
         if state.first:
             self.clock.mark("first_step")  # with shape inference (and compilation)
@@ -313,6 +317,12 @@ class Trainer:
             assert self.pending is not None
             self.pending.lr = lr
         return done
+
+    def _clock(self) -> float:
+        """``time.perf_counter()``, after the device's queued work where ``wait_for_device`` (a rehearsal)."""
+        if self.wait_for_device is not None:
+            self.wait_for_device()
+        return time.perf_counter()
 
     def _forward_backward(self, state: StepState, batch: Batch) -> None:
         """The step's pipelined forward and backward, with its hooks, and the tied weights' gradient sum."""
@@ -379,6 +389,7 @@ class Trainer:
         """``train.optimizer_sync=barrier``: wait for the loss and the global norm, check, clip, step."""
         state.loss, state.grad_norm = reduce_loss_and_grad_norm(state.local_loss, self.norm_params, self.env,
                                                                 self.mesh)
+        self.profiler.recorder.anchor()  # the stream drained by the read: CUDA spans placed from here
         self._check_finite(state)
         self._call("after_reduce", state)
         clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
@@ -391,9 +402,9 @@ class Trainer:
         stats = self.post_validate
         assert stats is not None
         wait = start_reduce(state.local_loss, self.norm_params, self.env, self.mesh)  # started before the update
-        began = time.perf_counter()
+        began = self._clock()
         stats.snapshot.take()
-        stats.snapshot_s += time.perf_counter() - began
+        stats.snapshot_s += self._clock() - began
         self.optimizer.step()  # as if no clip were needed and every value finite
         return wait
 
@@ -404,6 +415,7 @@ class Trainer:
         stats = self.post_validate
         assert stats is not None
         state.loss, state.grad_norm = wait()
+        self.profiler.recorder.anchor()  # the stream drained by the read: CUDA spans placed from here
         if not (math.isfinite(state.loss) and math.isfinite(state.grad_norm)):
             stats.snapshot.restore()  # the parameters as the barrier leaves them when it stops
         self._check_finite(state)
@@ -411,13 +423,13 @@ class Trainer:
         if clip_coefficient(self.resolved.train.grad_clip, state.grad_norm) == 1.0:
             self._call("after_clip", state)
             return False
-        began = time.perf_counter()
+        began = self._clock()
         stats.snapshot.restore()
         clip_grads(self.params, self.resolved.train.grad_clip, state.grad_norm)
         self._call("after_clip", state)
         self.optimizer.step()
         stats.rollbacks += 1
-        stats.rollback_s += time.perf_counter() - began
+        stats.rollback_s += self._clock() - began
         return True
 
     # -- evaluate --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from runner.validate import _check_optimizer_sync, validate
 
 from helpers.cli import start_cli
 from helpers.config import TINY, compose, resolved
+from helpers.cuda_stream import FakeStream
 from helpers.hf import hf_training, write_model
 from helpers.parity import assert_matches
 from helpers.plan import round_schedule_csv
@@ -363,16 +364,24 @@ def test_a_rerun_step_draws_the_same_dropout_masks_as_the_barriers_one_pass(tmp_
     assert all(torch.equal(a, b) for a, b in zip(kept["deferred"][1], kept["barrier"][1]))
 
 
-def test_a_discarded_pass_leaves_no_actions_or_span_in_the_recorder():
-    recorder = Recorder()
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_a_discarded_pass_leaves_no_actions_or_span_in_the_recorder(on_cuda):
+    # On CUDA (a stand-in stream) the thrown-away pass is still unread when it is discarded: the
+    # wait that found its redo due anchored it, the device had not been seen to pass it.
+    stream = FakeStream()
+    recorder = Recorder(stream.event, now=stream.now) if on_cuda else Recorder()
     recorder.active = True
     for i, step in enumerate((1, 2, 2)):
         with recorder.pipeline_step(step):
             with recorder.action(0, "F", 0):
-                pass
+                stream.launch(1_000, 50_000)
         if i == 1:
-            assert [s.step for s in recorder.steps] == [1, 2] and len(recorder.actions) == 2
+            stream.drain()
+            recorder.anchor()
+            assert [s.step for s in recorder.steps] == ([] if on_cuda else [1, 2])
+            assert len(recorder.actions) == (0 if on_cuda else 2)
             recorder.discard(2)  # the first pass of step 2 was thrown away
+    recorder.settle()
     assert [s.step for s in recorder.steps] == [1, 2] and [a.step for a in recorder.actions] == [1, 2]
 
 

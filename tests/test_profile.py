@@ -3,16 +3,21 @@ files of a real profiled run in test_cli (which already runs one)."""
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from runner._torch import pp as _torch_pp
+from runner.hooks import Hook
 from runner.outputs.profile import Window, plan_window
 from runner.outputs.timeline import (
     HostClock,
     clock_offsets,
+    mean_costs,
     measured_bubble,
     measured_slices,
     plot_schedule,
@@ -32,6 +37,8 @@ from runner.pipeline.simulate import (
     simulate,
     steady_step,
 )
+
+from helpers.cuda_stream import LATENCY, FakeStream
 
 
 def test_profile_window_is_kept_when_it_fits_and_clamped_when_it_does_not():
@@ -227,3 +234,244 @@ def test_a_recorder_that_waits_for_the_device_times_an_action_by_its_work_not_it
     assert timed(synchronize) == [101]
     calls = []
     assert timed(lambda: calls.append(1), active=False) == [] and calls == []  # outside the window: no wait
+
+
+WORK_NS = {"F": 400_000, "B": 900_000}  # the stand-in device's time of each action's kernels
+LAUNCH_NS = 30_000  # the host's time of each action's call (its launches)
+
+
+def _step_on_stream(recorder: Recorder, stream, step: int) -> list[tuple[str, int, int]]:
+    """A pp=1 step of 2 microbatches on the stand-in stream, behind the host: (action, where the
+    stream starts and ends it) on the host's clock, the device's truth."""
+    truth = []
+    with recorder.pipeline_step(step):
+        for kind, mb in (("F", 0), ("F", 1), ("B", 0), ("B", 1)):
+            with recorder.action(0, kind, mb):
+                began = max(stream.free_at, stream.host + LATENCY)
+                stream.launch(LAUNCH_NS, WORK_NS[kind])
+            truth.append((f"0{kind}{mb}", began, stream.free_at))
+            stream.host_work(5_000)  # the schedule's own host work between actions
+    return truth
+
+
+def test_on_cuda_an_actions_time_is_its_kernels_read_after_the_steps_own_wait_and_placed_on_the_hosts_clock(
+        tmp_path):
+    # A stand-in CUDA stream (tests/helpers/cuda_stream.py): a call returns after 30 us, its kernels
+    # run later. Each action's span is two events on the stream, read once a later wait has passed
+    # them (the recorder adds none of its own) and placed on the host's clock from the event
+    # recorded right after the step's wait for its loss (``anchor``: the stream drained): the
+    # device's durations exactly, and its starts early by that event's launch latency, never before
+    # the call that launched them. The host's clock alone read 30 us per action (the launches).
+    stream = FakeStream()
+    recorder = Recorder(stream.event, now=stream.now)
+    recorder.active = True
+    stream.launch(10_000, 5_000_000)  # the previous step's update still runs: the stream is behind
+    truth = _step_on_stream(recorder, stream, 1)
+    assert recorder.actions == [] and stream.waits == 0  # nothing read yet: the device has not passed them
+    stream.drain()  # the step's wait for its loss
+    recorder.anchor()
+    assert recorder.actions == [] and stream.waits == 1  # the anchor is not reached yet: read a step later
+    stream.launch(10_000, 3_000_000)  # step 1's update, after its wait
+    truth += _step_on_stream(recorder, stream, 2)
+    assert recorder.actions == []
+    stream.drain()
+    recorder.anchor()
+    assert len(recorder.actions) == 4 and [s.step for s in recorder.steps] == [1] and stream.waits == 2
+    # Under train.optimizer_sync=deferred nothing waits at a step's end: steps 3 and 4 are read
+    # from the wait in step 4 (after its forward and backward), as one group, as exactly.
+    for step in (3, 4):
+        stream.launch(10_000, 3_000_000)  # the previous step's update
+        truth += _step_on_stream(recorder, stream, step)
+    stream.drain()
+    recorder.anchor()
+    assert len(recorder.actions) == 8 and stream.waits == 3
+    recorder.settle()  # the window's end: the rest read, waiting for the device
+    assert recorder.device is not None and recorder.device.pending == 0
+    assert [(a.op.name, a.start_ns, a.end_ns) for a in recorder.actions] == [
+        (name, start - LATENCY, end - LATENCY) for name, start, end in truth]
+    assert all(a.call_ns is not None and a.start_ns >= a.call_ns[0] for a in recorder.actions)
+    assert all(a.end_ns - a.start_ns == WORK_NS[a.op.kind] for a in recorder.actions)
+    assert all(a.host_ns[1] - a.host_ns[0] < 2 * LAUNCH_NS for a in recorder.actions)  # the launches
+    ends = [t[2] for t in truth]
+    assert [(s.step, s.start_ns, s.end_ns) for s in recorder.steps] == [
+        (k, truth[4 * k - 4][1] - LATENCY, ends[4 * k - 1] - LATENCY) for k in (1, 2, 3, 4)]
+    gc.collect()
+    assert stream.recorded == 4 * 10 + 3 and len(stream.alive) == 0  # every event let go once read
+    # What the timeline, the bubble and the simulator's costs are made of: the device's times.
+    assert mean_costs({0: recorder.actions}) == {(0, "F"): 4e-4, (0, "B"): 9e-4}
+    write_chrome_trace(tmp_path / "timeline.json", measured_slices({0: recorder.actions}, {0: recorder.steps}),
+                       ranks=[0])
+    slices = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sorted({round(e["dur"], 6) for e in slices if e.get("tid") == 0 and e["ph"] == "X"}) == [400.0, 900.0]
+    assert [round(e["dur"], 6) for e in slices if e.get("tid") == 1 and e["ph"] == "X"] == [2600.0] * 4
+
+
+def test_an_anchor_on_a_stream_still_busy_keeps_the_durations_and_no_start_before_its_launch():
+    # Where the stream was not drained at the anchor (work queued behind the wait), the starts
+    # come out early, by at most what was queued, never before the call that launched them; the
+    # durations are the device's all the same. The docstring of runner.pipeline.device_spans says so.
+    stream = FakeStream()
+    recorder = Recorder(stream.event, now=stream.now)
+    recorder.active = True
+    stream.launch(10_000, 5_000_000)
+    truth = _step_on_stream(recorder, stream, 1)
+    queued = stream.free_at - stream.host
+    recorder.anchor()  # no wait before it: 6.8 ms still queued
+    recorder.settle()
+    placed = {a.op.name: a for a in recorder.actions}
+    for name, start, end in truth:
+        a = placed[name]
+        assert a.end_ns - a.start_ns == end - start and a.call_ns is not None
+        assert a.call_ns[0] <= a.start_ns <= start and start - a.start_ns <= queued
+
+
+def test_on_cpu_the_recorder_makes_no_events_and_reads_the_hosts_clock(monkeypatch):
+    from runner.outputs.config import ProfileConfig
+    from runner.outputs.profile import RunProfiler
+    from runner.ranks.dist import DistEnv
+
+    def no_event(*args, **kwargs):
+        raise AssertionError("a CUDA event made on CPU")
+
+    monkeypatch.setattr(torch.cuda, "Event", no_event)
+    profiler = RunProfiler(ProfileConfig(enabled=False), steps=3, env=DistEnv(0, 1, torch.device("cpu")),
+                           run_dir=Path("."))
+    recorder = profiler.recorder
+    assert recorder.device is None
+    recorder.active = True
+    with recorder.pipeline_step(1), recorder.action(0, "F", 0):
+        pass
+    recorder.anchor()
+    recorder.settle()
+    assert len(recorder.actions) == 1 and recorder.actions[0].call_ns is None and len(recorder.steps) == 1
+
+
+class _Kernels(Hook):
+    """The stand-in stream's work in a real (CPU) run: each forward's kernels as it returns, its
+    backward's as the gradient reaches the model's output, each update's, and 1 ms before each
+    step's forward and backward (the batch's copy, say); ``windows``: where the
+    stream ran each forward's and backward's (host's clock)."""
+
+    def __init__(self, stream: FakeStream):
+        self.stream = stream
+        self.windows: set[tuple[int, int]] = set()
+        self.hooked = False
+
+    def begin_step(self, ctx, state) -> None:
+        if not self.hooked:
+            self.hooked = True
+            ctx.modules[0].register_forward_hook(self._forward)
+            ctx.optimizer.register_step_post_hook(lambda *_: self.stream.launch(10_000, 3_000_000))
+        # Work queued before the step's forward (as a batch's copy): post_validate's wait drained the
+        # stream after the update; an action on an idle stream would also hold its own launch.
+        self.stream.launch(5_000, 1_000_000)
+
+    def _launch(self, kind: str) -> None:
+        began = max(self.stream.free_at, self.stream.host + LATENCY)
+        self.stream.launch(LAUNCH_NS, WORK_NS[kind])
+        self.windows.add((began, self.stream.free_at))
+
+    def _forward(self, module, args, out) -> None:
+        self._launch("F")
+        out.register_hook(lambda grad: self._launch("B"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sync", ["barrier", "post_validate", "deferred"])
+def test_a_cuda_runs_actions_and_bubble_are_the_devices_read_with_no_wait_of_their_own(sync, tmp_path, monkeypatch):
+    # A real pp=1 run on CPU, its recorder on the stand-in stream (kernels queued by hooks on the
+    # model and the optimizer), the step's loss read after the stream drains (as CUDA's .tolist()
+    # does): the recorded window's actions are where the stream ran each forward and backward, so
+    # the summary's per-action costs and pipeline step are the device's (not the launches', nor
+    # the CPU's). The only waits are the steps' own, under deferred too (the loss read in the next
+    # step), until the window is settled at the run's end.
+    import runner.train
+    from runner.outputs.profile import RunProfiler
+    from runner.ranks.dist import DistEnv
+    from runner.train import Trainer
+    from runner.validate import validate
+
+    from helpers.config import TINY, compose
+
+    stream = FakeStream()
+    stream.launch(0, 5_000_000)  # a device behind its host from the start
+    waits_at_settle: list[int] = []
+    recorders: list[Recorder] = []
+
+    def profiler(*args, **kwargs):
+        made = RunProfiler(*args, **kwargs)
+        made.recorder = Recorder(stream.event, now=stream.now)
+        recorders.append(made.recorder)
+        settle = made.recorder.settle
+        made.recorder.settle = lambda: waits_at_settle.append(stream.waits) or settle()  # type: ignore[method-assign]
+        return made
+
+    reduce = runner.train.start_reduce
+    drains = []  # the spans not read yet (their events held) at each of the steps' own waits
+
+    def start_reduce(*args, **kwargs):
+        wait = reduce(*args, **kwargs)
+        device = recorders[0].device
+        assert device is not None
+        return lambda: drains.append(device.pending) or stream.drain() or wait()
+
+    monkeypatch.setattr(runner.train, "RunProfiler", profiler)
+    monkeypatch.setattr(runner.train, "start_reduce", start_reduce)
+    kernels = _Kernels(stream)
+    cfg = compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", f"train.optimizer_sync={sync}",
+                  "train.grad_clip=0")
+    trainer = Trainer(validate(cfg, tmp_path), cfg, DistEnv(0, 1, torch.device("cpu")), hooks=[kernels])
+    summary = trainer.run().summary
+    assert summary is not None
+    recorder = trainer.profiler.recorder
+    assert waits_at_settle[0] == len(drains) == 5  # nothing waited for the device but the steps' reads
+    assert recorder.device is not None and recorder.device.pending == 0
+    assert max(drains) == 10  # two steps' spans (4 actions and the pipeline step each) at most
+    assert sorted((a.step, a.op.name) for a in recorder.actions) == sorted(
+        (step, f"0{kind}{mb}") for step in (3, 4, 5) for kind in "FB" for mb in (0, 1))
+    assert {(a.start_ns + LATENCY, a.end_ns + LATENCY) for a in recorder.actions} <= kernels.windows
+    bubble = summary["bubble"]
+    assert bubble["mean_costs_s"] == pytest.approx({"0B": 9e-4, "0F": 4e-4}, rel=1e-12)
+    assert bubble["pipeline_step_s"] == pytest.approx(2.6e-3, abs=1e-12) and bubble["per_rank"] == [0.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_on_cuda_a_recorded_forward_is_its_kernels_placed_before_the_wait_that_passed_it():
+    # A real GPU: a "forward" of 20 matmuls, its synchronized time measured first; recorded behind
+    # a 2e8-cycle sleep kernel (the stream busy: its launch returns long before it runs), its span
+    # is its kernels' (close to the synchronized time; its call's host time is the launches), read
+    # only after the step's own wait, and placed before that wait returned.
+    import time
+    from functools import partial
+
+    device = torch.device("cuda", 0)
+    x = torch.randn(4096, 4096, device=device)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(20):
+            y = (y @ x) / 64.0
+        return y
+
+    forward()
+    torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    forward()
+    torch.cuda.synchronize(device)
+    synced_s = time.perf_counter() - began
+    recorder = Recorder(partial(torch.cuda.Event, enable_timing=True))
+    recorder.active = True
+    torch.cuda._sleep(200_000_000)  # about 0.1 s at an H100's clock
+    with recorder.pipeline_step(1), recorder.action(0, "F", 0):
+        y = forward()
+    assert recorder.actions == [] and recorder.device is not None and recorder.device.pending == 2
+    y.sum().item()  # the step's own wait for its loss
+    waited_ns = time.perf_counter_ns()
+    recorder.anchor()
+    recorder.settle()
+    (a,) = recorder.actions
+    assert a.call_ns is not None
+    device_s, host_s = (a.end_ns - a.start_ns) / 1e9, (a.call_ns[1] - a.call_ns[0]) / 1e9
+    assert device_s == pytest.approx(synced_s, rel=0.25) and host_s < 0.5 * device_s, (device_s, synced_s, host_s)
+    assert a.call_ns[0] <= a.start_ns and waited_ns - 2_000_000 <= a.end_ns <= waited_ns, (a, waited_ns)

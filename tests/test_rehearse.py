@@ -748,6 +748,54 @@ def test_a_barrier_ranks_optimizer_time_is_its_kernels_not_their_launch(monkeypa
     assert waited == [cuda, cuda] and measure.optimizer_s >= 0.05
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sync", ["post_validate", "deferred"])
+def test_a_rehearsals_snapshot_and_step_end_wait_for_the_device_and_a_real_runs_do_not(sync, tmp_path, monkeypatch):
+    # On CUDA the snapshot's copies and AdamW's kernels run after their calls return, and nothing
+    # waits at a post_validate or deferred step's end: a rehearsal (``Trainer.wait_for_device``, which
+    # ``run_rank`` sets) waits before reading the host's clock at the snapshot's ends and the step's
+    # end, so ``snapshot_s`` and the step (``update_s``: its end less its pipeline's) are the
+    # device's. A stand-in device: each snapshot's copies and each update take 0.05 s after their
+    # call; a wait sleeps what is queued. A real run (no wait) reads their launches.
+    import time
+
+    from runner.optim import UpdateSnapshot
+    from runner.ranks.dist import DistEnv
+    from runner.train import Trainer
+    from runner.validate import validate
+
+    from helpers.config import TINY, compose
+
+    device = {"queued": 0.0, "waits": 0}
+
+    def wait() -> None:
+        time.sleep(device["queued"])
+        device["queued"], device["waits"] = 0.0, device["waits"] + 1
+
+    def queue(seconds: float) -> None:
+        device["queued"] += seconds
+
+    take = UpdateSnapshot.take
+    monkeypatch.setattr(UpdateSnapshot, "take", lambda self: (take(self), queue(0.05))[0])
+    steps = 2
+    cfg = compose(*TINY, "parallel.pp=1", f"train.steps={steps}", f"train.optimizer_sync={sync}", "train.grad_clip=0")
+    for rehearsed in (False, True):
+        (tmp_path / str(rehearsed)).mkdir()
+        trainer = Trainer(validate(cfg, tmp_path / str(rehearsed)), cfg, DistEnv(0, 1, torch.device("cpu")))
+        trainer.wait_for_device = wait if rehearsed else None
+        trainer.setup()
+        trainer.optimizer.register_step_post_hook(lambda *_: queue(0.05))
+        for index in range(steps):
+            trainer.step(index)
+        stats = trainer.post_validate
+        assert stats is not None
+        if rehearsed:  # each step: the snapshot's 0.05 s, then the update's 0.05 s at the step's end
+            assert stats.snapshot_s >= 0.05 * steps and min(trainer.step_times) >= 0.1, (stats, trainer.step_times)
+        else:
+            assert device["waits"] == 0 and stats.snapshot_s < 0.05 * steps
+        device["queued"] = 0.0
+
+
 def test_a_rehearsed_rank_begins_by_freeing_what_the_rank_before_it_held_then_empties_cudas_cache(tmp_path,
                                                                                                    monkeypatch):
     # The ranks run in turn in one process: the previous rank's tensors (a trainer's reference cycles

@@ -39,12 +39,13 @@ def _kineto_offset_ns(events: Sequence[Mapping[str, Any]], actions: Sequence[Act
     the recorder timed each action inside the ``compute:`` range the trace holds for it, in the
     same order. None when the two do not hold the same actions (nothing can be placed then). On a
     GPU the trace holds each range twice, on the host and on the device's stream (category
-    ``gpu_user_annotation``, where its kernels ran): the host's are the recorder's."""
+    ``gpu_user_annotation``, where its kernels ran): the host's are matched with the host's readings
+    around each call (``Action.host_ns``: on a GPU the recorder's span itself is the device's)."""
     ranges = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("compute:")
                      and e.get("cat") != _ON_DEVICE), key=lambda e: e["ts"])
     if not actions or [e["name"] for e in ranges] != [f"compute:{a.op.name}" for a in actions]:
         return None
-    return round(statistics.median(a.start_ns - e["ts"] * 1e3 for e, a in zip(ranges, actions)))
+    return round(statistics.median(a.host_ns[0] - e["ts"] * 1e3 for e, a in zip(ranges, actions)))
 
 
 def tp_collectives(trace: Mapping[str, Any], actions: Sequence[Action], steps: Sequence[StepSpan]) -> list[Collective]:
@@ -52,7 +53,8 @@ def tp_collectives(trace: Mapping[str, Any], actions: Sequence[Action], steps: S
     recorded pipeline ``steps``, each from its issue to the end of its wait (paired in order on
     each thread: autograd may run the backward's on a thread of its own), on the clock of
     ``actions`` (the recorder's, for the same profiled steps). Empty when the trace and the
-    recorder do not cover the same actions."""
+    recorder do not cover the same actions. The host's side of each call, on a GPU too (its
+    issue and its wait's return: not the NCCL kernel)."""
     events = trace.get("traceEvents", [])
     offset = _kineto_offset_ns(events, actions)
     if offset is None:
@@ -69,5 +71,5 @@ def tp_collectives(trace: Mapping[str, Any], actions: Sequence[Action], steps: S
                                       round(e["dur"] * 1e3)))
         elif e["name"] not in _NOT_COLLECTIVES:
             pending[e["tid"]].append((e["name"].removeprefix(_FUNCTIONAL), e["ts"]))
-    return [c for c in out if any(s.start_ns <= c.start_ns <= s.end_ns for s in steps)]
+    return [c for c in out if any(s.host_ns[0] <= c.start_ns <= s.host_ns[1] for s in steps)]
 

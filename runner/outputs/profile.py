@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -127,7 +128,8 @@ class RunProfiler:
     def __init__(self, profile_cfg: ProfileConfig, *, steps: int, env: DistEnv, run_dir: Path, first_step: int = 1,
                  tp: int = 1):
         """``steps`` this run trains, numbered from ``first_step`` (1, or N + 1 after resuming
-        from step N); at ``tp`` > 1 the timeline gets each rank's tensor-parallel collectives."""
+        from step N); at ``tp`` > 1 the timeline gets each rank's tensor-parallel collectives. On
+        a CUDA device the recorder times its spans by CUDA events (``runner.pipeline.recorder``)."""
         self.enabled = profile_cfg.enabled
         self.tp = tp
         self.collectives: list[Collective] = []
@@ -137,7 +139,7 @@ class RunProfiler:
         if clamped and env.is_main:
             log.info("profile window clamped to %d steps: wait=%d warmup=%d active=%d", steps,
                      self.window.wait, self.window.warmup, self.window.active)
-        self.recorder = Recorder()
+        self.recorder = Recorder(partial(torch.cuda.Event, enable_timing=True) if env.device.type == "cuda" else None)
         self._step = 0  # the step begin_step last saw
         self.clock = host_clock()  # to place this host's clock next to rank 0's
         self.torch_profiler = None
@@ -162,12 +164,13 @@ class RunProfiler:
     def _export(self, prof) -> None:
         traces = self.run_dir / "traces"
         traces.mkdir(exist_ok=True)
-        partial = traces / f".rank{self.env.rank}.json.partial"
-        prof.export_chrome_trace(str(partial))
+        unfinished = traces / f".rank{self.env.rank}.json.partial"
+        prof.export_chrome_trace(str(unfinished))
         if self.tp > 1:  # the window's steps are recorded by now: the trace goes on the recorder's clock
-            self.collectives = tp_collectives(json.loads(partial.read_text()), self.recorder.actions,
+            self.recorder.settle()  # (CUDA: its last steps read, one wait for the device as the window ends)
+            self.collectives = tp_collectives(json.loads(unfinished.read_text()), self.recorder.actions,
                                               self.recorder.steps)
-        os.replace(partial, traces / f"rank{self.env.rank}.json")  # a killed run leaves no half trace
+        os.replace(unfinished, traces / f"rank{self.env.rank}.json")  # a killed run leaves no half trace
 
     def begin_step(self, step: int) -> None:
         self.recorder.active = self.window.first <= step <= self.window.last
@@ -196,6 +199,7 @@ class RunProfiler:
         """Stop profiling; rank 0 writes the schedule files and returns the bubble summary, from
         the first data-parallel replica (``pipeline_ranks``: its ranks, by pipeline rank)."""
         self.stop()
+        self.recorder.settle()  # CUDA: the spans the device has not been seen to pass yet
         gathered = gather_to_main((self.recorder.actions, self.recorder.steps, self.clock, self.collectives), self.env)
         if gathered is None:  # not rank 0
             return None

@@ -58,9 +58,14 @@ Timed = TypeVar("Timed", Action, StepSpan, Collective)
 
 
 def shift(items: Sequence[Timed], offset_ns: int) -> list[Timed]:
-    """``items`` (actions, step spans, collectives: each timed by ``start_ns`` and ``end_ns``) moved
-    by ``offset_ns``, onto rank 0's clock."""
-    return [dataclasses.replace(i, start_ns=i.start_ns + offset_ns, end_ns=i.end_ns + offset_ns) for i in items]
+    """``items`` (actions, step spans, collectives: each timed by ``start_ns`` and ``end_ns``, and
+    the host's readings around a CUDA call, ``call_ns``) moved by ``offset_ns``, onto rank 0's clock."""
+    def moved(i: Timed) -> Timed:
+        call = getattr(i, "call_ns", None)
+        more: dict[str, Any] = {"call_ns": (call[0] + offset_ns, call[1] + offset_ns)} if call is not None else {}
+        return dataclasses.replace(i, start_ns=i.start_ns + offset_ns, end_ns=i.end_ns + offset_ns, **more)
+
+    return [moved(i) for i in items]
 
 
 def executed_order(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[Op]]:

@@ -19,9 +19,10 @@ A rank runs its run's own ``train.optimizer_sync``. Under ``post_validate`` and 
 step's update is what the rank does between its pipeline's end and its step's end
 (``update_s``: the norm's squares that start the all-reduce, the snapshot, AdamW, the LR schedule;
 ``deferred``: also the previous step's validation, its wait answered at once), the snapshot's part
-of it (``snapshot_s``) and the rest (``optimizer_s``); the snapshot's copies, and under ``deferred``
-the previous step's gradients a rank keeps through its forward and backward, are in the tracked
-peak (made before the first tracked step, as a run's earlier steps made them).
+of it (``snapshot_s``) and the rest (``optimizer_s``), each read after a wait for the device (the
+``Trainer``'s ``wait_for_device``: on a GPU the kernels', not their launches); the snapshot's
+copies, and under ``deferred`` the previous step's gradients a rank keeps through its forward and
+backward, are in the tracked peak (made before the first tracked step, as a run's earlier steps made them).
 
 Either way, of the timed step (the last tracked one where none is timed): the bytes held in
 parameters, gradients and optimizer state (``memory.held_bytes``) and the collectives (count and
@@ -265,8 +266,10 @@ def run_rank(resolved: ResolvedRun, cfg: DictConfig, rank: int, rank_pass: RankP
         trainer = Trainer(rehearsal_run(resolved, rank_pass, run_dir), cfg, env, hooks=[measure], static_stages=True)
         trainer.setup()
         measure.recorder, measure.trainer = trainer.profiler.recorder, trainer
-        # Each action timed on the device: a CUDA action's call returns before its kernels run.
-        trainer.profiler.recorder.synchronize = partial(synchronize, device)
+        # Each action, and the step's own times (its end, the snapshot, a rollback), timed on the
+        # device: a CUDA call returns before its kernels run (a real run adds no such wait).
+        trainer.profiler.recorder.wait_for_device(partial(synchronize, device))
+        trainer.wait_for_device = partial(synchronize, device)
         setup_s = time.perf_counter() - began
         wall = _steps(trainer, rank_pass, measure)
         trace = run_dir / "traces" / f"rank{rank}.json"
