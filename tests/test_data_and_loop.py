@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runner.data.datasets import SyntheticData, TextData, get_batch
+from runner.data.datasets import SyntheticData, TextData, build_dataset, get_batch
 from runner.errors import ConfigError
 from runner.losses import TargetWeighted, cross_entropy
 from runner.models.builtin import transformer
+from runner.models.split import build_meta_model
 from runner.optim import build_optimizer, lr_factor, param_groups
 from runner.verify.compare import ROUNDING_FACTOR, Exact, compare, compare_drift, compare_weights
 
@@ -273,6 +274,34 @@ def test_verify_keeps_the_strict_verdict_where_the_float64_rerun_cannot_tell():
     assert loss["passed"] and "(loss)" in loss["rounding"]["admitted"]
     far = compare({"g": ref}, {"g": ref}, 1.001, 1.0, exact=lambda: Exact(loss=1.0 + 1e-5, grads={}))
     assert not far["passed"] and far["problems"][0].startswith("loss 1.001000 vs unsplit 1.000000 (off float64")
+
+
+def test_the_float64_rerun_that_would_not_fit_or_runs_out_of_memory_leaves_the_strict_verdict(monkeypatch):
+    from runner.verify import exact, memory
+    from runner.verify.hook import reference_model
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY)
+    model, _ = reference_model(cfg)
+    batch = get_batch(build_dataset(cfg.data, seed=0), 1, 8, 16)
+    monkeypatch.setattr(exact, "available_bytes", lambda: 2**20)  # 1 MiB free
+    need = memory.float64_bytes(build_meta_model(cfg.model), microbatch=2, seq_len=16, kwargs={})
+    assert exact.float64_step(model, cfg, batch, 4) == (
+        f"not run: the float64 copy needs about {need / 2**30:.2f} GiB and rank 0's host has 0.00 GiB free")
+    monkeypatch.setattr(exact, "available_bytes", lambda: None)  # unknown: it runs, and may fail to allocate
+
+    def fails(message: str):
+        def rerun(*_):
+            raise RuntimeError(message)
+        return rerun
+
+    monkeypatch.setattr(exact, "_rerun", fails("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                                               "allocate memory: you tried to allocate 1099511627776 bytes."))
+    assert exact.float64_step(model, cfg, batch, 4).startswith("not run: out of memory ([enforce fail")
+    monkeypatch.setattr(exact, "_rerun", fails("mat1 and mat2 shapes cannot be multiplied"))  # a bug: raised
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        exact.float64_step(model, cfg, batch, 4)
 
 
 def _adamw(w: torch.Tensor, grads: list[torch.Tensor], lr: float) -> torch.Tensor:

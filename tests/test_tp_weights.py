@@ -9,7 +9,9 @@ pp=2 x tp=2 under zbv (with sequence and loss parallelism) and dualpipev, whose 
 on rank 0, and at pp=1 x dp=2 (FSDP) x tp=2, over five optimizer steps; and a tied Llama as large
 checkpoints come (bf16 on disk, several safetensors files and their index, written by transformers'
 ``save_pretrained(max_shard_size=...)``) in a read-only directory the run did not write, under zbv
-at pp=2 x tp=2 with ``verify`` over left-padded batches, left byte for byte as it was. Each rank
+at pp=2 x tp=2 with ``verify`` over left-padded batches, left byte for byte as it was; and a
+pretrained Qwen2 over left-padded batches whose value-bias gradients differ from the unsplit
+model's by rounding beyond the strict tolerances, which verify's float64 rerun admits. Each rank
 records, before its first step, every parameter gathered whole (``full_tensor``) next to the file's
 tensor; transformers' own losses run once here."""
 
@@ -27,6 +29,7 @@ from safetensors import safe_open
 from runner.data.datasets import build_dataset, get_batch
 from runner.hooks import Hook
 from runner.models.shards import param_layouts, shard_range
+from runner.outputs.metrics import format_table
 
 from helpers.config import compose, resolved
 from helpers.hf import hf_training, write_model
@@ -299,6 +302,7 @@ def test_verify_admits_a_pretrained_qwen2s_rounding_beyond_the_strict_tolerances
     assert 1e-3 < numbers["unsplit_off"] and numbers["run_off"] < 2 * numbers["unsplit_off"], numbers
     assert rounding["summary"].startswith(f"rounding admitted 1 value(s) (float64 rerun): the unsplit model's own "
                                           f"fp32 gradient of {bias} is off float64 by ")
+    assert f"; {rounding['summary']}" in format_table(ranks[name]["result"]["summary"])  # the closing table's row
     # transformers' own model on the same batch: the same value bias gradient of ~4000, and the same loss.
     reference = hf_training(compose(*_base(models[name], 1, vocab=64), *layout), steps=1)
     assert reference["grads"][bias].abs().max() > 1000
