@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runner.data.datasets import SyntheticData, TextData, get_batch
+from runner.data.datasets import SyntheticData, TextData, build_dataset, get_batch
 from runner.errors import ConfigError
 from runner.losses import TargetWeighted, cross_entropy
 from runner.models.builtin import transformer
+from runner.models.split import build_meta_model
 from runner.optim import build_optimizer, lr_factor, param_groups
-from runner.verify.compare import compare, compare_drift, compare_weights
+from runner.verify.compare import ROUNDING_FACTOR, Exact, compare, compare_drift, compare_weights
 
 
 def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
@@ -209,6 +210,98 @@ def test_verify_reports_the_share_of_the_tolerance_used_which_a_near_zero_gradie
     assert report["passed"] and report["max_rel_diff"] > 20  # the console printed such a run as "max rel 41"
     # 5e-6 (in fp32) of the first element's 1e-5 + 4e-5: a tenth of its tolerance; 2.9e-8 of the second's 4e-5.
     assert report["tolerance_used"] == pytest.approx(5e-6 / (4e-5 + 1e-5 * 1.0), rel=1e-2)
+
+
+def _cancelling_sums() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A gradient summed from terms far larger than itself (as Qwen2's value bias at a zero pad
+    embedding, amplified by RMSNorm's 1/sqrt(eps)): 1000 terms of ~1e4 per element whose sum is
+    ~1. Returns its float64 sum, the fp32 sum in one order (the unsplit model's), in another (two
+    partial sums of the reversed terms: another layout's), and the fp32 sums of the two halves
+    (two microbatches' contributions)."""
+    torch.manual_seed(0)
+    terms = torch.randn(1000, 64, dtype=torch.float64) * 1e4
+    terms += (torch.randn(64, dtype=torch.float64) - terms.sum(0)) / 1000
+    fp32 = terms.float()
+    return terms.sum(0), fp32.sum(0), fp32.flip(0).reshape(2, 500, 64).sum(1).sum(0), fp32.reshape(2, 500, 64).sum(1)
+
+
+def test_verify_admits_another_order_of_the_same_sums_within_ten_times_the_unsplit_models_own_rounding():
+    exact, ref, other, _ = _cancelling_sums()
+    strict = compare({"g": other}, {"g": ref}, 1.0, 1.0)
+    assert not strict["passed"] and strict["rounding"] is None  # no float64 rerun given: the strict verdict
+
+    def rerun():
+        calls.append(1)
+        return Exact(loss=1.0, grads={"g": exact})
+
+    calls: list[int] = []
+    report = compare({"g": other}, {"g": ref}, 1.0, 1.0, exact=rerun)
+    numbers = report["rounding"]["admitted"]["g"]
+    assert report["passed"] and calls == [1] and report["max_abs_diff"] > 10 * 4e-5  # beyond the strict tolerance
+    assert numbers["unsplit_off"] == pytest.approx((ref.double() - exact).abs().max().item())
+    assert numbers["run_off"] < 2 * numbers["unsplit_off"]  # the same scale: each is one order's rounding
+    assert report["rounding"]["factor"] == ROUNDING_FACTOR == 10
+    compare({"g": ref}, {"g": ref}, 1.0, 1.0, exact=rerun)
+    assert calls == [1]  # a run that passes strictly pays nothing
+
+
+def test_verify_still_fails_a_small_defect_beyond_the_rounding_of_the_computation():
+    exact, ref, _, halves = _cancelling_sums()
+    rerun = lambda: Exact(loss=1.0, grads={"g": exact})  # noqa: E731
+    # One of two microbatches' contributions scaled by 1.001: 1e-3 of a partial sum of ~2e5.
+    scaled = compare({"g": halves[0] * 1.001 + halves[1]}, {"g": ref}, 1.0, 1.0, exact=rerun)
+    beyond = scaled["rounding"]["beyond"]["g"]
+    assert not scaled["passed"] and beyond["run_off"] > 100 * ROUNDING_FACTOR * beyond["unsplit_off"]
+    assert scaled["problems"][0].startswith("g: max abs diff") and "the unsplit model's own fp32 rounding" in \
+        scaled["problems"][0]
+    # One element off float64 by 12 x the tensor's noise fails; by 8 x, it is admitted.
+    noise = (ref.double() - exact).abs().max().item()
+    for times, passes in ((12, False), (8, True)):
+        got = ref.clone()
+        got[5] = exact[5] + times * noise
+        assert compare({"g": got}, {"g": ref}, 1.0, 1.0, exact=rerun)["passed"] is passes, times
+
+
+def test_verify_keeps_the_strict_verdict_where_the_float64_rerun_cannot_tell():
+    exact, ref, other, _ = _cancelling_sums()
+    refused = compare({"g": other}, {"g": ref}, 1.0, 1.0, exact=lambda: "not run: out of memory")
+    assert not refused["passed"] and refused["rounding"]["float64"] == "not run: out of memory"
+    # A rerun whose loss is not the reference's (another dropout mask, another batch) is no measure of rounding.
+    other_loss = compare({"g": other}, {"g": ref}, 1.0, 1.0, exact=lambda: Exact(loss=1.01, grads={"g": exact}))
+    assert not other_loss["passed"] and other_loss["rounding"]["float64"].startswith("not used: its loss 1.01 ")
+    # The loss itself: admitted within rounding of float64, or not.
+    loss = compare({"g": ref}, {"g": ref}, 1.0 + 8e-5, 1.0, exact=lambda: Exact(loss=1.0 + 1e-5, grads={}))
+    assert loss["passed"] and "(loss)" in loss["rounding"]["admitted"]
+    far = compare({"g": ref}, {"g": ref}, 1.001, 1.0, exact=lambda: Exact(loss=1.0 + 1e-5, grads={}))
+    assert not far["passed"] and far["problems"][0].startswith("loss 1.001000 vs unsplit 1.000000 (off float64")
+
+
+def test_the_float64_rerun_that_would_not_fit_or_runs_out_of_memory_leaves_the_strict_verdict(monkeypatch):
+    from runner.verify import exact, memory
+    from runner.verify.hook import reference_model
+
+    from helpers.config import TINY, compose
+
+    cfg = compose(*TINY)
+    model, _ = reference_model(cfg)
+    batch = get_batch(build_dataset(cfg.data, seed=0), 1, 8, 16)
+    monkeypatch.setattr(exact, "available_bytes", lambda: 2**20)  # 1 MiB free
+    need = memory.float64_bytes(build_meta_model(cfg.model), microbatch=2, seq_len=16, kwargs={})
+    assert exact.float64_step(model, cfg, batch, 4) == (
+        f"not run: the float64 copy needs about {need / 2**30:.2f} GiB and rank 0's host has 0.00 GiB free")
+    monkeypatch.setattr(exact, "available_bytes", lambda: None)  # unknown: it runs, and may fail to allocate
+
+    def fails(message: str):
+        def rerun(*_):
+            raise RuntimeError(message)
+        return rerun
+
+    monkeypatch.setattr(exact, "_rerun", fails("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                                               "allocate memory: you tried to allocate 1099511627776 bytes."))
+    assert exact.float64_step(model, cfg, batch, 4).startswith("not run: out of memory ([enforce fail")
+    monkeypatch.setattr(exact, "_rerun", fails("mat1 and mat2 shapes cannot be multiplied"))  # a bug: raised
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        exact.float64_step(model, cfg, batch, 4)
 
 
 def _adamw(w: torch.Tensor, grads: list[torch.Tensor], lr: float) -> torch.Tensor:

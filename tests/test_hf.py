@@ -17,7 +17,7 @@ from runner.errors import ConfigError
 from runner.models.split import MetaModel, build_meta_model, materialize, plan_split
 from runner.models.units import SequentialSpec, tied_groups
 from runner.optim import param_groups
-from runner.verify.compare import compare
+from runner.verify.compare import ROUNDING_FACTOR, compare
 from runner.verify.hook import reference_model
 
 from helpers.config import compose
@@ -180,3 +180,56 @@ def test_family_configs_cover_the_tested_list():
     from runner.models.hf import FAMILIES
 
     assert set(family_configs()) == set(FAMILIES)
+
+
+def test_the_float64_rerun_tells_a_padded_qwen2s_rounding_from_one_microbatch_scaled_by_1_001(tmp_path):
+    """The false alarm's computation in-process (test_tp_weights runs it at pp=2 x tp=2): a zero
+    pad embedding amplified by RMSNorm gives the value biases gradients of ~4000 from larger terms."""
+    from runner.data.datasets import build_dataset, get_batch
+    from runner.losses import counted_targets, cross_entropy
+    from runner.pipeline.step import UnsplitStep
+    from runner.verify.exact import _Float64, float64_step
+    from runner.verify.hook import collect_grads
+
+    with _Float64():  # the model's own casts (RMSNorm's, the loss's) stay float64
+        assert {torch.ones(2).float().dtype, torch.zeros(2, dtype=torch.float32).dtype,
+                torch.ones(2).to(torch.bfloat16).dtype} == {torch.float64}
+    path = write_model(tmp_path / "qwen2", "qwen2", weights=True, seed=1)
+    cfg = compose("model=hf", f"model.path={path}", "model.pretrained=true", "data.vocab_size=64", "train.seq_len=16",
+                  "data.padding=true", "parallel.microbatches=4", "train.batch_size=8")
+    model, forward = reference_model(cfg)
+    inputs, targets, kwargs = batch = get_batch(build_dataset(cfg.data, seed=0), 1, 8, 16)
+
+    def step(microbatches: int, scaled: int = -1) -> tuple[float, dict]:
+        calls = []
+
+        def loss_fn(logits, y):  # microbatch ``scaled``'s loss x 1.001: a defect 1e-3 of one of them
+            calls.append(len(calls))
+            return cross_entropy(logits, y) * (1.001 if calls[-1] == scaled else 1.0)
+
+        model.zero_grad(set_to_none=True)
+        loss = UnsplitStep(model, microbatches, loss_fn, forward=forward)(inputs, targets,
+                                                                          counted=counted_targets(targets), **kwargs)
+        return loss.item(), collect_grads([model])
+
+    loss, ref = step(4)
+    exact = float64_step(model, cfg, batch, 4)
+    bias = "model.layers.0.self_attn.v_proj.bias"
+    assert not isinstance(exact, str) and exact.grads[bias].dtype == torch.float64
+    noise = (ref[bias].double() - exact.grads[bias]).abs().max().item()
+    assert ref[bias].abs().max() > 1000 and 0 < noise < 1e-5 * ref[bias].abs().max()  # rounding, and large
+    assert exact.loss == pytest.approx(loss, rel=1e-6)
+    assert all(torch.equal(g, ref[n]) for n, g in collect_grads([model]).items())  # the reference's own, untouched
+    other_loss, other = step(8)  # the same sums in another order: rounding
+    assert compare(other, ref, other_loss, loss, exact=lambda: exact)["passed"]
+    # One element of the amplified gradient off by 20 x its noise: a defect there, caught.
+    perturbed = {**other, bias: other[bias].clone()}
+    perturbed[bias][0] += 20 * noise
+    report = compare(perturbed, ref, other_loss, loss, exact=lambda: exact)
+    assert not report["passed"] and list(report["rounding"]["beyond"]) == [bias]
+    # One microbatch's loss scaled by 1.001: the loss and the embedding fail, far beyond their rounding.
+    scaled_loss, scaled = step(4, scaled=1)
+    report = compare(scaled, ref, scaled_loss, loss, exact=lambda: exact)
+    beyond = report["rounding"]["beyond"]
+    assert not report["passed"] and {"(loss)", "model.embed_tokens.weight"} <= set(beyond), report["problems"]
+    assert all(b["run_off"] > 10 * ROUNDING_FACTOR * b["unsplit_off"] for b in beyond.values()), beyond

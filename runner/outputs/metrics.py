@@ -194,9 +194,10 @@ def format_table(summary: dict) -> str:
         v = summary["verify"]
         updates = [s["weights"]["max_lr_units"] for s in v.get("steps", []) if "weights" in s]
         after = f"; weights after {len(updates)} updates at most {max(updates):.2g} lr apart" if updates else ""
+        rounding = f"; {v['rounding']['summary']}" if v.get("rounding") else ""  # the float64 rerun's finding
         rows.append(("verify", f"{'passed' if v['passed'] else 'FAILED'} (gradients at most "
                                f"{v['tolerance_used'] * 100:.2g}% of their tolerance, max abs grad diff "
-                               f"{v['max_abs_diff']:.2g}{after})"))
+                               f"{v['max_abs_diff']:.2g}{rounding}{after})"))
     if summary.get("config"):
         rows += where_outputs(Path(summary["config"]).parent)
     width = max(len(k) for k, _ in rows)

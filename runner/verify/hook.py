@@ -15,6 +15,7 @@ The rules and their tolerances are ``runner.verify.compare``'s."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,7 +38,17 @@ from runner.parallel.parallelize import PRECISIONS
 from runner.pipeline.step import Batch, UnsplitStep
 from runner.ranks.dist import DistEnv, gather_to_main
 from runner.ranks.watchdog import busy
-from runner.verify.compare import DRIFT, TOLERANCES, WEIGHT_TOLERANCES, compare, compare_drift, compare_weights
+from runner.verify.compare import (
+    DRIFT,
+    TOLERANCES,
+    WEIGHT_TOLERANCES,
+    Exact,
+    compare,
+    compare_drift,
+    compare_weights,
+    rounding_line,
+)
+from runner.verify.exact import float64_step
 
 __all__ = ["collect", "collect_grads", "gather", "gather_grads", "reference_model", "Reference", "Verify"]
 
@@ -247,6 +258,60 @@ def _with_dropout_hint(report: dict, cfg: DictConfig) -> dict:
     return report
 
 
+def _first_step(ctx: StepContext, reference: Reference, parts: Sequence[dict[str, torch.Tensor | None]],
+                loss: float, ref_loss: float, batch: Batch) -> dict:
+    """The first step's loss and every rank's gradients (``parts``) against the reference's, each
+    rank's copies of a tensor on their own; the float64 rerun (``_float64``) run at most once,
+    where some value fails the strict tolerances."""
+    rtol, atol = TOLERANCES[ctx.resolved.train.precision]
+    got, ref = _merged(parts), collect_grads([reference.model])
+    exact = functools.cache(lambda: _float64(ctx, reference, batch))
+    report = compare(got, ref, loss, ref_loss, rtol=rtol, atol=atol, exact=exact)
+    others = _hold_other_copies(report, parts, got, lambda copies: compare(  # gradients only
+        copies, {n: ref[n] for n in copies if n in ref}, ref_loss, ref_loss, rtol=rtol, atol=atol, exact=exact),
+        "rank {rank}'s copy of ")
+    for other in (o["rounding"] for o in others if o["rounding"]):  # the copies' admitted: any rank's largest
+        report["rounding"] = report["rounding"] or {**other, "admitted": {}, "beyond": {}}
+        admitted = report["rounding"]["admitted"]
+        for name, numbers in other["admitted"].items():
+            if numbers["run_off"] > admitted.get(name, {"run_off": -1.0})["run_off"]:
+                admitted[name] = numbers
+    if report["rounding"]:
+        report["rounding"]["summary"] = rounding_line(report["rounding"])
+        report["problems"] += [report["rounding"]["summary"]] if report["problems"] else []
+    return report
+
+
+def _float64(ctx: StepContext, reference: Reference, batch: Batch) -> Exact | str:
+    """The reference's first step rerun in float64 (``runner.verify.exact``), or why not: in bf16
+    the strict tolerances are already that precision's rounding scale (ten times a bf16 noise
+    floor would admit a gradient several percent off: a missing microbatch of 8 is 12.5%), and
+    under dropout a rerun draws other masks (its difference would be the masks', not rounding)."""
+    precision = ctx.resolved.train.precision
+    if precision != "fp32":
+        return (f"not run: train.precision={precision}, whose tolerances are its rounding scale already "
+                f"(a multiple of its noise floor would admit a real defect)")
+    if active_dropout(ctx.cfg):
+        return "not run: the model applies dropout in training (a rerun draws other masks)"
+    busy("verify: the unsplit first step rerun in float64, to tell rounding from a defect")
+    return float64_step(reference.model, ctx.cfg, batch, ctx.resolved.layout.microbatches)
+
+
+def _hold_other_copies(report: dict, parts: Sequence[dict[str, torch.Tensor | None]],
+                       merged: dict[str, torch.Tensor | None], check: Callable[[dict], dict],
+                       prefix: str) -> list[dict]:
+    """Every rank's other copies (``_other_copies``) held by ``check`` as the merged ones were: their
+    problems added to ``report``'s, each after ``prefix`` (formatted with the rank), and
+    ``passed`` set again. Returns their reports."""
+    others = []
+    for rank, copies in _other_copies(parts, merged):
+        other = check(copies)
+        report["problems"] += [prefix.format(rank=rank) + p for p in other["problems"]]
+        others.append(other)
+    report["passed"] = not report["problems"]
+    return others
+
+
 class Verify(Hook):
     """``verify=true`` (see the module's docstring): rank 0's reference steps beside the run from
     the first step this run trains; each check's report goes into the summary's ``verify``."""
@@ -282,29 +347,24 @@ class Verify(Hook):
 
     def _start(self, ctx: StepContext, state: StepState) -> None:
         """The first step: the reference built (a resumed run's AdamW state copied into it), its
-        loss and every gradient against the run's, before clipping."""
+        loss and every gradient against the run's, before clipping; where they differ, the float64
+        rerun tells rounding from a defect (``_float64``)."""
         assert state.loss is not None  # reduced before after_reduce
         parts = gather_to_main(collect_grads(ctx.modules, ctx.not_counted), ctx.env)
         moments = _gather_adam_state(ctx) if ctx.resolved.resume is not None else None
         report = None
         if parts is not None:  # rank 0
-            self.reference = Reference(ctx.cfg, ctx.resolved)
+            self.reference = reference = Reference(ctx.cfg, ctx.resolved)
             if moments is not None:
-                self.reference.resume_state(moments, ctx.scheduler.state_dict())
-            ref_loss, self.ref_grad_norm = self.reference.backward(state.batch)
-            rtol, atol = TOLERANCES[ctx.resolved.train.precision]
-            got, ref = _merged(parts), collect_grads([self.reference.model])
-            report = compare(got, ref, state.loss, ref_loss, rtol=rtol, atol=atol)
-            for rank, copies in _other_copies(parts, got):
-                other = compare(copies, {n: ref[n] for n in copies if n in ref}, ref_loss, ref_loss,  # gradients only
-                                rtol=rtol, atol=atol)
-                report["problems"] += [f"rank {rank}'s copy of {p}" for p in other["problems"]]
-            report["passed"] = not report["problems"]
+                reference.resume_state(moments, ctx.scheduler.state_dict())
+            ref_loss, self.ref_grad_norm = reference.backward(state.batch)
+            report = _first_step(ctx, reference, parts, state.loss, ref_loss, state.batch)
             report = _with_dropout_hint(report, ctx.cfg)
             report.update(grad_norm=state.grad_norm, ref_grad_norm=self.ref_grad_norm, steps=[])
-            log.info("verify: step %d: max abs grad diff %.3g, max rel diff %.3g, loss diff %.3g -> %s", state.step,
+            log.info("verify: step %d: max abs grad diff %.3g, max rel diff %.3g, loss diff %.3g -> %s%s", state.step,
                      report["max_abs_diff"], report["max_rel_diff"], report["loss_abs_diff"],
-                     "passed" if report["passed"] else "FAILED")
+                     "passed" if report["passed"] else "FAILED",
+                     f"; {report['rounding']['summary']}" if report["rounding"] else "")
         self.report = _conclude(report, ctx.env, f"the pipelined first step (step {state.step}) differs")
 
     def _drift(self, ctx: StepContext, state: StepState) -> None:
@@ -334,10 +394,8 @@ class Verify(Hook):
             units, fraction = WEIGHT_TOLERANCES[ctx.resolved.train.precision]
             got, ref = _merged(parts), self.reference.weights()
             report = compare_weights(got, ref, self.lr, max_lr_units=units, max_fraction=fraction)
-            for rank, copies in _other_copies(parts, got):  # each replica's and peer's copies, on their own
-                other = compare_weights(copies, ref, self.lr, max_lr_units=units, max_fraction=fraction)
-                report["problems"] += [f"rank {rank}'s copies: {p}" for p in other["problems"]]
-            report["passed"] = not report["problems"]
+            _hold_other_copies(report, parts, got, lambda copies: compare_weights(
+                copies, ref, self.lr, max_lr_units=units, max_fraction=fraction), "rank {rank}'s copies: ")
             log.info("verify: weights after step %d: at most %.3g lr apart, %.3g%% of them beyond %g lr -> %s",
                      state.step, report["max_lr_units"], 100 * report["fraction_off"], units,
                      "passed" if report["passed"] else "FAILED")

@@ -18,7 +18,8 @@ from runner.errors import ConfigError
 if TYPE_CHECKING:
     from runner.models.split import MetaModel
 
-__all__ = ["activation_bytes", "num_params", "reference_bytes", "available_bytes", "check_reference_fits"]
+__all__ = ["activation_bytes", "num_params", "reference_bytes", "float64_bytes", "available_bytes",
+           "check_reference_fits"]
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +102,11 @@ def check_reference_fits(meta: MetaModel, *, microbatch: int, dp: int, seq_len: 
             f"{available / gib:.1f} GiB is available. Fix: verify=false, or verify this layout on a smaller model "
             f"of the same family (fewer layers: model.n_layers, or +model.config_overrides.num_hidden_layers for "
             f"model=hf), or a host with more memory.")
+
+
+def float64_bytes(meta: MetaModel, *, microbatch: int, seq_len: int, kwargs: dict[str, torch.Tensor]) -> int:
+    """What ``verify``'s float64 rerun (``runner.verify.exact``) adds on rank 0's host beside the
+    reference: the model's weights and gradients in float64, and one microbatch's activations at
+    twice their fp32 size (``microbatch``: the reference's rows per microbatch)."""
+    activations = activation_bytes(meta, microbatch=microbatch, seq_len=seq_len, kwargs=kwargs)
+    return 2 * 8 * num_params(meta) + 2 * activations
