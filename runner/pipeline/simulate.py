@@ -126,13 +126,16 @@ def simulate(
 
 
 def simulated_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *, num_stages: int,
-                   comm_s: float = 0.0, barrier: bool = True) -> float:
+                   comm_s: float = 0.0, barrier: bool = True,
+                   meetings: Sequence[tuple[Sequence[int], float]] = ()) -> float:
     """What the search scores, without building the timeline (at p = 32 that is half a replay's
-    time): with the barrier the makespan, without it the longest rank's span (``rank_span``; a
+    time): with the barrier the makespan, up to where every rank has ended its backward and the
+    tied weights' gradient sums it takes part in (``meetings``, as ``expected_makespan`` has them:
+    what the planner predicts the order with); without it the longest rank's span (``rank_span``; a
     rank runs its actions in order, so its span is its first action's start to its last's end)."""
     end, placed = _replay(order, _cost_of(costs, 0.0, 0), num_stages, comm_s)
     if barrier:
-        return max(end.values())
+        return max(_meet({rank: end[ops[-1]] for rank, ops in order.items() if ops}, meetings).values())
     return max(end[ops[-1]] - placed[ops[0]][1] for ops in order.values() if ops)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 if TYPE_CHECKING:
     from runner.layout import TiedSpan
 
-__all__ = ["Link", "ring_all_reduce_s", "tied_meetings"]
+__all__ = ["Link", "DEFAULT_LINK", "configured_link", "ring_all_reduce_s", "tied_meetings"]
 
 
 class Link(NamedTuple):
@@ -22,6 +22,15 @@ class Link(NamedTuple):
 
     def seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
+
+
+DEFAULT_LINK = Link(10e-6, 50e9)  # a 400 Gbit/s link per device
+
+
+def configured_link(latency_s: float | None, bandwidth: float | None) -> Link:
+    """``plan.comm_latency_s`` / ``plan.comm_bandwidth``, each null one ``DEFAULT_LINK``'s."""
+    return Link(DEFAULT_LINK.latency_s if latency_s is None else float(latency_s),
+                DEFAULT_LINK.bandwidth if bandwidth is None else float(bandwidth))
 
 
 def ring_all_reduce_s(nbytes: float, ranks: int, link: Link, *, gather: bool = False) -> float:

@@ -636,7 +636,8 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
                           split_points=split_points)
     costs, comm_s = layout_costs(layout.stages, child, calibration, model)
     problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
-                      weight_grad_fraction=cfg.plan.weight_grad_fraction, barrier=cfg.plan.barrier)
+                      weight_grad_fraction=cfg.plan.weight_grad_fraction, barrier=cfg.plan.barrier,
+                      meetings=tuple(tied_meetings(layout.tied, calibration.all_reduce_link())))
     problem = replace(problem, memory_limit=memory_limit("plan.memory_limit", cfg.plan.memory_limit, problem))
 
     def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns

@@ -41,7 +41,7 @@ from runner.pipeline.schedule import (
     schedule_order,
 )
 from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
-from runner.plan.link import Link, ring_all_reduce_s, tied_meetings
+from runner.plan.link import Link, configured_link, ring_all_reduce_s, tied_meetings
 from runner.plan.memory import FP32, rank_memory, rank_params
 from runner.plan.planner import DEFERRED, amortized_step, committed_steps
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
@@ -321,8 +321,7 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     world_size = cfg.plan.world_size or ParallelDims.from_config(cfg.parallel).world_size
     if world_size < 1:
         raise ConfigError(f"plan.world_size={world_size}: plan for at least one rank. Fix: plan.world_size=8.")
-    link = Link(cfg.plan.comm_latency_s if cfg.plan.comm_latency_s is not None else 10e-6,
-                cfg.plan.comm_bandwidth or 50e9)
+    link = configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)
     meta = build_meta_model(_config_only(cfg.model), cfg.parallel.get("stage_modules"))
     num_units = len(meta.unit_names)
     counted: dict[tuple[int, bool], dict[str, UnitCount]] = {}

@@ -24,12 +24,12 @@ from runner.options import OptimizerSync
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
 from runner.pipeline.simulate import SimAction, deferred_step, expected_makespan, simulate
-from runner.plan.link import Link, tied_meetings
+from runner.plan.link import DEFAULT_LINK, Link, tied_meetings
 
 __all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH", "VALIDATION_BYTES"]
 
-DEFAULT_LATENCY_S = 10e-6
-DEFAULT_BANDWIDTH = 50e9  # bytes/s: a 400 Gbit/s link per device
+DEFAULT_LATENCY_S = DEFAULT_LINK.latency_s  # the planner's, plan.target's: 10 us
+DEFAULT_BANDWIDTH = DEFAULT_LINK.bandwidth  # bytes/s: a 400 Gbit/s link per device
 VALIDATION_BYTES = 8  # the step's loss/norm all-reduce over the world: two float32 (runner.train.start_reduce)
 # The schedule's messages, whatever dimension their group is named by (at pp = world size: "world").
 P2P = ("send", "recv", "vote_send", "vote_recv")
