@@ -244,7 +244,7 @@ def test_rehearsed_candidates_of_a_tied_model_take_the_sum_with_the_barrier_as_w
 
 
 def _step_bounds(timeline, rank: int, k: int) -> tuple[float, float]:
-    """Rank ``rank``'s step ``k`` in a ``deferred_timeline``: its first action's start, its last's end."""
+    """Rank ``rank``'s step ``k`` in a ``_deferred_timeline``: its first action's start, its last's end."""
     mine = [a for a in timeline if a.rank == rank and a.op.microbatch // M == k]
     return min(a.start for a in mine), max(a.end for a in mine)
 
@@ -255,12 +255,12 @@ def test_a_tied_weight_makes_its_ranks_meet_after_every_backward_and_the_deferre
     neither starts step k+1 before the other has ended step k's backward, the sum and its own
     update. Untied, ZB-H2's first rank starts its next step while the last still drains: the
     meeting costs more than its all-reduce. One rank holding both ends (V placements) meets nobody."""
-    from runner.pipeline.simulate import deferred_timeline
+    from runner.pipeline.simulate import _deferred_timeline
 
     zbh2 = schedule_order("zbh2", P, M, 1)
     update, meet = {r: 0.5 for r in range(P)}, 0.25
-    tied = deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)])
-    untied = deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update)
+    tied = _deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)])
+    untied = _deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update)
     for k in range(1, 8):
         for rank, other in ((0, P - 1), (P - 1, 0)):
             assert _step_bounds(tied, rank, k)[0] >= _step_bounds(tied, other, k - 1)[1] + meet + 0.5 - 1e-9, (k, rank)
