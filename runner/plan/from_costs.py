@@ -60,10 +60,11 @@ def _candidate(name: str, order: dict[int, list[Op]], problem: Problem, override
                             meetings=problem.meetings)  # after the tied sum (the makespan without one)
     # Without the barrier a step is the steady step of steps back to back (train.optimizer_sync=
     # deferred's, without updates: the file has none), as every plan without the barrier scores it.
-    steady = {} if problem.barrier else {
-        m: deferred_step(order, problem.costs, num_stages=problem.num_stages, comm_s=problem.comm_s, meetings=m)
-        for m in {(), problem.meetings}}
-    pipeline, step = (makespan, met) if problem.barrier else (steady[()], steady[problem.meetings])
+    pipeline, step = makespan, met
+    if not problem.barrier:
+        pipeline = deferred_step(order, problem.costs, num_stages=problem.num_stages, comm_s=problem.comm_s)
+        step = deferred_step(order, problem.costs, num_stages=problem.num_stages, comm_s=problem.comm_s,
+                             meetings=problem.meetings) if problem.meetings else pipeline
     busy = sum(a.end - a.start for a in timeline)
     nbytes = peak_in_flight(order, problem.stage_bytes, problem.weight_grad_fraction)
     in_mb = peak_in_flight(order, None, problem.weight_grad_fraction)
