@@ -151,8 +151,12 @@ def wandb_quiet(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB__DISABLE_STATS", "true")  # no system-metrics sampler
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     monkeypatch.setenv("WANDB_DISABLE_CODE", "true")
-    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing under ~
+    for var in ("WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # nothing under ~
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var))
+    # WANDB_CACHE_DIR is the logger's to set (the service's debug log): were it not, the user's cache
+    # directory (~/.cache, as XDG_CACHE_HOME says) would get the log; here a directory of the test's.
+    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "wandb-home" / "xdg-cache"))
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
     had_service = "WANDB_SERVICE" in os.environ
@@ -173,6 +177,11 @@ def test_wandb_offline_run_holds_history_summary_and_config(tmp_path, wandb_quie
 
     assert get_open_telemetry_proxy() is None
     wandb_quiet.teardown()  # finish() can return before wandb's service has flushed the run file
+    # wandb's service wrote its debug log into the run directory, not the user's cache; the
+    # process's environment is as it was.
+    [core_log] = (run_dir / "wandb" / "cache").rglob("core-debug-*.log")
+    assert core_log.stat().st_size > 0
+    assert not list((tmp_path / "wandb-home" / "xdg-cache").rglob("*.log")) and "WANDB_CACHE_DIR" not in os.environ
 
     [offline] = (run_dir / "wandb").glob("offline-run-*")
     [log] = offline.glob("run-*.wandb")

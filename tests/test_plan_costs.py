@@ -177,6 +177,14 @@ BAD = [({"pp": 8, "microbatches": 24, "F": 1, "B": 1}, r"no W\. Fix: add W"),
         r"memory_limit='3x1f1b' is not a memory size.*or 1f1b"),
        ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "memory_limit": "1e999"},
         r"memory_limit='1e999' is not a memory size"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": [0, 1]},
+        r"tied=\[0, 1\] is not a mapping of stages and bytes.*Fix: tied: \{stages: \[0, 1\], bytes"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stages": [0, 0], "bytes": 8}},
+        r"tied.stages=\[0, 0\] is not a list of two or more distinct stages of 0 to 1"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stages": [0, 2], "bytes": 8}},
+        r"tied.stages=\[0, 2\] is not a list"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stages": [0, 1], "bytes": "lots"}},
+        r"tied.bytes='lots' is not a positive number of bytes"),
        ([1, 2], r"holds list, not a mapping")]
 
 
@@ -326,3 +334,55 @@ def test_the_costs_file_the_planner_page_shows_prints_the_output_it_shows(tmp_pa
     printed = capsys.readouterr().out.replace(str(out), "/.../outputs/<date>/<time>")
     seconds = re.compile(r"simulated in [\d.]+ s")
     assert seconds.sub("in - s", printed).rstrip("\n") == seconds.sub("in - s", shown).rstrip("\n")
+
+
+def test_a_costs_file_names_its_tied_weight_and_the_plan_and_its_search_count_the_meeting(tmp_path, capsys):
+    """``tied: {stages, bytes}``: the ranks holding the copies meet after their backward to sum its
+    gradient, priced as every plan prices it (a ring all-reduce on ``plan.comm_*``: 2 messages of
+    half the bytes at 2 ranks). 1F1B's first rank ends last, with the barrier and without: its step
+    grows by exactly that, its pipeline by nothing; the search scores each order by the same measure
+    the plan predicts it with (``simulated_step`` with the meetings, the steady step with them)."""
+    from dataclasses import replace
+
+    from runner.layout import TiedSpan
+    from runner.pipeline.simulate import deferred_step, expected_makespan, simulated_step
+    from runner.plan.from_costs import plan_from_costs
+    from runner.plan.link import Link
+
+    data = {"pp": 4, "microbatches": 8, "F": 1e-3, "B": 1e-3, "W": 0.5e-3, "comm_s": 1e-4,
+            "tied": {"stages": [3, 0], "bytes": "4MB"}}
+    (tmp_path / "tied.yaml").write_text(yaml.safe_dump(data))
+    given = read_costs(str(tmp_path / "tied.yaml"))
+    assert given.tied == (TiedSpan((0, 3), 4_000_000),)
+    link, meet = Link(1e-4, 1e9), 2 * (1e-4 + 2e6 / 1e9)
+    for barrier in (True, False):
+        plans = {}
+        for name, costs in (("tied", given), ("untied", replace(given, tied=()))):
+            (tmp_path / f"{name}{barrier}").mkdir()
+            ranked, _ = plan_from_costs(costs, tmp_path / f"{name}{barrier}", budget=40, seed=0, tie_tolerance=0.0,
+                                        barrier=barrier, link=link)
+            plans[name] = {c.schedule: c for c in ranked}
+        tied, untied = plans["tied"]["1f1b"], plans["untied"]["1f1b"]
+        assert tied.predicted_step_time_s == pytest.approx(untied.predicted_step_time_s + meet, rel=1e-9), barrier
+        assert tied.pipeline_s == untied.pipeline_s and tied.after_pipeline_s == pytest.approx(meet, rel=1e-9)
+        problem = given_problem(given, barrier=barrier, link=link)
+        assert problem.meetings == (((0, 3), pytest.approx(meet, rel=1e-12)),)
+        for name, order in builtin_orders(4, 8).items():
+            predicted = plans["tied"][name].predicted_step_time_s
+            if barrier:
+                assert simulated_step(order, problem.costs, num_stages=4, comm_s=1e-4,
+                                      meetings=problem.meetings) == pytest.approx(predicted, rel=1e-12), name
+            else:
+                assert deferred_step(order, problem.costs, num_stages=4, comm_s=1e-4,
+                                     meetings=problem.meetings) == pytest.approx(predicted, rel=1e-12), name
+                assert plans["tied"][name].commit_step_s == pytest.approx(expected_makespan(
+                    order, problem.costs, num_stages=4, comm_s=1e-4, meetings=problem.meetings), rel=1e-12)
+        found = synthesize(problem, seeds=builtin_orders(4, 8), budget=40, seed=0)
+        assert found is not None
+        assert found.makespan_s == pytest.approx(plans["tied"]["synthesized"].predicted_step_time_s, rel=1e-12)
+    out = tmp_path / "cli"
+    out.mkdir()
+    main_from_costs(compose(f"plan.costs={tmp_path / 'tied.yaml'}", "plan.comm_latency_s=1e-4",
+                            "plan.comm_bandwidth=1e9"), out)
+    assert (f"tied weight: stages 0/3 meet to sum its gradient, {meet * 1e3:.3f} ms (a ring all-reduce on 100 us + "
+            "bytes / 1.0 GB/s: plan.comm_latency_s, plan.comm_bandwidth)") in capsys.readouterr().out

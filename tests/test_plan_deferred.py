@@ -244,7 +244,7 @@ def test_rehearsed_candidates_of_a_tied_model_take_the_sum_with_the_barrier_as_w
 
 
 def _step_bounds(timeline, rank: int, k: int) -> tuple[float, float]:
-    """Rank ``rank``'s step ``k`` in a ``deferred_timeline``: its first action's start, its last's end."""
+    """Rank ``rank``'s step ``k`` in a ``_deferred_timeline``: its first action's start, its last's end."""
     mine = [a for a in timeline if a.rank == rank and a.op.microbatch // M == k]
     return min(a.start for a in mine), max(a.end for a in mine)
 
@@ -255,12 +255,12 @@ def test_a_tied_weight_makes_its_ranks_meet_after_every_backward_and_the_deferre
     neither starts step k+1 before the other has ended step k's backward, the sum and its own
     update. Untied, ZB-H2's first rank starts its next step while the last still drains: the
     meeting costs more than its all-reduce. One rank holding both ends (V placements) meets nobody."""
-    from runner.pipeline.simulate import deferred_timeline
+    from runner.pipeline.simulate import _deferred_timeline
 
     zbh2 = schedule_order("zbh2", P, M, 1)
     update, meet = {r: 0.5 for r in range(P)}, 0.25
-    tied = deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)])
-    untied = deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update)
+    tied = _deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update, meetings=[((0, P - 1), meet)])
+    untied = _deferred_timeline(zbh2, COSTS, num_stages=P, update_s=update)
     for k in range(1, 8):
         for rank, other in ((0, P - 1), (P - 1, 0)):
             assert _step_bounds(tied, rank, k)[0] >= _step_bounds(tied, other, k - 1)[1] + meet + 0.5 - 1e-9, (k, rank)
@@ -280,7 +280,7 @@ def test_a_tied_weight_makes_its_ranks_meet_after_every_backward_and_the_deferre
 def test_the_layout_knows_which_pipeline_ranks_hold_a_tied_weight_and_the_plan_prices_their_meeting():
     from runner.layout import TiedSpan
     from runner.plan.calibrate import Calibration
-    from runner.plan.probe import tied_meetings
+    from runner.plan.link import tied_meetings
     from runner.validate import validate
 
     tie = [*TINY, "model.tie_embeddings=true", "train.batch_size=8", "parallel.microbatches=4"]
@@ -293,7 +293,37 @@ def test_the_layout_knows_which_pipeline_ranks_hold_a_tied_weight_and_the_plan_p
     assert fsdp.layout.tied == (TiedSpan((0, 1), 2 * vocab * dim),)  # a shard each: half the rows
     calibration = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0, allreduce_latency_s=3e-4,
                               allreduce_bandwidth=2e9)
-    assert tied_meetings((TiedSpan((0, 3), 8000),), calibration) == [((0, 3), pytest.approx(3e-4 + 8000 / 2e9))]
+    # two ranks: the calibrated all-reduce between two ranks, exactly (a ring of two messages)
+    assert tied_meetings((TiedSpan((0, 3), 8000),), calibration.all_reduce_link()) == [
+        ((0, 3), pytest.approx(3e-4 + 8000 / 2e9))]
+
+
+def test_a_tied_sum_has_one_price_whoever_predicts_the_step():
+    """The planner's probes and candidates (the calibration's all-reduce link, or its message where
+    ``plan.comm_*`` are given), ``plan.target`` (its link) and the rehearsal's composed step
+    (``plan.comm_*``) price a tied weight's gradient sum by one function: a ring all-reduce between
+    the ranks holding a copy, 2(n-1) messages of 1/n of its bytes, a latency each."""
+    from runner.layout import TiedSpan
+    from runner.plan.calibrate import Calibration
+    from runner.plan.link import Link, ring_all_reduce_s, tied_meetings
+    from runner.rehearse.compose import _meetings
+    from runner.validate import validate
+
+    resolved = validate(compose(*TINY, "model.tie_embeddings=true", "train.batch_size=8", "parallel.microbatches=4",
+                                "parallel.pp=2", "schedule=1f1b"))
+    grad = 4 * 48 * 32
+    ring = [((0, 1), pytest.approx(2 * 1e-4 + grad / 1e9, rel=1e-12))]
+    given = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0)
+    measured = Calibration(latency_s=7e-5, bandwidth=3e8, action_overhead_s=0.0, allreduce_latency_s=2e-4,
+                           allreduce_bandwidth=1e9)  # two ranks' all-reduce: two messages of 1e-4
+    assert tied_meetings(resolved.layout.tied, Link(1e-4, 1e9)) == ring  # plan.target's link
+    assert tied_meetings(resolved.layout.tied, given.all_reduce_link()) == ring
+    assert tied_meetings(resolved.layout.tied, measured.all_reduce_link()) == ring
+    assert _meetings(resolved, 1e-4, 1e9) == ring  # the rehearsal's composed step
+    three = tied_meetings((TiedSpan((0, 2, 3), 9000),), Link(1e-4, 1e9))
+    assert three == [((0, 2, 3), pytest.approx(4 * (1e-4 + 3000 / 1e9), rel=1e-12))]
+    assert ring_all_reduce_s(9000, 3, Link(1e-4, 1e9), gather=True) == pytest.approx(2 * (1e-4 + 3000 / 1e9))
+    assert ring_all_reduce_s(9000, 1, Link(1e-4, 1e9)) == 0.0
 
 
 @pytest.mark.timeout(120)
@@ -307,7 +337,7 @@ def test_a_plan_without_the_barrier_of_a_tied_model_adds_its_ranks_meeting(monke
               "plan.weight_grad_fraction=0.5", "plan.schedules=[1f1b,zbh1]", "plan.barrier=false"]
     untied, _, _, _ = plan(compose(*common))
     tied, _, _, _ = plan(compose(*common, "model.tie_embeddings=true"))
-    meet = 2e-4 + 4 * 48 * 32 / 1e9  # FIXED's message: no all-reduce measured, a message's latency and bandwidth
+    meet = 2 * 2e-4 + 4 * 48 * 32 / 1e9  # no all-reduce measured: a ring of two of FIXED's messages
 
     def key(c):
         return c.schedule, tuple(c.split_points or ()), tuple(sorted(c.stage_costs_s.items()))
@@ -365,7 +395,7 @@ def test_a_plan_with_the_barrier_of_a_tied_model_adds_the_sum_the_plan_without_i
     untied, _, _, _ = plan(compose(*common))
     tied, _, _, _ = plan(compose(*common, "model.tie_embeddings=true"))
     free, _, _, _ = plan(compose(*common, "model.tie_embeddings=true", "plan.barrier=false"))
-    meet = 2e-4 + 4 * 48 * 32 / 1e9  # FIXED's message: no all-reduce measured, a message's latency and bandwidth
+    meet = 2 * 2e-4 + 4 * 48 * 32 / 1e9  # no all-reduce measured: a ring of two of FIXED's messages
 
     def key(c):
         return c.schedule, c.stages_per_rank, tuple(c.split_points or ()), tuple(sorted(c.stage_costs_s.items()))

@@ -43,11 +43,16 @@ def test_the_built_in_transformers_collectives_per_microbatch():
 
 
 def test_an_all_reduce_costs_as_calibrated_between_two_ranks_and_as_a_ring_beyond():
+    """The measured all-reduce between two ranks is a ring of two messages: exactly its cost at
+    2 ranks; 2(tp-1) messages of 1/tp of the bytes beyond; an all-gather the ring's second half.
+    Unmeasured (``plan.comm_*`` given), the same ring of the link's messages."""
     assert collective_s(MEASURED, 1e6, 2) == pytest.approx(3e-4 + 1e6 / 5e8)
     assert collective_s(MEASURED, 1e6, 4) == pytest.approx(3 * 3e-4 + 1.5e6 / 5e8)
-    assert collective_s(MEASURED, 1e6, 2, gather=True) == pytest.approx(3e-4 + 0.5e6 / 5e8)
+    assert collective_s(MEASURED, 1e6, 2, gather=True) == pytest.approx(1.5e-4 + 0.5e6 / 5e8)
+    assert collective_s(MEASURED, 1e6, 4, gather=True) == pytest.approx(3 * 1.5e-4 + 0.75e6 / 5e8)
     unmeasured = Calibration(latency_s=1e-4, bandwidth=1e9, action_overhead_s=0.0)  # plan.comm_* given
-    assert collective_s(unmeasured, 1e6, 2) == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert collective_s(unmeasured, 1e6, 2) == pytest.approx(2 * 1e-4 + 1e6 / 1e9)
+    assert collective_s(unmeasured, 1e6, 1) == 0.0
 
 
 def test_tp_divides_a_blocks_compute_and_adds_its_collectives():

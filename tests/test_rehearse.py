@@ -521,7 +521,8 @@ def test_a_deferred_rehearsal_composes_its_steady_step_with_each_ranks_update_wh
 
 def test_a_deferred_rehearsal_of_a_tied_model_composes_the_meeting_of_the_ranks_holding_its_copies(tmp_path):
     """``model.tie_embeddings`` at pp=2 (the world): the tied gradient's sum between the two ranks is
-    a meeting after every backward (``tied_meetings``: latency + its fp32 bytes / bandwidth), not a
+    a meeting after every backward (``tied_meetings``: a ring all-reduce of its fp32 bytes, 2 messages
+    of half of them at 2 ranks), not a
     collective of each rank's update (the rehearsal files it under ``world`` beside the loss/norm
     all-reduce); 1F1B's first rank ends its step last, so it adds exactly its all-reduce."""
     from runner.rehearse.compose import compose_step
@@ -538,7 +539,7 @@ def test_a_deferred_rehearsal_of_a_tied_model_composes_the_meeting_of_the_ranks_
         r["collectives"]["world"] = {"all_reduce": {"count": 2, "bytes": 8 + grad_bytes}}
     link = {"latency_s": 1e-4, "bandwidth": 1e8}
     step, _ = compose_step(resolved, ranks, **link)
-    deferred, meet = step["deferred"], 1e-4 + grad_bytes / 1e8
+    deferred, meet = step["deferred"], 2 * 1e-4 + grad_bytes / 1e8
     assert deferred["tied_meetings"] == [{"ranks": [0, 1], "seconds": pytest.approx(meet)}]
     assert deferred["update_collectives_s"] == {"0": pytest.approx(0.0, abs=1e-12), "1": pytest.approx(0.0, abs=1e-12)}
     assert deferred["step_s"] - deferred["step_without_meetings_s"] == pytest.approx(meet, rel=1e-9)
@@ -554,10 +555,11 @@ def test_a_barrier_rehearsal_of_a_tied_model_composes_its_sum_after_the_pipeline
     """``model.tie_embeddings`` with the barrier: ``Trainer.step`` sums the tied gradient between the
     pipeline ranks holding a copy after the pipeline's backward, so the composed barrier step takes
     it there (``tied_s``: each sum from when the last of its ranks ends its backward; 1F1B's first
-    rank ends last, so exactly its all-reduce, latency + fp32 bytes / bandwidth, as the deferred step
-    prices it) at every pp: at pp = world size the rehearsal files it under ``world`` beside the
-    loss/norm all-reduce (taken out of ``collectives_s``), elsewhere under ``pp`` (never counted
-    there). A V placement holds both ends on rank 0: no sum, the untied step."""
+    rank ends last, so exactly its ring all-reduce between the 2 ranks holding a copy, 2 latencies +
+    fp32 bytes / bandwidth, as the deferred step and the planner price it) at every pp: at pp = world
+    size the rehearsal files it under ``world`` beside the loss/norm all-reduce (what it counted for
+    it there taken out of ``collectives_s``), elsewhere under ``pp`` (never counted there). A V
+    placement holds both ends on rank 0: no sum, the untied step."""
     from runner.rehearse.compose import compose_step
     from runner.rehearse.launch import check_rehearsal, format_rehearsal
 
@@ -584,7 +586,7 @@ def test_a_barrier_rehearsal_of_a_tied_model_composes_its_sum_after_the_pipeline
     if schedule == "zbv":
         assert step["tied_meetings"] == [] and step["tied_s"] == 0.0 and step["step_s"] == untied["step_s"]
         return
-    meet = 1e-4 + grad_bytes / 1e8
+    meet = 2 * 1e-4 + grad_bytes / 1e8
     assert step["tied_meetings"] == [{"ranks": [0, pp - 1], "seconds": pytest.approx(meet)}]
     assert step["tied_s"] == pytest.approx(meet, rel=1e-9) and untied["tied_s"] == 0.0
     assert step["step_s"] == step["barrier_step_s"] == pytest.approx(

@@ -20,7 +20,7 @@ from runner.pipeline.ops import Op
 
 __all__ = ["SimAction", "simulate", "expected_makespan", "peak_in_flight", "bubble_fractions", "UNIT_COSTS",
            "repeat_steps", "steady_step", "compute_floor", "stage_spans", "rank_span", "simulated_step",
-           "deferred_step", "deferred_timeline", "expected_ends"]
+           "deferred_step", "expected_ends"]
 
 # Relative costs for pictures: a full backward costs about two forwards; I and W split it.
 UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -126,13 +126,16 @@ def simulate(
 
 
 def simulated_step(order: Mapping[int, Sequence[Op]], costs: Mapping[tuple[int, str], float], *, num_stages: int,
-                   comm_s: float = 0.0, barrier: bool = True) -> float:
+                   comm_s: float = 0.0, barrier: bool = True,
+                   meetings: Sequence[tuple[Sequence[int], float]] = ()) -> float:
     """What the search scores, without building the timeline (at p = 32 that is half a replay's
-    time): with the barrier the makespan, without it the longest rank's span (``rank_span``; a
+    time): with the barrier the makespan, up to where every rank has ended its backward and the
+    tied weights' gradient sums it takes part in (``meetings``, as ``expected_makespan`` has them:
+    what the planner predicts the order with); without it the longest rank's span (``rank_span``; a
     rank runs its actions in order, so its span is its first action's start to its last's end)."""
     end, placed = _replay(order, _cost_of(costs, 0.0, 0), num_stages, comm_s)
     if barrier:
-        return max(end.values())
+        return max(_meet({rank: end[ops[-1]] for rank, ops in order.items() if ops}, meetings).values())
     return max(end[ops[-1]] - placed[ops[0]][1] for ops in order.values() if ops)
 
 
@@ -339,12 +342,13 @@ def _deferred_replay(order: Mapping[int, Sequence[Op]], cost, *, num_stages: int
                    _deferred_gate(order, m, update_s or {}, reduce_s, meetings))
 
 
-def deferred_timeline(order: Mapping[int, Sequence[Op]],
+def _deferred_timeline(order: Mapping[int, Sequence[Op]],
                       costs: Mapping[tuple[int, str], float] | Mapping[str, float], *, num_stages: int,
                       comm_s: float = 0.0, update_s: Mapping[int, float] | None = None, reduce_s: float = 0.0,
                       meetings: Sequence[tuple[Sequence[int], float]] = (), steps: int = 8) -> list[SimAction]:
     """``deferred_step``'s replay with mean times as a timeline: ``steps`` steps back to back, step
-    k's microbatch i numbered ``k * m + i`` (``repeat_steps``), sorted by rank and start."""
+    k's microbatch i numbered ``k * m + i`` (``repeat_steps``), sorted by rank and start. Private:
+    the tests read each rank's steps from it; nothing of the runner draws it."""
     end, placed = _deferred_replay(order, _cost_of(costs, 0.0, 0), num_stages=num_stages, comm_s=comm_s,
                                    update_s=update_s, reduce_s=reduce_s, meetings=meetings, steps=steps)
     return sorted((SimAction(rank, op, begin, end[op]) for op, (rank, begin) in placed.items()),

@@ -37,7 +37,8 @@ from runner.exits import expand_home, run_entry
 from runner.launch import launch  # runs the probes
 from runner.outputs.timeline import simulated_slices, write_chrome_trace
 from runner.plan.from_costs import plan_from_costs
-from runner.plan.given import is_costs_file, read_costs
+from runner.plan.given import GivenCosts, is_costs_file, read_costs
+from runner.plan.link import Link, configured_link, tied_meetings
 from runner.plan.planner import Candidate, check_barrier_free, check_schedules, committed_steps, plan
 from runner.plan.rehearsed import rehearse_by_cli
 from runner.plan.report import commit_line, fit_line, label, rehearsal_report, search_report, table, within_error
@@ -170,7 +171,8 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     3) when nothing fits the file's memory_limit. Returns the best candidate's command."""
     given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
-                                            tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier)
+                                            tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier,
+                                            link=configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth))
     committed, steps = committed_steps(cfg)
     for c in candidates:  # plan.barrier=false: the steps validated at their own end, over the run's
         c.amortize(committed, steps)
@@ -178,6 +180,7 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
           f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone"
           f"{'' if cfg.plan.barrier else ', overlapping: the steady step of steps back to back, plan.barrier=false'})")
+    print(tied_line(given, configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)))
     print(table(candidates))
     for line in search_report(candidates):
         print(line)
@@ -192,6 +195,17 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     command = f"python -m runner {shlex.join(best.overrides)}"
     print(f"\n{'best (tied)' if best.tie else 'best'}: {command}")
     return command
+
+
+def tied_line(given: GivenCosts, link: Link) -> str:
+    """What a costs file's plan says of a tied weight: the sum it models, or that it models none."""
+    if not given.tied:
+        return ("tied weights: none modelled (the file has no tied key; a model whose embedding and head share "
+                "a weight across stages sums its gradient every step: tied: {stages: [...], bytes: ...})")
+    on = f"{link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth / 1e9:.1f} GB/s"
+    return "; ".join(f"tied weight: stages {'/'.join(map(str, ranks))} meet to sum its gradient, "
+                     f"{seconds * 1e3:.3f} ms (a ring all-reduce on {on}: plan.comm_latency_s, plan.comm_bandwidth)"
+                     for ranks, seconds in tied_meetings(given.tied, link))
 
 
 def _no_valid_candidate(candidates: list[Candidate]) -> str:

@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from runner.pipeline.schedule import schedule_order
 from runner.pipeline.simulate import simulate
+from runner.plan.link import Link
 from runner.ranks.dist import DistEnv, synchronize
 from runner.ranks.processes import spawn
 
@@ -58,6 +59,14 @@ class Calibration:
         """A message between two busy ranks of a pipeline whose actions take ``sender_action_s``:
         the busy delay waits out the sender's compute, so it is never longer than one action."""
         return self.latency_s + nbytes / self.bandwidth + min(self.busy_delay_s, sender_action_s)
+
+    def all_reduce_link(self) -> Link:
+        """The link a ring all-reduce's messages take (``runner.plan.link.ring_all_reduce_s``): the
+        measured all-reduce between two ranks is two of them, so half its fixed cost per message and
+        its bytes/s; where it was not measured (``plan.comm_*`` given), the message's."""
+        if self.allreduce_latency_s is None or self.allreduce_bandwidth is None:
+            return Link(self.latency_s, self.bandwidth)
+        return Link(self.allreduce_latency_s / 2, self.allreduce_bandwidth)
 
 
 def _one_way_s(tensor: torch.Tensor, rank: int, repeats: int) -> tuple[float, float]:

@@ -10,6 +10,11 @@ before anything is planned (``runner.plan.from_costs`` plans them).
     weight_grad_fraction: 0.4   # M_W / M_B (default 0.4)
     memory_limit: 1f1b   # 1f1b, 2x1f1b, or bytes (then activation_bytes: M_B per stage)
     activation_bytes: 2GB
+    tied: {stages: [0, 7], bytes: 525MB}   # optional: a weight tied across stages (embedding and head)
+
+``tied``: the stages holding a tied weight's copies (one stage per rank: their ranks) and the bytes
+of the gradient each sums; the sum is priced as every plan prices it (``runner.plan.link``: a ring
+all-reduce on ``plan.comm_latency_s`` / ``plan.comm_bandwidth``). Without it no sum is modelled.
 
 Every mistake is a ``ConfigError`` naming the file, the key, the value and a fix.
 """
@@ -27,6 +32,7 @@ import yaml
 
 from runner.config import parse_bytes
 from runner.errors import ConfigError, shown
+from runner.layout import TiedSpan
 from runner.plan.problem import Problem
 
 __all__ = ["GivenCosts", "is_costs_file", "read_costs", "check_fraction", "memory_limit", "RELATIVE_LIMITS",
@@ -38,7 +44,8 @@ RELATIVE_LIMITS = {"1f1b": 1.0, "2x1f1b": 2.0}
 # M_W / M_B: the zero-bubble paper's Table 1 (M_B = 34bsh + 5as^2b, M_W = 32bsh) gives 0.37-0.43 for
 # its four models; a user's own figure goes in weight_grad_fraction.
 DEFAULT_WEIGHT_GRAD_FRACTION = 0.4
-KEYS = ("pp", "microbatches", "F", "B", "W", "comm_s", "weight_grad_fraction", "memory_limit", "activation_bytes")
+KEYS = ("pp", "microbatches", "F", "B", "W", "comm_s", "weight_grad_fraction", "memory_limit", "activation_bytes",
+        "tied")
 SUFFIXES = (".yaml", ".yml", ".json")
 # A costs file nests 2 levels (a list per stage in the mapping); a deeper one is refused while it is
 # read, before the parsers' recursion (Python's limit: a RecursionError) or anything else meets it.
@@ -57,6 +64,7 @@ class GivenCosts:
     weight_grad_fraction: float
     memory_limit: str | float | None  # as given: 1f1b, 2x1f1b, or bytes
     activation_bytes: list[float] | None  # M_B per stage; None: counted in microbatches' activations
+    tied: tuple[TiedSpan, ...] = ()  # a weight tied across stages: its stages (= ranks) and gradient bytes
 
     def costs(self) -> dict[tuple[int, str], float]:
         """(stage, F/B/I/W) -> seconds; a whole backward (B) costs I + W."""
@@ -137,6 +145,26 @@ def _bytes(path: str, key: str, value: Any) -> float | None:
         return float(parse_bytes(key, value) or 0) if not isinstance(value, bool) and value is not None else None
     except ConfigError:
         return None
+
+
+def _tied(path: str, data: dict, pp: int) -> tuple[TiedSpan, ...]:
+    """The file's ``tied`` (a mapping of ``stages`` and ``bytes``), or none."""
+    value = data.get("tied")
+    if value is None:
+        return ()
+    fix = (f"tied: {{stages: [0, {pp - 1}], bytes: <bytes>}}: the stages holding a tied weight's copies (two or "
+           f"more of 0 to {pp - 1}) and the bytes of the gradient each of them sums (fp32: 4 per parameter), or no "
+           "tied key for a model without one.")
+    if not isinstance(value, dict) or sorted(value) != ["bytes", "stages"]:
+        raise _bad(path, "tied", value, "is not a mapping of stages and bytes", fix)
+    stages = value["stages"]
+    if (not isinstance(stages, list) or len(set(map(repr, stages))) < 2
+            or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < pp for s in stages)):
+        raise _bad(path, "tied.stages", stages, f"is not a list of two or more distinct stages of 0 to {pp - 1}", fix)
+    nbytes = _bytes(path, "tied.bytes", value["bytes"])
+    if nbytes is None or not math.isfinite(nbytes) or nbytes <= 0:
+        raise _bad(path, "tied.bytes", value["bytes"], "is not a positive number of bytes", fix)
+    return (TiedSpan(tuple(sorted(set(stages))), round(nbytes)),)
 
 
 class _Refused(yaml.YAMLError):
@@ -250,4 +278,5 @@ def read_costs(path: str, limit: object = None) -> GivenCosts:
                        "number or a list per stage), or give memory_limit as 1f1b or 2x1f1b.")
     return GivenCosts(path, pp, m, _per_stage(path, data, "F", pp, positive=True),
                       _per_stage(path, data, "B", pp, positive=True), _per_stage(path, data, "W", pp, positive=False),
-                      comm, float(fraction), None if limit is None else str(limit), activations)
+                      comm, float(fraction), None if limit is None else str(limit), activations,
+                      _tied(path, data, pp))

@@ -50,6 +50,7 @@ from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.given import check_fraction, is_costs_file, memory_limit
+from runner.plan.link import tied_meetings
 from runner.plan.memory import annotate_memory, rank_params
 from runner.plan.probe import (
     Fit,
@@ -60,7 +61,6 @@ from runner.plan.probe import (
     read_run,
     rest_s,
     sent_bytes,
-    tied_meetings,
 )
 from runner.plan.rehearsed import Rehearse, cost_from_rehearsal, link_overrides, needs_rehearsal, rehearsal_key
 from runner.plan.synthesize import Problem, lower_bound, synthesize
@@ -276,7 +276,7 @@ def _predict(candidate: Candidate, layout: Layout, order: dict[int, list[Op]], c
     candidate.valid = True
     rank_stages = {r: layout.stages_on(r) for r in range(layout.pp)}
     candidate.stage_costs_s = {f"{s}{k}": v for (s, k), v in sorted(costs.items())}
-    meetings = tied_meetings(layout.tied, calibration)
+    meetings = tied_meetings(layout.tied, calibration.all_reduce_link())
     if plan_cfg.barrier:
         candidate.score_barrier(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                 calibration=calibration, busy_s=sum(busy.values()),
@@ -636,7 +636,8 @@ def _synthesized(cfg: DictConfig, layout: Layout, v_shape: bool, split_points: l
                           split_points=split_points)
     costs, comm_s = layout_costs(layout.stages, child, calibration, model)
     problem = Problem(m, layout.stage_to_rank, costs, comm_s, _saved_bytes(layout, child),
-                      weight_grad_fraction=cfg.plan.weight_grad_fraction, barrier=cfg.plan.barrier)
+                      weight_grad_fraction=cfg.plan.weight_grad_fraction, barrier=cfg.plan.barrier,
+                      meetings=tuple(tied_meetings(layout.tied, calibration.all_reduce_link())))
     problem = replace(problem, memory_limit=memory_limit("plan.memory_limit", cfg.plan.memory_limit, problem))
 
     def dry_run(order: dict[int, list[Op]]) -> None:  # what a run checks before it spawns

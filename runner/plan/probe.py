@@ -30,19 +30,18 @@ from typing import Callable, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
-from runner.layout import TiedSpan
 from runner.models.split import build_meta_model
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
 from runner.pipeline.simulate import deferred_step, expected_ends, simulate
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost, stage_costs
-from runner.plan.tp_cost import collective_s
+from runner.plan.link import tied_meetings
 from runner.validate import tied_spans, validate
 
 __all__ = ["PROBED", "Fit", "Measured", "Observation", "deferred_steps", "fit", "fitted_model", "layout_costs",
            "predicted_pipelines", "probe_config", "probe_layouts", "probe_steps", "rank_updates", "read_run", "rest_s",
-           "run_probe", "sent_bytes", "tied_meetings"]
+           "run_probe", "sent_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -307,13 +306,6 @@ def rest_s(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[s
                                        for on in rank_stages.values())
 
 
-def tied_meetings(tied: Sequence[TiedSpan], calibration: Calibration) -> list[tuple[tuple[int, ...], float]]:
-    """The tied weights' gradient sums (``Layout.tied``) as ``deferred_step``'s meetings: each an
-    all-reduce of its gradient between the pipeline ranks holding a copy, priced as the calibration
-    prices tp's (``tp_cost.collective_s``)."""
-    return [(span.ranks, collective_s(calibration, span.grad_bytes, len(span.ranks))) for span in tied]
-
-
 def rank_updates(rank_stages: Mapping[int, Sequence[int]], stages: Sequence[Sequence[str]],
                  child: Mapping[str, ChildCost], calibration: Calibration) -> dict[int, float]:
     """Under ``train.optimizer_sync=deferred``, unfitted: what each rank does between its own steps
@@ -352,7 +344,8 @@ def fitted_model(cfg: DictConfig, calibration: Calibration, child_at: Callable[[
         observations.append(Observation(run, stage_costs(run.stages, child), sent_bytes(run.stages, child),
                                         rest_s(rank_stages, run.stages, child, calibration),
                                         rank_updates(rank_stages, run.stages, child, calibration),
-                                        tied_meetings(tied_spans(meta, run.stages, placed, cfg.parallel), calibration)))
+                                        tied_meetings(tied_spans(meta, run.stages, placed, cfg.parallel),
+                                                      calibration.all_reduce_link())))
     return fit(observations, calibration)
 
 

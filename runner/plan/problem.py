@@ -35,6 +35,10 @@ class Problem:
     # within a step (``rank_span``, the paper's measure), whose floor is the busiest rank's compute,
     # and re-scores its finalists by the steady step (``deferred_step``: ``synthesize.rescore``).
     barrier: bool = True
+    # The tied weights' gradient sums (``runner.plan.link.tied_meetings``: the ranks holding a copy
+    # and the seconds of their all-reduce): with the barrier the step ends after them, as the plan
+    # predicts it; without it the finalists' steady step holds them.
+    meetings: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     @property
     def num_stages(self) -> int:

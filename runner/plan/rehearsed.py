@@ -42,7 +42,7 @@ from runner.layout import Layout
 from runner.pipeline.ops import Op
 from runner.pipeline.simulate import simulate
 from runner.plan.calibrate import Calibration
-from runner.plan.probe import tied_meetings
+from runner.plan.link import tied_meetings
 from runner.plan.problem import Problem, lower_bound
 
 __all__ = ["Rehearse", "needs_rehearsal", "rehearsal_key", "link_overrides", "rehearse_by_cli",
@@ -120,7 +120,7 @@ def cost_from_rehearsal(candidate: Any, layout: Layout, order: dict[int, list[Op
         raise ValueError(f"the rehearsal measured no {', '.join(f'{s}{k}' for s, k in missing)} action")
     timeline = simulate(order, costs, num_stages=layout.num_stages, comm_s=comm_s)
     busy = sum(a.end - a.start for a in timeline)
-    model_step, meetings = candidate.predicted_step_time_s, tied_meetings(layout.tied, calibration)
+    model_step, meetings = candidate.predicted_step_time_s, tied_meetings(layout.tied, calibration.all_reduce_link())
     if barrier:  # as a modelled candidate (Candidate.score_barrier), with the rehearsed collectives and update
         candidate.score_barrier(order, costs, num_stages=layout.num_stages, pp=layout.pp, comm_s=comm_s,
                                 calibration=calibration, busy_s=busy, pipeline_s=max(a.end for a in timeline),

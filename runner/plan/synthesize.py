@@ -8,7 +8,8 @@ forwards while memory allows, a backward as soon as its gradient arrives, the we
 (W) of a split backward into the slots where the rank would otherwise wait. It then improves the
 best order by local moves: a W moved, two neighbouring actions swapped, an I and its W merged
 into one B (cheaper: one autograd pass) or a B split into both (its W can then wait). Every
-order is scored by the jitter-free simulation (``runner.pipeline.simulate``): its makespan, or
+order is scored by the jitter-free simulation (``runner.pipeline.simulate``): its makespan (up to
+the end of the tied weights' gradient sums, ``Problem.meetings``, as the plan predicts it), or
 without the barrier (``Problem.barrier``) the longest rank's span, a cheap stand-in for the steady
 step of overlapping steps; there the ``FINALISTS`` orders of the shortest spans are then scored by
 that steady step itself (``deferred_step``, the measure every plan without the barrier reports) and
@@ -121,7 +122,8 @@ def _score(p: Problem, order: Order) -> tuple[float, float] | None:
     if p.memory_limit is not None and peak > p.memory_limit * (1 + 1e-9):  # sums of fractions round
         return None  # (checked first: a replay costs several times more)
     try:
-        step = simulated_step(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, barrier=p.barrier)
+        step = simulated_step(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, barrier=p.barrier,
+                              meetings=p.meetings)
     except ValueError:
         return None
     return step, peak
@@ -164,11 +166,12 @@ class _Finalists:
 def rescore(p: Problem, finalists: Sequence[tuple[float, Order, str]], check: Callable[[Order], None] | None = None,
             accepted: AbstractSet[tuple] = frozenset()) -> tuple[float, float, Order, str] | None:
     """Of ``finalists`` ((span, order, origin)), the one whose steady step without the barrier
-    (``deferred_step`` without updates: what plans without the barrier report) is shortest, the span
+    (``deferred_step`` without updates, with the tied sums' meetings: what plans without the barrier
+    report) is shortest, the span
     breaking ties, that ``check`` accepts (``accepted``: the keys of orders it accepted already):
     (steady step, span, order, origin); None where it accepts none."""
-    scored = sorted((deferred_step(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s), span, n)
-                    for n, (span, order, _) in enumerate(finalists))
+    scored = sorted((deferred_step(order, p.costs, num_stages=p.num_stages, comm_s=p.comm_s, meetings=p.meetings),
+                     span, n) for n, (span, order, _) in enumerate(finalists))
     for steady, span, n in scored:
         order, origin = finalists[n][1], finalists[n][2]
         try:

@@ -41,6 +41,7 @@ from runner.pipeline.schedule import (
     schedule_order,
 )
 from runner.pipeline.simulate import deferred_step, expected_makespan, peak_in_flight, simulate
+from runner.plan.link import Link, configured_link, ring_all_reduce_s, tied_meetings
 from runner.plan.memory import FP32, rank_memory, rank_params
 from runner.plan.planner import DEFERRED, amortized_step, committed_steps
 from runner.plan.roofline import DevicePeaks, OpCounter, device_peaks
@@ -71,14 +72,6 @@ class Degrees(NamedTuple):
     pp: int
     dp: int
     tp: int = 1  # not planned yet (runner.parallel.tp's costs are not modelled): always 1
-
-
-class Link(NamedTuple):
-    latency_s: float
-    bandwidth: float  # bytes/s
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth
 
 
 @dataclass
@@ -233,13 +226,7 @@ def _sync_s(params: int, dp: int, dp_mode: str, compute_bytes: int, link: Link) 
         return 0.0
     if dp_mode == "fsdp":  # all-gather of the parameters (compute dtype), reduce-scatter of fp32 gradients
         return 2 * link.latency_s * (dp - 1) + (dp - 1) / dp * params * (compute_bytes + FP32) / link.bandwidth
-    return _all_reduce_s(params * FP32, dp, link)
-
-
-def _all_reduce_s(nbytes: int, ranks: int, link: Link) -> float:
-    """A ring all-reduce of ``nbytes`` between ``ranks`` ranks: 2 (ranks - 1) messages, each moving
-    1 / ranks of the bytes."""
-    return 2 * link.latency_s * (ranks - 1) + 2 * ((ranks - 1) / ranks) * nbytes / link.bandwidth
+    return ring_all_reduce_s(params * FP32, dp, link)
 
 
 def _order(name: str, pp: int, m: int, spr: int) -> dict[int, list[Op]]:
@@ -252,9 +239,9 @@ def _meetings(meta: MetaModel, stages: list[list[str]], to_rank: dict[int, int],
               link: Link) -> list[tuple[tuple[int, ...], float]]:
     """The tied weights' gradient sums where the pipeline ranks holding a copy meet after every
     backward (``runner.validate.tied_spans``, as a run's ``Layout.tied``): each a ring all-reduce of
-    its fp32 gradient (FSDP: a shard) between them (``_all_reduce_s``, as ``_sync_s`` prices dp's)."""
-    spans = tied_spans(meta, stages, to_rank, OmegaConf.create({"tp": c.tp, "dp": c.dp, "dp_mode": c.dp_mode}))
-    return [(span.ranks, _all_reduce_s(span.grad_bytes, len(span.ranks), link)) for span in spans]
+    its fp32 gradient (FSDP: a shard) between them (``runner.plan.link.tied_meetings``)."""
+    return tied_meetings(tied_spans(meta, stages, to_rank,
+                                    OmegaConf.create({"tp": c.tp, "dp": c.dp, "dp_mode": c.dp_mode})), link)
 
 
 def _predict(c: TargetCandidate, names: list[str], counts: dict[str, UnitCount], peaks: DevicePeaks,
@@ -334,8 +321,7 @@ def plan_target(cfg: DictConfig) -> TargetPlan:
     world_size = cfg.plan.world_size or ParallelDims.from_config(cfg.parallel).world_size
     if world_size < 1:
         raise ConfigError(f"plan.world_size={world_size}: plan for at least one rank. Fix: plan.world_size=8.")
-    link = Link(cfg.plan.comm_latency_s if cfg.plan.comm_latency_s is not None else 10e-6,
-                cfg.plan.comm_bandwidth or 50e9)
+    link = configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)
     meta = build_meta_model(_config_only(cfg.model), cfg.parallel.get("stage_modules"))
     num_units = len(meta.unit_names)
     counted: dict[tuple[int, bool], dict[str, UnitCount]] = {}

@@ -6,10 +6,11 @@ the weights, and adds the collectives torch's styles run per microbatch: a rowwi
 all-reduce of its output in the forward, a colwise layer's all-reduce of its input gradient in
 the backward (each colwise layer its own: q, k and v are three), the vocabulary-sharded
 embedding's all-reduce of its output, and the head's all-gather of the logits. Their sizes are
-the activations' (tokens of a microbatch x features x the element size); their cost is an
-all-reduce between two ranks measured by the calibration (``Calibration.allreduce_*``), scaled to
-tp ranks as a ring all-reduce scales (2(tp-1)/tp of the bytes, tp-1 latencies), or two messages'
-cost where it was not measured. Candidates that tp cannot shard (heads that do not divide, a
+the activations' (tokens of a microbatch x features x the element size); their cost is a ring
+all-reduce over tp ranks (``runner.plan.link.ring_all_reduce_s``: 2(tp-1) messages of 1/tp of the
+bytes; an all-gather half of them) on the link of the all-reduce the calibration measured between
+two ranks (``Calibration.all_reduce_link``: it is two such messages), or of its message where it was
+not measured. Candidates that tp cannot shard (heads that do not divide, a
 model without a plan) are refused by the same ``validate`` a run makes, with its reason."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.parallel.dims import ParallelDims
 from runner.plan.calibrate import Calibration
 from runner.plan.costs import ChildCost
+from runner.plan.link import ring_all_reduce_s
 
 __all__ = ["UnitCollectives", "by_degrees", "degree_variants", "single_stage_once", "degrees_of", "degree_overrides",
            "unit_collectives", "collective_s", "tp_child_costs", "tp_child_at"]
@@ -143,13 +145,9 @@ def unit_collectives(cfg: DictConfig) -> dict[str, UnitCollectives]:
 
 
 def collective_s(calibration: Calibration, nbytes: float, tp: int, *, gather: bool = False) -> float:
-    """One all-reduce (or all-gather: half the bytes moved) of ``nbytes`` over ``tp`` ranks."""
-    latency = calibration.allreduce_latency_s
-    bandwidth = calibration.allreduce_bandwidth
-    if latency is None or bandwidth is None:  # not measured (plan.comm_* given): two messages' worth
-        latency, bandwidth = calibration.latency_s, calibration.bandwidth
-    moved = (tp - 1) / tp * (1 if gather else 2) * nbytes  # a ring's bytes per rank; 2 ranks: all of them
-    return (tp - 1) * latency + moved / bandwidth
+    """One all-reduce (or all-gather: the ring's second half) of ``nbytes`` over ``tp`` ranks, a ring
+    on the calibration's all-reduce link (``runner.plan.link.ring_all_reduce_s``)."""
+    return ring_all_reduce_s(nbytes, tp, calibration.all_reduce_link(), gather=gather)
 
 
 def tp_child_costs(child: Mapping[str, ChildCost], cfg: DictConfig, calibration: Calibration,

@@ -24,11 +24,12 @@ from runner.options import OptimizerSync
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
 from runner.pipeline.simulate import SimAction, deferred_step, expected_makespan, simulate
+from runner.plan.link import DEFAULT_LINK, Link, tied_meetings
 
 __all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH", "VALIDATION_BYTES"]
 
-DEFAULT_LATENCY_S = 10e-6
-DEFAULT_BANDWIDTH = 50e9  # bytes/s: a 400 Gbit/s link per device
+DEFAULT_LATENCY_S = DEFAULT_LINK.latency_s  # the planner's, plan.target's: 10 us
+DEFAULT_BANDWIDTH = DEFAULT_LINK.bandwidth  # bytes/s: a 400 Gbit/s link per device
 VALIDATION_BYTES = 8  # the step's loss/norm all-reduce over the world: two float32 (runner.train.start_reduce)
 # The schedule's messages, whatever dimension their group is named by (at pp = world size: "world").
 P2P = ("send", "recv", "vote_send", "vote_recv")
@@ -63,9 +64,10 @@ def _collective_s(r: dict, latency: float, bandwidth: float) -> float:
 
 def _meetings(resolved: ResolvedRun, latency: float, bandwidth: float) -> list[tuple[tuple[int, ...], float]]:
     """The tied weights' gradient sums, where the pipeline ranks holding a copy meet after every
-    backward (``Layout.tied``), each an all-reduce of its gradient on the link: not a rank's own
-    collectives, in either step."""
-    return [(span.ranks, latency + span.grad_bytes / bandwidth) for span in resolved.layout.tied]
+    backward (``Layout.tied``), each a ring all-reduce of its gradient between them on the link
+    (``runner.plan.link.tied_meetings``, as the planner prices them): not a rank's own collectives,
+    in either step."""
+    return tied_meetings(resolved.layout.tied, Link(latency, bandwidth))
 
 
 def _listed(meetings: Sequence[tuple[tuple[int, ...], float]]) -> list[dict[str, Any]]:
@@ -73,10 +75,12 @@ def _listed(meetings: Sequence[tuple[tuple[int, ...], float]]) -> list[dict[str,
     return [{"ranks": list(ranks), "seconds": seconds} for ranks, seconds in meetings]
 
 
-def _filed_under_world(meetings: Sequence[tuple[tuple[int, ...], float]], world_size: int) -> float:
-    """The seconds of the sums the rehearsal files among a rank's "world" collectives (at pp = world
-    size the ranks holding a copy are the world), taken out of them where they are meetings."""
-    return sum(s for ranks, s in meetings if len(ranks) == world_size)
+def _filed_under_world(resolved: ResolvedRun, latency: float, bandwidth: float) -> float:
+    """What ``_collective_s`` counted for the sums the rehearsal files among a rank's "world"
+    collectives (at pp = world size the ranks holding a copy are the world): taken out of them,
+    since they are meetings."""
+    return sum(latency + span.grad_bytes / bandwidth for span in resolved.layout.tied
+               if len(span.ranks) == resolved.world_size)
 
 
 def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[int, str], float], comm_s: float,
@@ -89,7 +93,7 @@ def _deferred(resolved: ResolvedRun, ranks: Sequence[dict], costs: dict[tuple[in
     what the updates, the sums and the all-reduce add is ``step_s`` less it)."""
     validation_s = latency + VALIDATION_BYTES / bandwidth
     meetings = _meetings(resolved, latency, bandwidth)
-    met = _filed_under_world(meetings, resolved.world_size)
+    met = _filed_under_world(resolved, latency, bandwidth)
     update: dict[int, float] = {}
     collectives: dict[int, float] = {}
     for r in ranks:
@@ -138,8 +142,7 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     # What the tied sums add after the pipeline: each starts when the last of its ranks ends its backward.
     tied_s = expected_makespan(order, costs, num_stages=num_stages, comm_s=comm_s,
                                meetings=meetings) - pipeline_s if meetings else 0.0
-    collectives_s = max(_collective_s(r, latency, bw) for r in ranks) - _filed_under_world(meetings,
-                                                                                           resolved.world_size)
+    collectives_s = max(_collective_s(r, latency, bw) for r in ranks) - _filed_under_world(resolved, latency, bw)
     optimizer_s = max(r["optimizer_s"] for r in ranks)
     barrier_s = pipeline_s + tied_s + collectives_s + optimizer_s
     sync = OptimizerSync(resolved.train.optimizer_sync)
