@@ -25,7 +25,7 @@ from runner.checkpoint.checkpointer import Checkpointer
 from runner.checkpoint.files import find_checkpoint, write_manifest
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
-from runner.optim import build_optimizer
+from runner.optim import build_optimizer, lr_factor
 from runner.ranks.dist import DistEnv
 from runner.rundir import hold_run_lock, run_in_progress
 from runner.train import train
@@ -280,6 +280,30 @@ def test_resume_with_an_empty_parameter_group(tmp_path):
     resumed = _train(tmp_path / "resumed", "train.steps=3", "train.no_decay=[]",
                      resume=tmp_path / "full" / "checkpoints" / "step-2").losses
     assert resumed == pytest.approx(full[2:], rel=1e-6, abs=0)
+
+
+def test_a_resume_trains_with_its_own_lr_weight_decay_and_betas_at_the_checkpoints_schedule_position(
+        saved, tmp_path, caplog):
+    # The loaded optimizer and LR schedule carried the saving run's values: resumed with
+    # train.lr=0.03 (saved: 3e-3) it trained at the old rate, its config and summary saying 0.03.
+    changed = ["train.lr=0.03", "train.weight_decay=0.5", "train.betas=[0.8,0.9]"]
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        _train(tmp_path / "run", "train.steps=4", *changed, resume=saved / "checkpoints" / "step-1")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    t = compose(*ONE, "train.steps=4", *changed).train
+    want = [(s + 1, 0.03 * lr_factor(s, steps=4, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio))
+            for s in (1, 2, 3)]
+    assert [(r["step"], r["lr"]) for r in records] == want
+    said = " ".join(r.getMessage() for r in caplog.records if "other optimizer settings" in r.getMessage())
+    for part in ("train.lr: 0.003 there, 0.03 here", "train.weight_decay: 0.1 there, 0.5 here",
+                 "train.betas: [0.9, 0.95] there, [0.8, 0.9] here"):
+        assert part in said
+    # The same settings resume as before: the uninterrupted run's losses, and no warning.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        again = _train(tmp_path / "again", "train.steps=2", resume=saved / "checkpoints" / "step-1").losses
+    assert again == json.loads((saved / "summary.json").read_text())["losses"][1:]
+    assert not [r for r in caplog.records if "other optimizer settings" in r.getMessage()]
 
 
 def test_resuming_into_its_own_run_directory_keeps_its_history(tmp_path):

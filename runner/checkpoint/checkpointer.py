@@ -194,6 +194,37 @@ def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[
         optimizer.param_groups = [groups[i] if i in empty else next(loaded) for i in range(len(groups))]
 
 
+# What the config sets in each AdamW group, by the key that sets it (train.lr is the schedule's
+# base); a checkpoint's state dict carries its own run's values of them.
+_CONFIGURED = {"initial_lr": "train.lr", "weight_decay": "train.weight_decay", "betas": "train.betas"}
+
+
+def _value(v: object) -> object:
+    return list(v) if isinstance(v, (list, tuple)) else v  # betas: a tuple here, a list once loaded
+
+
+def _load_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict, configured: list[dict],
+                   path: Path, *, main: bool) -> None:
+    """The LR schedule's position from the checkpoint, with this run's ``train.*`` values: a loaded
+    optimizer and schedule carry the saving run's ``lr``, ``weight_decay`` and ``betas``, and a
+    resume with another ``train.lr`` trained on at the old one while its config said the new. The
+    position (``last_epoch``) is the checkpoint's; each group's learning rate is recomputed from
+    this run's base and schedule (the same bits as the saved one where nothing changed)."""
+    changed = sorted({f"{name}: {_value(group[key])} there, {_value(mine[key])} here"
+                      for group, mine in zip(optimizer.param_groups, configured)
+                      for key, name in _CONFIGURED.items() if _value(group[key]) != _value(mine[key])})
+    if changed and main:  # the same on every rank: said once
+        log.warning("checkpoint.resume: %s was saved with other optimizer settings; training goes on with this "
+                    "run's (%s)", path, "; ".join(changed))
+    for group, mine in zip(optimizer.param_groups, configured):
+        group.update(mine)
+    bases = [mine["initial_lr"] for mine in configured]
+    lrs = [base * factor(saved["last_epoch"]) for base, factor in zip(bases, scheduler.lr_lambdas)]  # as LambdaLR
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler.load_state_dict({**saved, "base_lrs": bases, "_last_lr": lrs})  # _last_lr: get_last_lr()'s
+
+
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
                  *, tied: TiedWeights | None = None, run_config=None,
@@ -407,10 +438,12 @@ class Checkpointer:
             local[key].update({orig: stored[key][new] for new, orig in renamed.items()})
             _fill_copies(local[key], self.equal)
         set_model_state_dict(self.model, local["model"], options=_OPTIONS)
+        configured = [{key: group[key] for key in _CONFIGURED} for group in self.optimizer.param_groups]
         with _empty_param_groups_set_aside(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
         steps_done = train_state["step"]
-        self.scheduler.load_state_dict(train_state["lr_scheduler"])
+        _load_schedule(self.optimizer, self.scheduler, train_state["lr_scheduler"], configured, path,
+                       main=self.env.is_main)
         rng = path / f"rng-rank{self.env.rank}.pt"
         if train_state["world_size"] == self.env.world_size and rng.is_file():
             try:
