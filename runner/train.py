@@ -21,8 +21,9 @@ import hashlib
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -153,6 +154,21 @@ def _stage_modules(modules: Sequence[torch.nn.Module]) -> list[StageModule]:
     stages = [m for m in modules if isinstance(m, StageModule)]
     assert len(stages) == len(modules), [type(m).__name__ for m in modules]
     return stages
+
+
+@contextmanager
+def _evaluation_mode(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Every module in eval mode (dropout off) while held-out batches run, each put back as it was
+    after. Evaluation ran in training mode: ``val_loss`` had dropout in it, and drew from the
+    generator the next steps' masks come from, so evaluating changed the training after it."""
+    modes = [(m, m.training) for root in modules for m in root.modules()]
+    for root in modules:
+        root.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _artifacts(run_dir) -> list:
@@ -448,7 +464,7 @@ class Trainer:
         evaluation, so values are comparable along the run), forward only."""
         resolved, env = self.resolved, self.env
         losses = []
-        with self.profiler.recorder.paused():  # not part of the training schedule's timeline
+        with self.profiler.recorder.paused(), _evaluation_mode(self.modules):  # not in the schedule's timeline
             for i in range(1, self.resolved.eval.steps + 1):
                 batch = get_batch(self.data, i, resolved.batch_size, resolved.seq_len, "val")
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)

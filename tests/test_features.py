@@ -66,9 +66,10 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("features") / "pp2"
     # The same model with dropout after every block, twice, in the same ranks (which trained the
     # cases above first): each run seeds its dropout from train.seed, each pipeline rank its own.
-    for run in DROPOUT_RUNS:
+    for run in (*DROPOUT_RUNS, "dropout-evaluated"):
         (out / f"masks-{run}").mkdir(parents=True)
         cases[run] = ["schedule=1f1b", *PP2, *DROPOUT, f"+model.masks={out / f'masks-{run}'}"]
+    cases["dropout-evaluated"] += ["eval.every=2", "eval.steps=1"]
     return out, run_cases(out, 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
 
 
@@ -155,7 +156,7 @@ def test_compiled_stages_match_the_eager_unsplit_model(pp2, name):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_dropout_draws_from_the_seed_each_pipeline_rank_its_own_masks(pp2):
+def test_dropout_draws_from_the_seed_each_pipeline_rank_its_own_masks_and_never_in_evaluation(pp2):
     # Nothing seeded dropout: each rank drew from whatever its process held, so the same config in
     # the same ranks trained apart (a second runner.run in one process too), and both pipeline ranks
     # held one state, so block1 (rank 1) dropped the very elements block0 (rank 0) dropped.
@@ -170,6 +171,11 @@ def test_dropout_draws_from_the_seed_each_pipeline_rank_its_own_masks(pp2):
     drawn = list(masks[DROPOUT_RUNS[0]].values())
     same = [(a, b) for a in range(4) for b in range(a) if torch.equal(drawn[a], drawn[b])]
     assert same == [], f"blocks {same} dropped the same elements"
+    # Evaluation runs without dropout (it ran with it: 4.0826 after one, not 4.0688), so it draws
+    # nothing and the training after it is the same.
+    evaluated = results["dropout-evaluated"]
+    assert evaluated["losses"] == first["losses"]
+    assert [v["step"] for v in evaluated["summary"]["val_losses"]] == [2, 4, 5]
 
 
 def test_the_attention_mask_reaches_every_block_and_changes_only_what_it_should():
