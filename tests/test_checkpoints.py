@@ -274,6 +274,26 @@ def test_the_checkpoint_a_resume_names_is_resolved_into_the_plan_and_the_resolve
     assert written["launch"]["threads_per_rank"] == resolved.threads_per_rank and cfg.launch.threads_per_rank is None
 
 
+@pytest.mark.parametrize("changed, saved_value", [("train.batch_size=8", 4), ("train.seq_len=8", 16),
+                                                   ("train.seed=1", 0)])
+def test_a_resume_that_would_not_read_on_where_the_data_stopped_is_refused_unless_allowed(saved, tmp_path, caplog,
+                                                                                           changed, saved_value):
+    # Step N's batch is samples (N - 1) * batch_size on, in an order the seed draws, as windows of
+    # seq_len + 1 tokens: resumed at batch 8 from a batch-4 run, step 2 read samples 8-15 of an
+    # epoch whose samples 4-7 it never trained on.
+    key = changed.split("=")[0]
+    position_table = ["model.max_seq_len=16"]  # the checkpoint's (a shorter sequence reads the same model)
+    cfg = compose(*ONE, "train.steps=3", changed, *position_table, f"checkpoint.resume={saved}")
+    with pytest.raises(ConfigError, match=rf"was saved at step 2 with {key}={saved_value}; this run has {changed}, so "
+                       rf"its step 3 would not read the samples after .* Fix: {key}={saved_value}, or "
+                       r"checkpoint\.allow_data_change=true"):
+        validate(cfg, tmp_path)
+    cfg.checkpoint.allow_data_change = True
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        assert validate(cfg, tmp_path).resume == (saved / "checkpoints" / "step-2").resolve()
+    assert "checkpoint.allow_data_change=true: continuing" in caplog.text
+
+
 def test_resume_with_an_empty_parameter_group(tmp_path):
     # train.no_decay=[]: the no-decay group is empty (as on a stage without biases or norms).
     full = _train(tmp_path / "full", "train.steps=3", "train.no_decay=[]", "checkpoint.every=2").losses

@@ -63,7 +63,7 @@ from runner.checkpoint.files import (
     read_train_state,
     write_manifest,
 )
-from runner.checkpoint.resume_check import copy_tokenizer, tokenizer_record
+from runner.checkpoint.resume_check import copy_tokenizer, data_position, tokenizer_record
 from runner.errors import CheckpointError, NonFiniteLossError
 from runner.models.split import StageModule
 from runner.parallel.tied import TiedWeights
@@ -239,6 +239,7 @@ class Checkpointer:
         self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
         model_path = run_config.model.get("path") if run_config is not None else None
         self.model_path = str(Path(model_path).expanduser().resolve()) if model_path else None
+        self.data_position = data_position(run_config) if run_config is not None else None
         self.dir = run_dir / "checkpoints"
         self.env = env
         self.model = _named(modules)
@@ -330,7 +331,7 @@ class Checkpointer:
             copy_tokenizer(self.tokenizer, partial)
             (partial / "train_state.json").write_text(json.dumps(
                 {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict(),
-                 "tokenizer": self.tokenizer, "model_path": self.model_path}))
+                 "tokenizer": self.tokenizer, "model_path": self.model_path, "data_position": self.data_position}))
 
     def _commit(self, partial: Path, steps_done: int, group=None) -> None:
         """Once every rank's files are on disk: rank 0 renames the partial directory to ``step-N``

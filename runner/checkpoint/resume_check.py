@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from runner.checkpoint.files import TOKENIZER_DIR, TOKENIZER_FILES, find_checkpoint, read_train_state
 from runner.errors import CheckpointError, ConfigError
 
-__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_point"]
+__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "data_position", "resume_point"]
 
 log = logging.getLogger("runner.checkpoint")
 
@@ -71,6 +71,39 @@ def _check_tokenizer(cfg: DictConfig, path: Path, state: dict) -> None:
         "the data the checkpoint was trained on"
     raise ConfigError(f"{problem}. Fix: {restore}, or checkpoint.allow_tokenizer_change=true to continue with "
                       "this tokenizer on purpose.")
+
+
+# What makes a step a position in the data: batch(step) reads samples (step - 1) * batch_size on,
+# as windows of seq_len + 1 tokens in an order (and, for synthetic data, a rule) drawn from the seed.
+_DATA_POSITION = ("train.batch_size", "train.seq_len", "train.seed")
+
+
+def data_position(cfg: DictConfig) -> dict[str, Any]:
+    """The keys that give a step its samples, as ``train_state.json`` records them."""
+    return {key: cfg.train[key.split(".")[1]] for key in _DATA_POSITION}
+
+
+def _check_data_position(cfg: DictConfig, path: Path, state: dict) -> None:
+    """A resume reads on from the checkpoint's step: with another batch size, sequence length or
+    seed, that step is not where the saving run's data stopped (a larger batch skips samples the
+    epoch never shows, a smaller one reads samples again)."""
+    saved = state.get("data_position")  # None: saved before checkpoints recorded it
+    if not saved:
+        return
+    mine = data_position(cfg)
+    changed = [key for key in _DATA_POSITION if key in saved and saved[key] != mine[key]]
+    if not changed:
+        return
+    problem = (f"checkpoint.resume: {path} was saved at step {state['step']} with "
+               f"{', '.join(f'{k}={saved[k]}' for k in changed)}; this run has "
+               f"{', '.join(f'{k}={mine[k]}' for k in changed)}, so its step {state['step'] + 1} would not read "
+               f"the samples after the ones trained (every batch is a function of the step, the batch size, the "
+               f"sequence length and the seed): some would be skipped or read twice")
+    if cfg.checkpoint.allow_data_change:
+        log.warning("%s (checkpoint.allow_data_change=true: continuing)", problem)
+        return
+    raise ConfigError(f"{problem}. Fix: {' '.join(f'{k}={saved[k]}' for k in changed)}, or "
+                      "checkpoint.allow_data_change=true to continue with the new values on purpose.")
 
 
 def _by_module(names: list[str], model: dict) -> dict[str, int]:
@@ -128,6 +161,7 @@ def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path) -> tu
     path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
     state = read_train_state(path)
     _check_tokenizer(cfg, path, state)
+    _check_data_position(cfg, path, state)
     _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model)
     return path, state["step"]
 
