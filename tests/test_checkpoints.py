@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from runner.checkpoint.checkpointer import Checkpointer
-from runner.checkpoint.files import find_checkpoint, write_manifest
+from runner.checkpoint.checkpointer import Checkpointer, load_rng_state, save_rng_state
+from runner.checkpoint.files import files_of, find_checkpoint, write_manifest
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
 from runner.optim import build_optimizer, lr_factor
@@ -292,6 +292,26 @@ def test_a_resume_that_would_not_read_on_where_the_data_stopped_is_refused_unles
     with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
         assert validate(cfg, tmp_path).resume == (saved / "checkpoints" / "step-2").resolve()
     assert "checkpoint.allow_data_change=true: continuing" in caplog.text
+
+
+def test_a_gpu_ranks_checkpoint_holds_its_devices_generator_and_a_resume_restores_it(tmp_path, monkeypatch):
+    # Dropout draws from the device's generator on a GPU; a checkpoint held the CPU's alone, so a
+    # resumed GPU run drew its first steps' masks again. Here with a stand-in for CUDA's generator.
+    generator = {"state": torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: generator.update(state=state.clone()))
+    gpu = torch.device("cuda", 0)
+    save_rng_state(tmp_path, 1, gpu)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-rng-rank1.pt", "rng-rank1.pt"]
+    assert "cuda-rng-rank1.pt" in files_of(tmp_path, 1, False)  # in the rank's manifest
+    saved_cpu, generator["state"] = torch.get_rng_state(), torch.zeros(16, dtype=torch.uint8)
+    torch.rand(3)  # both generators move on
+    load_rng_state(tmp_path, 1, gpu)
+    assert torch.equal(generator["state"], torch.arange(16, dtype=torch.uint8))
+    assert torch.equal(torch.get_rng_state(), saved_cpu)
+    (tmp_path / "cpu").mkdir()
+    save_rng_state(tmp_path / "cpu", 0, torch.device("cpu"))
+    assert [p.name for p in (tmp_path / "cpu").iterdir()] == ["rng-rank0.pt"]  # a CPU rank: as before
 
 
 def test_resume_with_an_empty_parameter_group(tmp_path):

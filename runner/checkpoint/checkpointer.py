@@ -57,6 +57,7 @@ from runner._torch.dcp import (
     root_causes,
 )
 from runner.checkpoint.files import (
+    CUDA_RNG_PREFIX,
     complete_steps,
     files_of,
     manifest_problems,
@@ -70,7 +71,7 @@ from runner.parallel.tied import TiedWeights
 from runner.ranks.dist import DistEnv, new_cpu_group
 from runner.ranks.watchdog import busy
 
-__all__ = ["verify_checkpoint", "Checkpointer"]
+__all__ = ["verify_checkpoint", "Checkpointer", "save_rng_state", "load_rng_state"]
 
 log = logging.getLogger("runner.checkpoint")  # named as before runner/ became packages (runner.log)
 
@@ -225,6 +226,25 @@ def _load_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict, con
     scheduler.load_state_dict({**saved, "base_lrs": bases, "_last_lr": lrs})  # _last_lr: get_last_lr()'s
 
 
+def save_rng_state(directory: Path, rank: int, device: torch.device) -> None:
+    """The rank's generators' states: the CPU's (``rng-rank<R>.pt``) and, on a GPU, its device's
+    (``cuda-rng-rank<R>.pt``), which dropout draws from there: a checkpoint held the CPU's alone, so
+    a GPU run resumed with the masks of its first steps, not the uninterrupted run's."""
+    torch.save(torch.get_rng_state(), directory / f"rng-rank{rank}.pt")
+    if device.type == "cuda":
+        torch.save(torch.cuda.get_rng_state(device), directory / f"{CUDA_RNG_PREFIX}{rank}.pt")
+
+
+def load_rng_state(directory: Path, rank: int, device: torch.device) -> None:
+    """What ``save_rng_state`` wrote, through the safe reader (a device's state where this rank has
+    that device and the checkpoint holds one)."""
+    cpu, cuda = directory / f"rng-rank{rank}.pt", directory / f"{CUDA_RNG_PREFIX}{rank}.pt"
+    if cpu.is_file():
+        torch.set_rng_state(read_rng_state(cpu))
+    if device.type == "cuda" and cuda.is_file():
+        torch.cuda.set_rng_state(read_rng_state(cuda), device)
+
+
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
                  *, tied: TiedWeights | None = None, run_config=None,
@@ -326,7 +346,7 @@ class Checkpointer:
         rank 0, the train state (step, LR schedule), a Hugging Face model's metadata, the tokenizer."""
         if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
             self.model.spec.save_metadata(partial / "hf")
-        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
+        save_rng_state(partial, self.env.rank, self.env.device)
         if self.env.is_main:
             copy_tokenizer(self.tokenizer, partial)
             (partial / "train_state.json").write_text(json.dumps(
@@ -445,10 +465,9 @@ class Checkpointer:
         steps_done = train_state["step"]
         _load_schedule(self.optimizer, self.scheduler, train_state["lr_scheduler"], configured, path,
                        main=self.env.is_main)
-        rng = path / f"rng-rank{self.env.rank}.pt"
-        if train_state["world_size"] == self.env.world_size and rng.is_file():
+        if train_state["world_size"] == self.env.world_size:
             try:
-                torch.set_rng_state(read_rng_state(rng))
+                load_rng_state(path, self.env.rank, self.env.device)
             except UnsafeCheckpointError as e:
                 raise CheckpointError(_load_failure(path, e)) from None
         self.last_good = path

@@ -16,7 +16,13 @@ from typing import Any, Callable
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import TOKENIZER_DIR, TOKENIZER_FILES, find_checkpoint, read_train_state
+from runner.checkpoint.files import (
+    CUDA_RNG_PREFIX,
+    TOKENIZER_DIR,
+    TOKENIZER_FILES,
+    find_checkpoint,
+    read_train_state,
+)
 from runner.errors import CheckpointError, ConfigError
 
 __all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "data_position", "resume_point"]
@@ -126,8 +132,9 @@ def _read_pickles(path: Path, world_size: int) -> Any:
     try:
         metadata = SafeReader(str(path)).read_metadata()
         for rank in range(world_size):
-            if (path / f"rng-rank{rank}.pt").is_file():
-                read_rng_state(path / f"rng-rank{rank}.pt")
+            for name in (f"rng-rank{rank}.pt", f"{CUDA_RNG_PREFIX}{rank}.pt"):
+                if (path / name).is_file():
+                    read_rng_state(path / name)
     except UnsafeCheckpointError as e:
         raise CheckpointError(refusal(path, e)) from None
     return metadata
