@@ -17,11 +17,13 @@ model, fault injection, the tests' gradient probes."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -58,7 +60,7 @@ from runner.ranks.processes import raise_if_stopped
 from runner.ranks.watchdog import beat, busy, waiting
 from runner.verify.hook import Verify
 
-__all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm", "start_reduce"]
+__all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm", "start_reduce", "seed_dropout"]
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,21 @@ def _stage_modules(modules: Sequence[torch.nn.Module]) -> list[StageModule]:
     return stages
 
 
+@contextmanager
+def _evaluation_mode(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Every module in eval mode (dropout off) while held-out batches run, each put back as it was
+    after. Evaluation ran in training mode: ``val_loss`` had dropout in it, and drew from the
+    generator the next steps' masks come from, so evaluating changed the training after it."""
+    modes = [(m, m.training) for root in modules for m in root.modules()]
+    for root in modules:
+        root.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def _artifacts(run_dir) -> list:
     """What the loggers that keep files (MLflow) get: the summary, the resolved config, the pictures."""
     names = ["summary.json", "resolved_config.yaml", "schedule.png", "timeline.png"]
@@ -206,6 +223,22 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None, devic
         torch.cuda.set_rng_state(state[1], device)
 
 
+def seed_dropout(seed: int, pp_rank: int, device: torch.device) -> int:
+    """Seed the generators a forward and backward draws from (dropout) from ``train.seed`` and this
+    rank's pipeline coordinate, and return the seed. As torchtitan seeds them: each pipeline rank
+    its own (its stages are other layers: a shared seed drew the same masks in block 0 on rank 0 as
+    in block 1 on rank 1), the same across dp and tp (a tp shard's replicated activations must drop
+    the same elements as its peers'). Before, nothing seeded them: a rank drew from whatever state
+    its process held (a second ``runner.run`` in one process, a notebook's draws, pooled ranks)."""
+    digest = hashlib.sha256(f"{seed}/dropout/pp{pp_rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    torch.default_generator.manual_seed(value)  # not torch.manual_seed: it queues every accelerator's too
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(value)
+    return value
+
+
 class Trainer:
     """One rank's training, following ``plan`` (``runner.validate``); ``cfg`` is the composed config
     (the factories' keys and the training options). ``clock``: the startup phases so far (a fresh
@@ -236,6 +269,7 @@ class Trainer:
         resolved, cfg, env, t = self.resolved, self.cfg, self.env, self.resolved.train
         self.data = build_dataset(cfg.data, seed=t.seed)
         self.mesh = build_mesh(env, resolved.dims)
+        seed_dropout(t.seed, self.mesh.pp_rank, env.device)  # a resumed run's checkpoint restores its own
         example = (_replica_share(get_batch(self.data, 1, resolved.batch_size, resolved.seq_len), self.mesh, env.device)
                    if self.static_stages else None)
         self.step_fn, self.tied = build_step(resolved, cfg, env, self.mesh, example=example)
@@ -442,7 +476,7 @@ class Trainer:
         evaluation, so values are comparable along the run), forward only."""
         resolved, env = self.resolved, self.env
         losses = []
-        with self.profiler.recorder.paused():  # not part of the training schedule's timeline
+        with self.profiler.recorder.paused(), _evaluation_mode(self.modules):  # not in the schedule's timeline
             for i in range(1, self.resolved.eval.steps + 1):
                 batch = get_batch(self.data, i, resolved.batch_size, resolved.seq_len, "val")
                 inputs, targets, kwargs = _replica_share(batch, self.mesh, env.device)

@@ -21,11 +21,11 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from runner.checkpoint.checkpointer import Checkpointer
-from runner.checkpoint.files import find_checkpoint, write_manifest
+from runner.checkpoint.checkpointer import Checkpointer, load_rng_state, save_rng_state
+from runner.checkpoint.files import files_of, find_checkpoint, write_manifest
 from runner.errors import CheckpointError, ConfigError, NonFiniteLossError
 from runner.launch import launch
-from runner.optim import build_optimizer
+from runner.optim import build_optimizer, lr_factor
 from runner.ranks.dist import DistEnv
 from runner.rundir import hold_run_lock, run_in_progress
 from runner.train import train
@@ -274,12 +274,76 @@ def test_the_checkpoint_a_resume_names_is_resolved_into_the_plan_and_the_resolve
     assert written["launch"]["threads_per_rank"] == resolved.threads_per_rank and cfg.launch.threads_per_rank is None
 
 
+@pytest.mark.parametrize("changed, saved_value", [("train.batch_size=8", 4), ("train.seq_len=8", 16),
+                                                   ("train.seed=1", 0)])
+def test_a_resume_that_would_not_read_on_where_the_data_stopped_is_refused_unless_allowed(saved, tmp_path, caplog,
+                                                                                           changed, saved_value):
+    # Step N's batch is samples (N - 1) * batch_size on, in an order the seed draws, as windows of
+    # seq_len + 1 tokens: resumed at batch 8 from a batch-4 run, step 2 read samples 8-15 of an
+    # epoch whose samples 4-7 it never trained on.
+    key = changed.split("=")[0]
+    position_table = ["model.max_seq_len=16"]  # the checkpoint's (a shorter sequence reads the same model)
+    cfg = compose(*ONE, "train.steps=3", changed, *position_table, f"checkpoint.resume={saved}")
+    with pytest.raises(ConfigError, match=rf"was saved at step 2 with {key}={saved_value}; this run has {changed}, so "
+                       rf"its step 3 would not read the samples after .* Fix: {key}={saved_value}, or "
+                       r"checkpoint\.allow_data_change=true"):
+        validate(cfg, tmp_path)
+    cfg.checkpoint.allow_data_change = True
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        assert validate(cfg, tmp_path).resume == (saved / "checkpoints" / "step-2").resolve()
+    assert "checkpoint.allow_data_change=true: continuing" in caplog.text
+
+
+def test_a_gpu_ranks_checkpoint_holds_its_devices_generator_and_a_resume_restores_it(tmp_path, monkeypatch):
+    # Dropout draws from the device's generator on a GPU; a checkpoint held the CPU's alone, so a
+    # resumed GPU run drew its first steps' masks again. Here with a stand-in for CUDA's generator.
+    generator = {"state": torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: generator.update(state=state.clone()))
+    gpu = torch.device("cuda", 0)
+    save_rng_state(tmp_path, 1, gpu)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda-rng-rank1.pt", "rng-rank1.pt"]
+    assert "cuda-rng-rank1.pt" in files_of(tmp_path, 1, False)  # in the rank's manifest
+    saved_cpu, generator["state"] = torch.get_rng_state(), torch.zeros(16, dtype=torch.uint8)
+    torch.rand(3)  # both generators move on
+    load_rng_state(tmp_path, 1, gpu)
+    assert torch.equal(generator["state"], torch.arange(16, dtype=torch.uint8))
+    assert torch.equal(torch.get_rng_state(), saved_cpu)
+    (tmp_path / "cpu").mkdir()
+    save_rng_state(tmp_path / "cpu", 0, torch.device("cpu"))
+    assert [p.name for p in (tmp_path / "cpu").iterdir()] == ["rng-rank0.pt"]  # a CPU rank: as before
+
+
 def test_resume_with_an_empty_parameter_group(tmp_path):
     # train.no_decay=[]: the no-decay group is empty (as on a stage without biases or norms).
     full = _train(tmp_path / "full", "train.steps=3", "train.no_decay=[]", "checkpoint.every=2").losses
     resumed = _train(tmp_path / "resumed", "train.steps=3", "train.no_decay=[]",
                      resume=tmp_path / "full" / "checkpoints" / "step-2").losses
     assert resumed == pytest.approx(full[2:], rel=1e-6, abs=0)
+
+
+def test_a_resume_trains_with_its_own_lr_weight_decay_and_betas_at_the_checkpoints_schedule_position(
+        saved, tmp_path, caplog):
+    # The loaded optimizer and LR schedule carried the saving run's values: resumed with
+    # train.lr=0.03 (saved: 3e-3) it trained at the old rate, its config and summary saying 0.03.
+    changed = ["train.lr=0.03", "train.weight_decay=0.5", "train.betas=[0.8,0.9]"]
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        _train(tmp_path / "run", "train.steps=4", *changed, resume=saved / "checkpoints" / "step-1")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    t = compose(*ONE, "train.steps=4", *changed).train
+    want = [(s + 1, 0.03 * lr_factor(s, steps=4, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio))
+            for s in (1, 2, 3)]
+    assert [(r["step"], r["lr"]) for r in records] == want
+    said = " ".join(r.getMessage() for r in caplog.records if "other optimizer settings" in r.getMessage())
+    for part in ("train.lr: 0.003 there, 0.03 here", "train.weight_decay: 0.1 there, 0.5 here",
+                 "train.betas: [0.9, 0.95] there, [0.8, 0.9] here"):
+        assert part in said
+    # The same settings resume as before: the uninterrupted run's losses, and no warning.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        again = _train(tmp_path / "again", "train.steps=2", resume=saved / "checkpoints" / "step-1").losses
+    assert again == json.loads((saved / "summary.json").read_text())["losses"][1:]
+    assert not [r for r in caplog.records if "other optimizer settings" in r.getMessage()]
 
 
 def test_resuming_into_its_own_run_directory_keeps_its_history(tmp_path):

@@ -44,6 +44,8 @@ WHOLE_BATCH = ["parallel.microbatches=1"]
 PADDED_EVAL = ["data.padding=true", "eval.every=5", "eval.steps=1"]
 COMPILED = ["model=mlp", "train.compile=true", "verify=true", "eval.every=2"]
 COMPILED_SCHEDULES = ["1f1b", "interleaved_1f1b"]
+DROPOUT = ["model=mlp", "model._target_=helpers.models.recorded_dropout_mlp", "model.n_layers=4"]
+DROPOUT_RUNS = ("dropout-first", "dropout-again")
 
 
 def _val_losses(run_dir: Path) -> dict[int, float]:
@@ -62,6 +64,12 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     # Padding over 2 replicas of 4 one-sample microbatches, and its evaluation (held to the whole batch's).
     cases["padding-dp2"] = ["parallel.pp=1", "parallel.dp=2", "parallel.dp_mode=ddp", *PP2[1:], *PADDED_EVAL]
     out = tmp_path_factory.mktemp("features") / "pp2"
+    # The same model with dropout after every block, twice, in the same ranks (which trained the
+    # cases above first): each run seeds its dropout from train.seed, each pipeline rank its own.
+    for run in (*DROPOUT_RUNS, "dropout-evaluated"):
+        (out / f"masks-{run}").mkdir(parents=True)
+        cases[run] = ["schedule=1f1b", *PP2, *DROPOUT, f"+model.masks={out / f'masks-{run}'}"]
+    cases["dropout-evaluated"] += ["eval.every=2", "eval.steps=1"]
     return out, run_cases(out, 2, {name: resolved(*TINY, *CLIP, *ov) for name, ov in cases.items()})
 
 
@@ -144,6 +152,30 @@ def test_compiled_stages_match_the_eager_unsplit_model(pp2, name):
     assert "error" not in got, got.get("traceback")
     assert got["summary"]["verify"]["passed"] and got["summary"]["verify"]["max_abs_diff"] < 4e-5
     assert got["losses"][-1] < got["losses"][0] and math.isfinite(got["summary"]["val_loss"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_dropout_draws_from_the_seed_each_pipeline_rank_its_own_masks_and_never_in_evaluation(pp2):
+    # Nothing seeded dropout: each rank drew from whatever its process held, so the same config in
+    # the same ranks trained apart (a second runner.run in one process too), and both pipeline ranks
+    # held one state, so block1 (rank 1) dropped the very elements block0 (rank 0) dropped.
+    out, results = pp2
+    first, again = (results[run] for run in DROPOUT_RUNS)
+    assert "error" not in first, first.get("traceback")
+    assert again["losses"] == first["losses"] and len(first["losses"]) == 5
+    masks = {run: {f.stem: torch.load(f) for f in sorted((out / f"masks-{run}").glob("*.pt"))} for run in DROPOUT_RUNS}
+    assert list(masks[DROPOUT_RUNS[0]]) == ["block0", "block1", "block2", "block3"]
+    for name, mask in masks[DROPOUT_RUNS[0]].items():
+        assert torch.equal(masks[DROPOUT_RUNS[1]][name], mask), name
+    drawn = list(masks[DROPOUT_RUNS[0]].values())
+    same = [(a, b) for a in range(4) for b in range(a) if torch.equal(drawn[a], drawn[b])]
+    assert same == [], f"blocks {same} dropped the same elements"
+    # Evaluation runs without dropout (it ran with it: 4.0826 after one, not 4.0688), so it draws
+    # nothing and the training after it is the same.
+    evaluated = results["dropout-evaluated"]
+    assert evaluated["losses"] == first["losses"]
+    assert [v["step"] for v in evaluated["summary"]["val_losses"]] == [2, 4, 5]
 
 
 def test_the_attention_mask_reaches_every_block_and_changes_only_what_it_should():

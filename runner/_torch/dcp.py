@@ -115,7 +115,7 @@ def refusal(checkpoint: Path | str, error: UnsafeCheckpointError, where: str = "
 
 
 def read_rng_state(file: Path) -> torch.Tensor:
-    """A rank's ``rng-rank<R>.pt``, through ``load_plain``."""
+    """A rank's ``rng-rank<R>.pt`` (or ``cuda-rng-rank<R>.pt``), through ``load_plain``."""
     state = load_plain(file, file.name)
     if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8):
         raise UnsafeCheckpointError(f"{file.name} holds {shown(state)}, not a CPU generator's state")

@@ -57,20 +57,21 @@ from runner._torch.dcp import (
     root_causes,
 )
 from runner.checkpoint.files import (
+    CUDA_RNG_PREFIX,
     complete_steps,
     files_of,
     manifest_problems,
     read_train_state,
     write_manifest,
 )
-from runner.checkpoint.resume_check import copy_tokenizer, tokenizer_record
+from runner.checkpoint.resume_check import copy_tokenizer, data_position, tokenizer_record
 from runner.errors import CheckpointError, NonFiniteLossError
 from runner.models.split import StageModule
 from runner.parallel.tied import TiedWeights
 from runner.ranks.dist import DistEnv, new_cpu_group
 from runner.ranks.watchdog import busy
 
-__all__ = ["verify_checkpoint", "Checkpointer"]
+__all__ = ["verify_checkpoint", "Checkpointer", "save_rng_state", "load_rng_state"]
 
 log = logging.getLogger("runner.checkpoint")  # named as before runner/ became packages (runner.log)
 
@@ -194,6 +195,56 @@ def _empty_param_groups_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[
         optimizer.param_groups = [groups[i] if i in empty else next(loaded) for i in range(len(groups))]
 
 
+# What the config sets in each AdamW group, by the key that sets it (train.lr is the schedule's
+# base); a checkpoint's state dict carries its own run's values of them.
+_CONFIGURED = {"initial_lr": "train.lr", "weight_decay": "train.weight_decay", "betas": "train.betas"}
+
+
+def _value(v: object) -> object:
+    return list(v) if isinstance(v, (list, tuple)) else v  # betas: a tuple here, a list once loaded
+
+
+def _load_schedule(optimizer: torch.optim.Optimizer, scheduler, saved: dict, configured: list[dict],
+                   path: Path, *, main: bool) -> None:
+    """The LR schedule's position from the checkpoint, with this run's ``train.*`` values: a loaded
+    optimizer and schedule carry the saving run's ``lr``, ``weight_decay`` and ``betas``, and a
+    resume with another ``train.lr`` trained on at the old one while its config said the new. The
+    position (``last_epoch``) is the checkpoint's; each group's learning rate is recomputed from
+    this run's base and schedule (the same bits as the saved one where nothing changed)."""
+    changed = sorted({f"{name}: {_value(group[key])} there, {_value(mine[key])} here"
+                      for group, mine in zip(optimizer.param_groups, configured)
+                      for key, name in _CONFIGURED.items() if _value(group[key]) != _value(mine[key])})
+    if changed and main:  # the same on every rank: said once
+        log.warning("checkpoint.resume: %s was saved with other optimizer settings; training goes on with this "
+                    "run's (%s)", path, "; ".join(changed))
+    for group, mine in zip(optimizer.param_groups, configured):
+        group.update(mine)
+    bases = [mine["initial_lr"] for mine in configured]
+    lrs = [base * factor(saved["last_epoch"]) for base, factor in zip(bases, scheduler.lr_lambdas)]  # as LambdaLR
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler.load_state_dict({**saved, "base_lrs": bases, "_last_lr": lrs})  # _last_lr: get_last_lr()'s
+
+
+def save_rng_state(directory: Path, rank: int, device: torch.device) -> None:
+    """The rank's generators' states: the CPU's (``rng-rank<R>.pt``) and, on a GPU, its device's
+    (``cuda-rng-rank<R>.pt``), which dropout draws from there: a checkpoint held the CPU's alone, so
+    a GPU run resumed with the masks of its first steps, not the uninterrupted run's."""
+    torch.save(torch.get_rng_state(), directory / f"rng-rank{rank}.pt")
+    if device.type == "cuda":
+        torch.save(torch.cuda.get_rng_state(device), directory / f"{CUDA_RNG_PREFIX}{rank}.pt")
+
+
+def load_rng_state(directory: Path, rank: int, device: torch.device) -> None:
+    """What ``save_rng_state`` wrote, through the safe reader (a device's state where this rank has
+    that device and the checkpoint holds one)."""
+    cpu, cuda = directory / f"rng-rank{rank}.pt", directory / f"{CUDA_RNG_PREFIX}{rank}.pt"
+    if cpu.is_file():
+        torch.set_rng_state(read_rng_state(cpu))
+    if device.type == "cuda" and cuda.is_file():
+        torch.cuda.set_rng_state(read_rng_state(cuda), device)
+
+
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
                  *, tied: TiedWeights | None = None, run_config=None,
@@ -208,6 +259,7 @@ class Checkpointer:
         self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
         model_path = run_config.model.get("path") if run_config is not None else None
         self.model_path = str(Path(model_path).expanduser().resolve()) if model_path else None
+        self.data_position = data_position(run_config) if run_config is not None else None
         self.dir = run_dir / "checkpoints"
         self.env = env
         self.model = _named(modules)
@@ -294,12 +346,12 @@ class Checkpointer:
         rank 0, the train state (step, LR schedule), a Hugging Face model's metadata, the tokenizer."""
         if self.env.is_main and hasattr(self.model.spec, "save_metadata"):  # what runner.export needs
             self.model.spec.save_metadata(partial / "hf")
-        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.env.rank}.pt")
+        save_rng_state(partial, self.env.rank, self.env.device)
         if self.env.is_main:
             copy_tokenizer(self.tokenizer, partial)
             (partial / "train_state.json").write_text(json.dumps(
                 {"step": steps_done, "world_size": self.env.world_size, "lr_scheduler": self.scheduler.state_dict(),
-                 "tokenizer": self.tokenizer, "model_path": self.model_path}))
+                 "tokenizer": self.tokenizer, "model_path": self.model_path, "data_position": self.data_position}))
 
     def _commit(self, partial: Path, steps_done: int, group=None) -> None:
         """Once every rank's files are on disk: rank 0 renames the partial directory to ``step-N``
@@ -407,14 +459,15 @@ class Checkpointer:
             local[key].update({orig: stored[key][new] for new, orig in renamed.items()})
             _fill_copies(local[key], self.equal)
         set_model_state_dict(self.model, local["model"], options=_OPTIONS)
+        configured = [{key: group[key] for key in _CONFIGURED} for group in self.optimizer.param_groups]
         with _empty_param_groups_set_aside(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, local["optim"], options=_OPTIONS)
         steps_done = train_state["step"]
-        self.scheduler.load_state_dict(train_state["lr_scheduler"])
-        rng = path / f"rng-rank{self.env.rank}.pt"
-        if train_state["world_size"] == self.env.world_size and rng.is_file():
+        _load_schedule(self.optimizer, self.scheduler, train_state["lr_scheduler"], configured, path,
+                       main=self.env.is_main)
+        if train_state["world_size"] == self.env.world_size:
             try:
-                torch.set_rng_state(read_rng_state(rng))
+                load_rng_state(path, self.env.rank, self.env.device)
             except UnsafeCheckpointError as e:
                 raise CheckpointError(_load_failure(path, e)) from None
         self.last_good = path

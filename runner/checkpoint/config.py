@@ -27,3 +27,7 @@ class CheckpointConfig:
     # Resume with a data.tokenizer other than the one the checkpoint recorded (its token ids then
     # stand for other text); false: such a resume is refused before any rank starts.
     allow_tokenizer_change: bool = False
+    # Resume with another train.batch_size, train.seq_len or train.seed than the checkpoint's (the
+    # step it resumes at then no longer marks where its data stopped: samples skipped or read twice);
+    # false: such a resume is refused before any rank starts.
+    allow_data_change: bool = False

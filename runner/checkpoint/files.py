@@ -17,12 +17,13 @@ from runner.rundir import LOCK_FILE, run_in_progress
 
 __all__ = ["read_train_state",
            "checkpoint_step", "complete_steps", "find_checkpoint", "write_manifest", "files_of", "manifest_problems",
-           "TOKENIZER_DIR", "TOKENIZER_FILES"]
+           "CUDA_RNG_PREFIX", "TOKENIZER_DIR", "TOKENIZER_FILES"]
 
 log = logging.getLogger("runner.checkpoint")  # its lines are the checkpoints' (as before the split)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _MANIFEST = "manifest-rank{}.json"
+CUDA_RNG_PREFIX = "cuda-rng-rank"  # cuda-rng-rank<R>.pt: a GPU rank's device generator (rng-rank<R>.pt: its CPU's)
 TOKENIZER_DIR = "tokenizer"  # in a checkpoint: the files of the tokenizer the run trained with
 # Where checkpoint.resume=latest looks under its root: the root itself, and run directories one,
 # two (Hydra's outputs/<date>/<time>) and three (multirun/<date>/<time>/<job>) levels down.
@@ -161,6 +162,7 @@ def files_of(directory: Path, rank: int, is_main: bool) -> list[str]:
     state and, on rank 0, ``.metadata``, ``train_state.json``, a Hugging Face model's ``hf/`` and the
     run's tokenizer (``tokenizer/``)."""
     names = [p.name for p in directory.glob(f"__{rank}_*.distcp")] + [f"rng-rank{rank}.pt"]
+    names += [name for name in (f"{CUDA_RNG_PREFIX}{rank}.pt",) if (directory / name).is_file()]  # a GPU rank's
     if not is_main:
         return names
     extra = [str(p.relative_to(directory)) for sub in ("hf", TOKENIZER_DIR)

@@ -16,10 +16,16 @@ from typing import Any, Callable
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import TOKENIZER_DIR, TOKENIZER_FILES, find_checkpoint, read_train_state
+from runner.checkpoint.files import (
+    CUDA_RNG_PREFIX,
+    TOKENIZER_DIR,
+    TOKENIZER_FILES,
+    find_checkpoint,
+    read_train_state,
+)
 from runner.errors import CheckpointError, ConfigError
 
-__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "resume_point"]
+__all__ = ["tokenizer_files", "tokenizer_record", "copy_tokenizer", "data_position", "resume_point"]
 
 log = logging.getLogger("runner.checkpoint")
 
@@ -73,6 +79,39 @@ def _check_tokenizer(cfg: DictConfig, path: Path, state: dict) -> None:
                       "this tokenizer on purpose.")
 
 
+# What makes a step a position in the data: batch(step) reads samples (step - 1) * batch_size on,
+# as windows of seq_len + 1 tokens in an order (and, for synthetic data, a rule) drawn from the seed.
+_DATA_POSITION = ("train.batch_size", "train.seq_len", "train.seed")
+
+
+def data_position(cfg: DictConfig) -> dict[str, Any]:
+    """The keys that give a step its samples, as ``train_state.json`` records them."""
+    return {key: cfg.train[key.split(".")[1]] for key in _DATA_POSITION}
+
+
+def _check_data_position(cfg: DictConfig, path: Path, state: dict) -> None:
+    """A resume reads on from the checkpoint's step: with another batch size, sequence length or
+    seed, that step is not where the saving run's data stopped (a larger batch skips samples the
+    epoch never shows, a smaller one reads samples again)."""
+    saved = state.get("data_position")  # None: saved before checkpoints recorded it
+    if not saved:
+        return
+    mine = data_position(cfg)
+    changed = [key for key in _DATA_POSITION if key in saved and saved[key] != mine[key]]
+    if not changed:
+        return
+    problem = (f"checkpoint.resume: {path} was saved at step {state['step']} with "
+               f"{', '.join(f'{k}={saved[k]}' for k in changed)}; this run has "
+               f"{', '.join(f'{k}={mine[k]}' for k in changed)}, so its step {state['step'] + 1} would not read "
+               f"the samples after the ones trained (every batch is a function of the step, the batch size, the "
+               f"sequence length and the seed): some would be skipped or read twice")
+    if cfg.checkpoint.allow_data_change:
+        log.warning("%s (checkpoint.allow_data_change=true: continuing)", problem)
+        return
+    raise ConfigError(f"{problem}. Fix: {' '.join(f'{k}={saved[k]}' for k in changed)}, or "
+                      "checkpoint.allow_data_change=true to continue with the new values on purpose.")
+
+
 def _by_module(names: list[str], model: dict) -> dict[str, int]:
     """``names`` counted by the outermost module the model lacks (``block5``, ``model.layers.3``)."""
     prefixes = {".".join(n.split(".")[:i]) for n in model for i in range(1, n.count(".") + 2)}
@@ -93,8 +132,9 @@ def _read_pickles(path: Path, world_size: int) -> Any:
     try:
         metadata = SafeReader(str(path)).read_metadata()
         for rank in range(world_size):
-            if (path / f"rng-rank{rank}.pt").is_file():
-                read_rng_state(path / f"rng-rank{rank}.pt")
+            for name in (f"rng-rank{rank}.pt", f"{CUDA_RNG_PREFIX}{rank}.pt"):
+                if (path / name).is_file():
+                    read_rng_state(path / name)
     except UnsafeCheckpointError as e:
         raise CheckpointError(refusal(path, e)) from None
     return metadata
@@ -128,6 +168,7 @@ def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path) -> tu
     path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
     state = read_train_state(path)
     _check_tokenizer(cfg, path, state)
+    _check_data_position(cfg, path, state)
     _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model)
     return path, state["step"]
 

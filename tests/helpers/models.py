@@ -1,7 +1,9 @@
 """User-style model factories for tests."""
 
 from collections import OrderedDict
+from pathlib import Path
 
+import torch
 from torch import nn
 
 from runner.models.builtin import mlp
@@ -12,6 +14,32 @@ def dropout_mlp(**kwargs) -> nn.Sequential:
     model = mlp(**kwargs)
     children = list(model.named_children())
     return nn.Sequential(OrderedDict(children[:2] + [("drop", nn.Dropout(0.5))] + children[2:]))
+
+
+class RecordedDropout(nn.Module):
+    """Dropout (p 0.5) that saves the first mask it draws in training to ``<masks>/<name>.pt``."""
+
+    def __init__(self, masks: str, name: str):
+        super().__init__()
+        self.file = Path(masks) / f"{name}.pt"
+
+    def forward(self, x):
+        if not self.training or x.device.type == "meta":
+            return x
+        keep = torch.rand_like(x) >= 0.5
+        if not self.file.exists():
+            torch.save(keep, self.file)
+        return x * keep * 2.0
+
+
+def recorded_dropout_mlp(*, masks: str, **kwargs) -> nn.Sequential:
+    """``mlp`` with a ``RecordedDropout`` after every block, its masks saved into ``masks``."""
+    layers = []
+    for name, child in mlp(**kwargs).named_children():
+        layers.append((name, child))
+        if name.startswith("block"):
+            layers.append((f"{name}_drop", RecordedDropout(masks, name)))
+    return nn.Sequential(OrderedDict(layers))
 
 
 class Explode(nn.Module):
