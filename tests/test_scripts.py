@@ -507,26 +507,32 @@ def test_the_timeline_check_holds_each_recorded_action_to_the_traces_device_rang
     def x(name, ts, dur, **more):
         return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 0, **more}
 
-    def write(ours):  # the device's ranges 1000 us behind the host's launches of them, on kineto's clock
+    def write(ours, device=("0F0", "0F1", "0B0", "0B1")):  # the device's ranges behind the host's launches
         (run / "timeline.json").write_text(json.dumps({"traceEvents": [
-            x(f"compute:{n}", ts, dur, args={"step": 3}) for n, ts, dur in ours]}))
+            x(f"compute:{n}", ts, dur, args={"step": 3, "kind": n[1]}) for n, ts, dur in ours]}))
+        at = {"0F0": (6_000, 400), "0F1": (6_400, 400), "0B0": (6_810, 900), "0B1": (7_710, 900)}
         (run / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": [
             x("compute:0F0", 5_000, 20, cat="user_annotation"), x("compute:0B0", 5_030, 30, cat="user_annotation"),
-            x("compute:0F0", 6_000, 400, cat="gpu_user_annotation"),
-            x("compute:0B0", 6_410, 900, cat="gpu_user_annotation")]}))
+            *(x(f"compute:{n}", *at[n], cat="gpu_user_annotation") for n in device)]}))
 
-    write([("0F0", 0.0, 405.0), ("0B0", 412.0, 890.0)])
+    timed = [("0F0", 0.0, 405.0), ("0F1", 400.0, 398.0), ("0B0", 812.0, 890.0), ("0B1", 1_710.0, 905.0)]
+    write(timed)
     got = timeline_check(run)
-    assert got is not None and got["on"] == "device" and got["passed"] and got["actions"] == 2
+    assert got is not None and got["on"] == "device" and got["passed"] and got["actions"] == 4
     assert got["start_diff_us_max"] == pytest.approx(2.0) and got["duration_ratio"]["max"] == pytest.approx(405 / 400)
-    write([("0F0", 0.0, 20.0), ("0B0", 30.0, 30.0)])  # the launches' host times: not the device's
+    write([("0F0", 0.0, 20.0), ("0F1", 30.0, 20.0), *timed[2:]])  # F timed by its launches (host), not the device
     got = timeline_check(run)
-    assert got is not None and not got["passed"] and [r["ok"] for r in got["rows"]] == [False, False]
-    write([("0F0", 0.0, 400.0), ("0B0", 1_000.0, 900.0)])  # placed 590 us late
-    assert [r["ok"] for r in timeline_check(run)["rows"]] == [True, False]
-    write([("0F0", 0.0, 400.0)])  # not the same actions
-    assert timeline_check(run) == {"on": "device", "passed": False,
-                                   "error": "1 recorded actions, 2 trace ranges, not the same actions"}
+    assert got is not None and not got["passed"] and [r["ok"] for r in got["rows"]] == [True, True, False, False]  # B F
+    write([*timed[:3], ("0B1", 2_300.0, 900.0)])  # placed 590 us late
+    assert [(r["action"], r["ok"]) for r in timeline_check(run)["rows"]] == [
+        ("0B0", True), ("0B1", False), ("0F0", True), ("0F1", True)]
+    # A kind the trace holds otherwise (a backward's kernels not tied to its range): reported, not compared.
+    write(timed, device=("0F0", "0F1", "0B1"))
+    got = timeline_check(run)
+    assert got["passed"] and got["actions"] == 2 and got["kinds"] == {
+        "B": "not compared: 2 recorded, 1 in the trace, not the same actions", "F": "compared"}
+    write(timed, device=("0B0", "0B1"))  # no forward to compare: not passed
+    assert not timeline_check(run)["passed"]
 
 
 @pytest.mark.slow
