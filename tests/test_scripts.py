@@ -523,14 +523,17 @@ def test_the_timeline_check_holds_each_recorded_action_to_the_traces_device_rang
     write([("0F0", 0.0, 20.0), ("0F1", 30.0, 20.0), *timed[2:]])  # F timed by its launches (host), not the device
     got = timeline_check(run)
     assert got is not None and not got["passed"] and [r["ok"] for r in got["rows"]] == [True, True, False, False]  # B F
-    write([*timed[:3], ("0B1", 2_300.0, 900.0)])  # placed 590 us late
-    assert [(r["action"], r["ok"]) for r in timeline_check(run)["rows"]] == [
+    assert got["kinds"] == {"B": "agrees", "F": "2 of 2 differ"}
+    write([*timed[:3], ("0B1", 2_300.0, 900.0)])  # placed 590 us late: a backward, reported (the forwards decide)
+    got = timeline_check(run)
+    assert [(r["action"], r["ok"]) for r in got["rows"]] == [
         ("0B0", True), ("0B1", False), ("0F0", True), ("0F1", True)]
+    assert got["passed"] and got["kinds"] == {"B": "1 of 2 differ", "F": "agrees"}
     # A kind the trace holds otherwise (a backward's kernels not tied to its range): reported, not compared.
     write(timed, device=("0F0", "0F1", "0B1"))
     got = timeline_check(run)
     assert got["passed"] and got["actions"] == 2 and got["kinds"] == {
-        "B": "not compared: 2 recorded, 1 in the trace, not the same actions", "F": "compared"}
+        "B": "not compared: 2 recorded, 1 in the trace, not the same actions", "F": "agrees"}
     write(timed, device=("0B0", "0B1"))  # no forward to compare: not passed
     assert not timeline_check(run)["passed"]
 
