@@ -9,6 +9,7 @@
 #   bash scripts/gpu_checks.sh            # on the GPU host, from the repository root
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh   # the same flow on CPU at toy sizes (a dry run)
 #   GPU_CHECKS_ONLY="target-8b results" bash scripts/gpu_checks.sh   # a rerun of some checks
+#   GPU_CHECKS_SECONDS=380 GPU_CHECKS_PACK=1 ...   # another deadline; the results packed for the device tool
 #
 # The GPU image may carry another torch (2.11 on the first host) and lack Hydra: put the packages
 # it lacks on PYTHONPATH (the device tool's `carry`), as docs/testing.md says. docs/testing.md also
@@ -57,6 +58,20 @@ RUN=(python -m runner "device=$DEVICE" parallel.pp=1 parallel.microbatches=1 "${
 : > "$OUT/summary.txt"
 check env 30 python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
 check pytest-gpu 120 python -m pytest -m gpu -q -p no:cacheprovider
+# Per-action CUDA spans in a real run (runner/pipeline/device_spans.py): a profiled pp=1 run, 2 microbatches,
+# of a model that keeps the device busy (4 layers of 2048, sequence 2048, bf16), its timeline.json's actions
+# against the device's copies of the same compute: ranges in its torch trace (bench.sections.gpu_checks's
+# timeline_check: durations and starts, action by action; on CPU the trace's host ranges).
+if [ -n "$SMALL" ]; then
+    TL_SHAPE=("${SHAPE[@]}")
+else
+    TL_SHAPE=(model.dim=2048 model.n_layers=4 model.n_heads=16 data.vocab_size=32000 train.seq_len=2048
+              train.batch_size=8)
+fi
+check timeline-cuda 90 bash -c '"${@:2}" && python -c "import sys; from bench.sections.gpu_checks import timeline_main
+sys.exit(timeline_main(sys.argv[1]))" "$1"' _ "$OUT/runs/timeline-cuda" python -m runner "device=$DEVICE" parallel.pp=1 \
+    parallel.microbatches=2 "${TL_SHAPE[@]}" train.steps=6 train.precision=bf16 checkpoint.every=0 \
+    "hydra.run.dir=$OUT/runs/timeline-cuda"
 check 1b-bf16 150 "${RUN[@]}" train.precision=bf16 "hydra.run.dir=$OUT/runs/1b-bf16"
 # The same model, data and optimizer in a hand-written loop (bench/programs/single_loop.py): the
 # runner's overhead on one device.
@@ -115,3 +130,17 @@ out = Path(sys.argv[1])
 (out / "results.json").write_text(json.dumps(collect(out), indent=1))
 print((out / "results.json").read_text())
 EOF
+
+# The device tool brings back at most 8 files, 2 folders down: with GPU_CHECKS_PACK=1 (its calls, docs/testing.md)
+# everything but summary.txt and results.json goes into one gpu-checks.tar.gz (the traces too while it stays
+# under 15 MiB).
+if [ -n "${GPU_CHECKS_PACK:-}" ]; then
+    PACK=$(mktemp -d)
+    tar -czf "$PACK/gpu-checks.tar.gz" -C "$OUT" --exclude=./summary.txt --exclude=./results.json .
+    if [ "$(stat -c %s "$PACK/gpu-checks.tar.gz")" -gt $(( 15 * 1024 * 1024 )) ]; then
+        tar -czf "$PACK/gpu-checks.tar.gz" -C "$OUT" --exclude=./summary.txt --exclude=./results.json --exclude=traces .
+    fi
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name results.json -exec rm -rf {} +
+    mv "$PACK/gpu-checks.tar.gz" "$OUT/" && rmdir "$PACK"
+    ls -l "$OUT"
+fi

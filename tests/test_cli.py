@@ -288,6 +288,38 @@ def test_cuda_run_matches_cpu(tmp_path):
     assert cuda["peak_mem_bytes"][0] > 0
 
 
+# The CPU case keeps the GPU one from rotting between GPU runs.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.timeout(120)
+def test_verify_holds_a_run_on_its_device_to_the_unsplit_model_and_reruns_it_in_float64_on_the_host(
+        device, tmp_path, monkeypatch):
+    # verify=true at pp=1, in this process: the run on its device against the unsplit reference on rank
+    # 0's CPU. Its first step is also held to exactness (tolerances 0) beside the real check, so that
+    # on CUDA, whose kernels round otherwise than the CPU's, the float64 rerun (runner.verify.exact)
+    # runs during a CUDA run: the rerun reproduces the reference's loss, and the real verdict passes.
+    import runner.verify.hook as hook
+
+    real, exactly = hook.compare, []
+
+    def compare(got, ref, loss, ref_loss, *, rtol, atol, exact=None):
+        if exact is not None and not exactly:  # the first step's (the rerun is cached: one for both)
+            exactly.append(real(got, ref, loss, ref_loss, rtol=0.0, atol=0.0, exact=exact))
+        return real(got, ref, loss, ref_loss, rtol=rtol, atol=atol, exact=exact)
+
+    monkeypatch.setattr(hook, "compare", compare)
+    summary = launch(compose(*TINY, f"device={device}", "parallel.pp=1", "parallel.microbatches=2",
+                             "train.batch_size=8", "verify=true"), tmp_path)
+    assert summary is not None and summary["verify"]["passed"] and len(exactly) == 1
+    rounding = exactly[0]["rounding"]
+    if device == "cuda":  # some value differs from the CPU's in its last bits
+        assert rounding is not None and rounding["float64"] == "rerun", rounding
+        assert rounding["admitted"] or rounding["beyond"]
+    if rounding is not None:  # what the rerun found: figures, each at rounding scale
+        assert rounding["float64"] == "rerun", rounding
+        figures = [*rounding["admitted"].values(), *rounding["beyond"].values()]
+        assert all(0 <= f["unsplit_off"] < 1e-3 and 0 < f["run_off"] < 1e-3 for f in figures), figures
+
+
 def test_fork_asked_for_where_its_ranks_would_hang_is_refused_before_they_start(tmp_path, monkeypatch):
     import runner.ranks.processes as processes
     from runner.errors import ConfigError

@@ -299,6 +299,17 @@ def test_the_float64_rerun_that_would_not_fit_or_runs_out_of_memory_leaves_the_s
     monkeypatch.setattr(exact, "_rerun", fails("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
                                                "allocate memory: you tried to allocate 1099511627776 bytes."))
     assert exact.float64_step(model, cfg, batch, 4).startswith("not run: out of memory ([enforce fail")
+
+    def cuda_oom(*_):  # torch.cuda.OutOfMemoryError is this class (torch 2.11 and 2.13)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(exact, "_rerun", cuda_oom)
+    assert exact.float64_step(model, cfg, batch, 4) == (
+        "not run: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity)")
+    # The rerun is rank 0's host's (so is its memory check), whatever the run's device: the reference it
+    # copies is built there for a CUDA run too.
+    on_cuda, _ = reference_model(compose(*TINY, "device=cuda"))
+    assert {p.device.type for p in on_cuda.parameters()} == {"cpu"}
     monkeypatch.setattr(exact, "_rerun", fails("mat1 and mat2 shapes cannot be multiplied"))  # a bug: raised
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         exact.float64_step(model, cfg, batch, 4)

@@ -209,6 +209,17 @@ def test_tp_collectives_are_read_from_the_trace_paired_by_thread_and_put_on_the_
     meta = [e for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"] if e["ph"] == "M"]
     assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "thread_name" and e["tid"] == 2} == \
         {(0, "tp collectives")}  # rank 1 ran no tp collective: no empty lane
+    # On CUDA (the actions the device's: call_ns kept) the lane and each slice say they are the host's calls.
+    from runner.outputs.timeline import HOST_CALLS
+
+    on_cuda = [Action(a.step, a.op, a.start_ns + 3_000, a.end_ns + 3_000, (a.start_ns, a.end_ns)) for a in actions]
+    slices = measured_slices({0: on_cuda}, {0: steps}, {0: got})
+    assert {s["args"].get("clock") for s in slices if s["tid"] == 2} == {HOST_CALLS}
+    assert all("clock" not in s["args"] for s in measured_slices({0: actions}, {0: steps}, {0: got}))  # CPU
+    write_chrome_trace(tmp_path / "timeline.json", slices, ranks=[0, 1])
+    meta = [e for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"] if e["ph"] == "M"]
+    assert [e["args"]["name"] for e in meta if e["name"] == "thread_name" and e["tid"] == 2] == [
+        "tp collectives (host calls: issue to wait, not the device's)"]
 
 
 def test_a_recorder_that_waits_for_the_device_times_an_action_by_its_work_not_its_launch():

@@ -494,6 +494,50 @@ def test_bench_rehearsal_section_renders_the_planners_tp_prediction_with_and_wit
     assert "Failed: pp2xtp2-rehearsed: exit code 1: the rehearsal failed." in text and "way round" not in text
 
 
+@pytest.mark.timeout(60)
+def test_the_timeline_check_holds_each_recorded_action_to_the_traces_device_range_of_it(tmp_path):
+    """gpu_checks.sh's timeline-cuda: timeline.json's actions (us from the first) against the torch
+    trace's compute: ranges, the device's copies (gpu_user_annotation) where the trace has them, in
+    order; an action timed by its launches (host durations) or placed elsewhere fails, named."""
+    from bench.sections.gpu_checks import timeline_check
+
+    run = tmp_path / "run"
+    (run / "traces").mkdir(parents=True)
+
+    def x(name, ts, dur, **more):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 0, **more}
+
+    def write(ours, device=("0F0", "0F1", "0B0", "0B1")):  # the device's ranges behind the host's launches
+        (run / "timeline.json").write_text(json.dumps({"traceEvents": [
+            x(f"compute:{n}", ts, dur, args={"step": 3, "kind": n[1]}) for n, ts, dur in ours]}))
+        at = {"0F0": (6_000, 400), "0F1": (6_400, 400), "0B0": (6_810, 900), "0B1": (7_710, 900)}
+        (run / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": [
+            x("compute:0F0", 5_000, 20, cat="user_annotation"), x("compute:0B0", 5_030, 30, cat="user_annotation"),
+            *(x(f"compute:{n}", *at[n], cat="gpu_user_annotation") for n in device)]}))
+
+    timed = [("0F0", 0.0, 405.0), ("0F1", 400.0, 398.0), ("0B0", 812.0, 890.0), ("0B1", 1_710.0, 905.0)]
+    write(timed)
+    got = timeline_check(run)
+    assert got is not None and got["on"] == "device" and got["passed"] and got["actions"] == 4
+    assert got["start_diff_us_max"] == pytest.approx(2.0) and got["duration_ratio"]["max"] == pytest.approx(405 / 400)
+    write([("0F0", 0.0, 20.0), ("0F1", 30.0, 20.0), *timed[2:]])  # F timed by its launches (host), not the device
+    got = timeline_check(run)
+    assert got is not None and not got["passed"] and [r["ok"] for r in got["rows"]] == [True, True, False, False]  # B F
+    assert got["kinds"] == {"B": "agrees", "F": "2 of 2 differ"}
+    write([*timed[:3], ("0B1", 2_300.0, 900.0)])  # placed 590 us late: a backward, reported (the forwards decide)
+    got = timeline_check(run)
+    assert [(r["action"], r["ok"]) for r in got["rows"]] == [
+        ("0B0", True), ("0B1", False), ("0F0", True), ("0F1", True)]
+    assert got["passed"] and got["kinds"] == {"B": "1 of 2 differ", "F": "agrees"}
+    # A kind the trace holds otherwise (a backward's kernels not tied to its range): reported, not compared.
+    write(timed, device=("0F0", "0F1", "0B1"))
+    got = timeline_check(run)
+    assert got["passed"] and got["actions"] == 2 and got["kinds"] == {
+        "B": "not compared: 2 recorded, 1 in the trace, not the same actions", "F": "agrees"}
+    write(timed, device=("0B0", "0B1"))  # no forward to compare: not passed
+    assert not timeline_check(run)["passed"]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -502,10 +546,14 @@ def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     # hand-written loop over it, the pp=4 rehearsal, plan.target and the fitted rehearsal of rank 3,
     # then results.json as the bench section reads it.
     out = tmp_path / "gpu"
-    checks = ["env", "1b-bf16", "loop-1b-bf16", "rehearse-8b-pp4", "target-8b", "rehearse-8b-pp4-fit", "results"]
+    checks = ["env", "timeline-cuda", "1b-bf16", "loop-1b-bf16", "rehearse-8b-pp4", "target-8b", "rehearse-8b-pp4-fit",
+              "results"]
     done = run_cli(program=["bash", str(ROOT / "scripts" / "gpu_checks.sh")], cwd=ROOT, timeout=280,
-                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1", "GPU_CHECKS_ONLY": " ".join(checks)})
+                   env={"OUT": str(out), "GPU_CHECKS_SMALL": "1", "GPU_CHECKS_ONLY": " ".join(checks),
+                        "GPU_CHECKS_PACK": "1"})
     assert done.returncode == 0, done.stderr
+    # Packed for the device tool (at most 8 files back): the rest in one tarball.
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-checks.tar.gz", "results.json", "summary.txt"]
     lines = (out / "summary.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in lines] == checks
     assert all(": exit 0 in " in line for line in lines), lines
@@ -525,6 +573,9 @@ def test_the_prepared_gpu_checks_run_their_flow_on_cpu_at_toy_sizes(tmp_path):
     assert rank["rank"] == 3 and fitted["step"] is None and rank["seq_len"] == 32
     assert (times["fit_seq_len"], times["measured_at_seq_len"], times["scaled_to_seq_len"]) == (4, 8, 32)
     assert {f"{a['stage']}{a['kind']}" for a in rank["actions"]} == {"3F", "3B"}
+    # The profiled run's timeline against its trace (on CPU its host ranges): 2 microbatches, 3 recorded steps.
+    assert results["timeline"]["on"] == "host" and results["timeline"]["passed"], results["timeline"]
+    assert results["timeline"]["actions"] == 12
 
 
 @pytest.mark.timeout(60)

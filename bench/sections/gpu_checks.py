@@ -68,6 +68,75 @@ def _pp1_run(run: Path) -> dict[str, Any] | None:
             **{k: summary[k] for k in ("tokens_per_s", "step_time_s", "peak_mem_bytes")}}
 
 
+# A recorded action against the trace's range of it (``timeline_check``): durations within 10% and 100 us,
+# starts (after the window's first action) within 10% of the action and 200 us.
+TIMELINE_REL, TIMELINE_DUR_US, TIMELINE_START_US = 0.1, 100.0, 200.0
+
+
+def _compute_ranges(events: list[dict[str, Any]], *, device: bool) -> list[dict[str, Any]]:
+    return sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("compute:")
+                   and (e.get("cat") == "gpu_user_annotation") == device), key=lambda e: e["ts"])
+
+
+def timeline_check(run: Path) -> dict[str, Any] | None:
+    """A profiled pp=1 run's ``timeline.json`` (the recorder's spans: on CUDA the device's, from CUDA
+    events placed on the host's clock, ``runner.pipeline.device_spans``) against its rank 0 torch trace's
+    ranges of the same actions: on CUDA the device's copies (``gpu_user_annotation``: its first kernel to
+    its last), else the host's. Kind by kind (F, B, ...: whether the trace ties a backward's kernels,
+    launched by autograd's device thread, to its range is CUDA's profiler's business, so a kind the
+    trace holds otherwise is reported, not compared), per action both durations and both starts after
+    the kind's first action (``TIMELINE_*``); ``passed`` where the forwards agree, the other kinds'
+    verdicts in ``kinds``. None where the run left no timeline."""
+    traces = sorted((run / "traces").glob("rank0*.json"))
+    if not (run / "timeline.json").is_file() or not traces:
+        return None
+    ours = sorted((e for e in json.loads((run / "timeline.json").read_text())["traceEvents"]
+                   if e.get("ph") == "X" and e.get("pid") == 0 and e.get("tid") == 0), key=lambda e: e["ts"])
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    theirs = _compute_ranges(events, device=True)
+    on = "device" if theirs else "host"
+    theirs = theirs or _compute_ranges(events, device=False)
+    kinds: dict[str, str] = {}
+    rows = []
+    for kind in sorted({e["args"]["kind"] for e in ours}):
+        mine = [e for e in ours if e["args"]["kind"] == kind]
+        same = [e for e in theirs if e["name"] in {m["name"] for m in mine}]
+        if [e["name"] for e in mine] != [e["name"] for e in same]:
+            kinds[kind] = f"not compared: {len(mine)} recorded, {len(same)} in the trace, not the same actions"
+            continue
+        first = len(rows)
+        for o, t in zip(mine, same):
+            start_o, start_t = o["ts"] - mine[0]["ts"], t["ts"] - same[0]["ts"]
+            rows.append({"action": o["name"][len("compute:"):], "step": o["args"]["step"], "dur_us": o["dur"],
+                         "trace_dur_us": t["dur"], "start_us": start_o, "trace_start_us": start_t,
+                         "ok": abs(o["dur"] - t["dur"]) <= TIMELINE_REL * t["dur"] + TIMELINE_DUR_US
+                         and abs(start_o - start_t) <= TIMELINE_REL * t["dur"] + TIMELINE_START_US})
+        off = sum(not r["ok"] for r in rows[first:])
+        kinds[kind] = f"{off} of {len(mine)} differ" if off else "agrees"
+    ratios = [r["dur_us"] / r["trace_dur_us"] for r in rows if r["trace_dur_us"] > 0]
+    return {"on": on, "passed": kinds.get("F") == "agrees", "kinds": kinds,
+            "actions": len(rows),
+            "duration_ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+            if ratios else None,
+            "start_diff_us_max": max((abs(r["start_us"] - r["trace_start_us"]) for r in rows), default=None),
+            "rows": rows}
+
+
+def timeline_main(run: str) -> int:
+    """The check's command (scripts/gpu_checks.sh's ``timeline-cuda``): ``timeline_check`` printed, its
+    JSON beside the run (``timeline-check.json``); 0 where it passed."""
+    result = timeline_check(Path(run))
+    if result is None:
+        print(f"{run}: no timeline.json or rank 0 trace")
+        return 1
+    (Path(run) / "timeline-check.json").write_text(json.dumps(result, indent=1))
+    for r in result.get("rows", []):
+        print(f"{r['action']:>6} step {r['step']}: {r['dur_us']:10.1f} us (trace {r['trace_dur_us']:10.1f}), "
+              f"at {r['start_us']:10.1f} us (trace {r['trace_start_us']:10.1f}){'' if r['ok'] else '  <- differs'}")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    return 0 if result["passed"] else 1
+
+
 def collect(out: Path) -> dict[str, Any]:
     """What a run of the script left in ``out``: its summary lines, the pp=1 runs, the hand-written
     loop's step times, the rehearsed ranks and plan.target's estimates."""
@@ -77,7 +146,8 @@ def collect(out: Path) -> dict[str, Any]:
             "pp1": {p.name: r for p in sorted(runs.glob("1b-*")) if (r := _pp1_run(p))},
             "hand_loop_s": json.loads(loop.read_text()) if loop.is_file() else None,
             "rehearsals": {p.name: r for p in sorted(runs.glob("rehearse-*")) if (r := _rehearsal(p))},
-            "target": _target(runs / "target-8b")}
+            "target": _target(runs / "target-8b"),
+            "timeline": {k: v for k, v in (timeline_check(runs / "timeline-cuda") or {}).items() if k != "rows"}}
 
 
 def gpu_checks(ctx: Context) -> dict[str, Any]:

@@ -24,6 +24,9 @@ __all__ = ["HostClock", "host_clock", "clock_offsets", "shift", "executed_order"
            "measured_slices", "simulated_slices", "plot_schedule"]
 
 COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#88D27A", "W": "#F58518"}
+# What the tp collectives lane holds on CUDA, where the compute beside it is the device's (CUDA events):
+# the host's calls, from the issue to the return of the wait, not the NCCL kernels (in the rank's trace).
+HOST_CALLS = "host calls: issue to wait, not the device's"
 
 
 class HostClock(NamedTuple):
@@ -184,9 +187,12 @@ def measured_slices(actions: Mapping[int, Sequence[Action]], steps: Mapping[int,
             out.append(_slice(rank, 1, f"step {s.step}", (s.start_ns - origin) / 1e3, (s.end_ns - s.start_ns) / 1e3,
                               {"step": s.step}))
     for rank, done in (collectives or {}).items():
+        # On CUDA the actions are the device's spans, the collectives their host calls (issue to the return
+        # of the wait: ``runner.outputs.collectives``): each slice, and its lane, says so.
+        host = {"clock": HOST_CALLS} if any(a.call_ns is not None for a in actions.get(rank, ())) else {}
         for c in done:
             out.append(_slice(rank, 2, f"tp:{c.name}", (c.start_ns - origin) / 1e3, (c.end_ns - c.start_ns) / 1e3,
-                              {"waited_us": c.wait_ns / 1e3}))
+                              {"waited_us": c.wait_ns / 1e3, **host}))
     return out
 
 
@@ -203,11 +209,13 @@ def write_chrome_trace(path: Path, slices: list[dict], *, ranks: Sequence[int], 
     the trace's ``otherData``."""
     lanes = {0: "compute", 1: "pipeline step", 2: "tp collectives"}
     used = {(s["pid"], s["tid"]) for s in slices}
+    on_host = {s["pid"] for s in slices if s["tid"] == 2 and "clock" in s["args"]}  # CUDA: beside device spans
     meta = []
     for rank in ranks:
         meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
-        meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+        meta += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                  "args": {"name": f"{name} ({HOST_CALLS})" if tid == 2 and rank in on_host else name}}
                  for tid, name in lanes.items() if tid < 2 or (rank, tid) in used]
     compute = [s for s in slices if s["tid"] == 0]
     trace: dict[str, Any] = {"traceEvents": meta + slices + _flows(compute), "displayTimeUnit": "ms"}

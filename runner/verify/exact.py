@@ -13,7 +13,10 @@ dtype), so ``_Float64`` turns every floating dtype a function asks for into floa
 AdamW's state plays no part: the first step's loss and gradients are compared before any update.
 Memory: the float64 weights and gradients (16 bytes per parameter) and one microbatch's activations
 at twice their fp32 size, beside the reference; where that is more than rank 0's host has free,
-or an allocation fails, there is no rerun and the strict verdict stands (the report says why)."""
+or an allocation fails, there is no rerun and the strict verdict stands (the report says why). The
+reference, and so the rerun, is on rank 0's CPU whatever the run's device (a CUDA run's too): the
+check reads the host's memory, not a GPU's; ``_out_of_memory`` still knows a device's failed
+allocation (``torch.OutOfMemoryError``, which ``torch.cuda.OutOfMemoryError`` is)."""
 
 from __future__ import annotations
 
