@@ -4,7 +4,10 @@ The study lives in a sqlite database at a path that does not change between invo
 (``hydra.sweeper.storage``; the sweep directory is timestamped, and does not exist yet when the
 sweeper creates the study). Running the search again continues the same study: Hydra's optuna
 sweeper loads it, and this callback lowers ``hydra.sweeper.n_trials`` by the trials already
-finished, so that ``n_trials`` is the study's total, not a count per invocation.
+finished, so that ``n_trials`` is the study's total, not a count per invocation, and offsets
+``hydra.sweeper.sampler.seed`` by the same count: the sweeper builds its sampler afresh in every
+invocation, and under the same seed its random draws (all of TPE's first ``n_startup_trials``)
+replayed the earlier invocations' parameters, measuring them again instead of trying new ones.
 """
 
 from __future__ import annotations
@@ -48,5 +51,8 @@ class ResumeStudy(Callback):
         done = finished_trials(sweeper.study_name, storage)
         with read_write(sweeper), open_dict(sweeper):
             total, sweeper.n_trials = sweeper.n_trials, max(0, sweeper.n_trials - done)
-        log.info("optuna study %r in %s: %d of n_trials=%d done, %d to run", sweeper.study_name, storage, done,
-                 total, sweeper.n_trials)
+            seed = sweeper.get("sampler", {}).get("seed")
+            if done and seed is not None:  # new draws, still a pure function of (seed, trials done)
+                sweeper.sampler.seed = seed + done
+        log.info("optuna study %r in %s: %d of n_trials=%d done, %d to run (sampler seed %s)", sweeper.study_name,
+                 storage, done, total, sweeper.n_trials, sweeper.get("sampler", {}).get("seed"))

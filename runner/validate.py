@@ -179,7 +179,7 @@ def _refuse_logging_keys(cfg: DictConfig) -> None:
 def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
             progress: Callable[[str], None]) -> Layout:
     """The stages and their placement, after every check that needs the model or the data."""
-    from runner.data.datasets import check_batches, check_vocab
+    from runner.data.datasets import check_batches, check_eval_windows, check_vocab
     from runner.losses import check_loss
     from runner.models.split import build_meta_model, check_init, check_keyword_inputs, check_shapes, plan_split
     from runner.parallel.tied import log_tied_placement
@@ -200,6 +200,8 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
     progress("config checked")
     data, kwargs = check_batches(cfg.data, seed=t.seed, batch_size=t.batch_size, seq_len=t.seq_len,
                                  splits=("train", "val") if cfg.eval.every else ("train",), microbatch=microbatch)
+    if cfg.eval.every:
+        check_eval_windows(data, eval_steps=cfg.eval.steps, batch_size=t.batch_size, seq_len=t.seq_len)
     check_loss(cfg.loss, cfg.data.get("vocab_size") or 8)
     check_keyword_inputs(meta, kwargs)
     vocab = check_shapes(meta, stages, microbatch=microbatch, seq_len=t.seq_len, kwargs=kwargs)

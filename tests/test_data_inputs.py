@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from runner.data import token_files
-from runner.data.datasets import HFData, TextData, TokensData, check_vocab
+from runner.data.datasets import HFData, TextData, TokensData, check_eval_windows, check_vocab
 from runner.data.files import text_files
-from runner.data.tokens import load_tokenizer
+from runner.data.tokens import load_tokenizer, window_index
 from runner.errors import ConfigError
 from runner.ranks.processes import spawn_reason, start_method
 from runner.validate import check_config, validate
@@ -157,6 +157,25 @@ def test_token_ids_are_checked_against_the_vocabulary_once_per_file(tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"holds token id -2 at position 17 "):
         check_vocab(TokensData(path=str(tmp_path / "ids.npy"), seed=0), None, 65)
+
+
+def test_an_evaluation_reading_a_validation_window_twice_is_refused_before_launch(tmp_path):
+    # 2000 tokens, the last 200 held out: 11 windows of 17. 3 x 4 samples would read the second
+    # epoch's permutation too: one window twice (its loss counted double), the rest once.
+    ((np.arange(2000) * 7) % 48).astype(np.uint16).tofile(tmp_path / "ids.bin")
+    data = TokensData(path=str(tmp_path / "ids.bin"), seed=0, val_fraction=0.1)
+    assert data.num_windows("val", 16) == 11 and len({window_index(n, 11, 0, "val") for n in range(12)}) == 11
+    common = [*TINY, "model=mlp", "parallel.pp=1", "data=tokens", f"data.path={tmp_path}/ids.bin",
+              "data.val_fraction=0.1", "train.batch_size=4", "parallel.microbatches=2", "eval.every=2"]
+    with pytest.raises(ConfigError, match=r"eval.steps=3 x train.batch_size=4 = 12 held-out samples, but "
+                                          r"data.path='.*ids.bin''s validation split holds 11 windows of "
+                                          r"train.seq_len \+ 1 = 17 tokens.*Fix: eval.steps=2 \(at most 2 x 4 = 8 "
+                                          r"windows\), or a larger data.val_fraction"):
+        validate(compose(*common, "eval.steps=3"), tmp_path / "over")
+    check_eval_windows(data, eval_steps=2, batch_size=4, seq_len=16)  # 8 of the 11 windows, each once
+    check_eval_windows(data, eval_steps=1, batch_size=11, seq_len=16)
+    with pytest.raises(ConfigError, match=r"= 12 held-out samples.*Fix: train.batch_size <= 11, or a larger"):
+        check_eval_windows(data, eval_steps=1, batch_size=12, seq_len=16)
 
 
 def test_validate_checks_a_token_file_against_a_hf_models_vocabulary_before_launch(tmp_path, monkeypatch):

@@ -168,20 +168,27 @@ def test_a_trained_model_exports_to_hugging_face_format_and_loads_with_from_pret
 
 
 @pytest.fixture(scope="module")
-def layouts(models, pp2, tmp_path_factory) -> dict[str, dict]:
-    """The 4-rank spawn: ``LAYOUT_CASES``, and resumes of the pp=2 run's step-3 under two layouts."""
+def layouts_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("layouts")
+
+
+@pytest.fixture(scope="module")
+def layouts(models, pp2, layouts_dir) -> dict[str, dict]:
+    """The 4-rank spawn: ``LAYOUT_CASES``, and resumes of the pp=2 run's step-3 under two layouts.
+    GPT-2 under FSDP with ZBV (its tied ends as copies on one rank) saves its last step, to export."""
     saved = pp2[0] / "gpt2-save" / "checkpoints" / "step-3"
     cases = {}
     for model in MODELS:
         for s in PP4_SCHEDULES[model]:
             cases[f"{model}-pp4-{s}"] = resolved(*_base(models[model]), *PP4, f"schedule={s}")
         for s in ("1f1b", "zbv"):
-            cases[f"{model}-fsdp-{s}"] = resolved(*_base(models[model]), *FSDP, f"schedule={s}")
+            save = ["checkpoint.every=5"] if (model, s) == ("gpt2", "zbv") else []
+            cases[f"{model}-fsdp-{s}"] = resolved(*_base(models[model]), *FSDP, f"schedule={s}", *save)
     assert list(cases) == LAYOUT_CASES
     resume = [*_base(models["gpt2"]), "train.steps=6", f"checkpoint.resume={saved}"]
     cases["resume-pp4-interleaved"] = resolved(*resume, *PP4[:1], *PP2[1:], "schedule=interleaved_1f1b")
     cases["resume-fsdp-zbv"] = resolved(*resume, *FSDP, "schedule=zbv")
-    return run_cases(tmp_path_factory.mktemp("layouts"), 4, cases)
+    return run_cases(layouts_dir, 4, cases)
 
 
 @pytest.mark.timeout(480)
@@ -189,6 +196,26 @@ def layouts(models, pp2, tmp_path_factory) -> dict[str, dict]:
 def test_pp4_and_fsdp_layouts_match_transformers_own_training(layouts, references, case):
     model, layout = case.split("-")[:2]
     assert_matches(layouts[case], references(model, PP4 if layout == "pp4" else PP2), case)
+
+
+@pytest.mark.timeout(480)
+def test_an_fsdp_trained_tied_model_exports_what_transformers_own_training_reaches(layouts, layouts_dir, references,
+                                                                                  tmp_path):
+    # pp=2 x dp=2 FSDP, ZBV: GPT-2's tied embedding and head are copies on one rank, each sharded.
+    from transformers import AutoModelForCausalLM
+
+    from runner.export import export
+
+    assert "error" not in layouts["gpt2-fsdp-zbv"], layouts["gpt2-fsdp-zbv"].get("traceback")
+    exported = export(layouts_dir / "gpt2-fsdp-zbv", tmp_path / "exported")
+    model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=False, local_files_only=True)
+    assert model.lm_head.weight is model.transformer.wte.weight and model.dtype == torch.float32
+    reference = AutoModelForCausalLM.from_config(model.config)  # transformers' own 5 steps, the same batches
+    reference.load_state_dict(references("gpt2", PP2)["state"])
+    ids = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)  # 1e-7 seen: rounding; a step's update is 1e-3
 
 
 @pytest.mark.timeout(480)

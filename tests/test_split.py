@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import ConfigError
@@ -76,6 +77,21 @@ def test_tied_weights_stay_tied_inside_a_stage_and_copies_start_equal_across_sta
     first, last = plan_split(meta, 2, None)
     head = materialize(build_meta_model(cfg.model), last, seed=0, device=CPU).get_parameter("head.weight")
     assert torch.equal(head, stage.get_parameter("embed.tok.weight"))  # the embedding's value, as unsplit
+
+
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_a_tied_builtin_starts_near_a_uniform_guess_and_an_untied_one_keeps_torchs_init(model):
+    # Tied, the token table is the head: at torch's N(0, 1) the logits were ~sqrt(dim) = 5.7 wide
+    # and the first loss 19.6 (transformer; mlp 20.3) where ln(48) = 3.87. At the head's scale,
+    # N(0, 1/dim): 4.34 (4.36). Untied, nothing changes: torch's N(0, 1) table, 4.13 (4.13).
+    x, y = torch.randint(48, (2, 8, 16), generator=torch.Generator().manual_seed(1))
+    for tied, (std, loss) in {"true": (32 ** -0.5, 4.34), "false": (1.0, 4.13)}.items():
+        stage = _full(compose(*TINY, f"model={model}", "model.n_layers=2", f"model.tie_embeddings={tied}"))
+        table = stage.get_parameter("embed.tok.weight")
+        assert table.std().item() == pytest.approx(std, rel=0.05)
+        assert stage.get_parameter("head.weight") is table if tied == "true" else table.std() > 0.9
+        logits = stage.spec.run(stage, stage.units, x, {})
+        assert F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() == pytest.approx(loss, abs=0.03)
 
 
 class _Scale(nn.Module):

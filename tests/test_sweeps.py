@@ -157,6 +157,32 @@ def test_optuna_study_persists_resumes_up_to_n_trials_and_its_exit_status_says_t
                               storage=f"sqlite:///{tmp_path / 'multirun' / 'studies' / 'pipeline_schedule.db'}")
     states = [t.state.name for t in study.trials]
     assert len(states) == 4 and states.count("COMPLETE") == 2 and states.count("FAIL") == 2
+    # The sampler's seed moved on by the 3 trials done: the new trial is not trial 0's draw again.
+    assert study.trials[3].params != study.trials[0].params, [t.params for t in study.trials]
+
+
+def test_a_resumed_study_counts_its_finished_trials_and_draws_from_a_seed_moved_on_by_them(tmp_path):
+    import optuna
+    from omegaconf import OmegaConf
+
+    from runner.study import ResumeStudy
+
+    storage = f"sqlite:///{tmp_path / 'studies' / 'search.db'}"
+
+    def start(seed):
+        config = OmegaConf.create({"hydra": {"sweeper": {"storage": storage, "study_name": "search", "n_trials": 5,
+                                                         "sampler": {"seed": seed}}}})
+        ResumeStudy().on_multirun_start(config)
+        return config.hydra.sweeper
+
+    assert (start(0).n_trials, start(0).sampler.seed) == (5, 0)  # a new study: as configured
+    study = optuna.create_study(study_name="search", storage=storage, direction="maximize")
+    for value in (1.0, None):  # one complete, one failed: both finished
+        trial = study.ask()
+        study.tell(trial, value, state=optuna.trial.TrialState.COMPLETE if value else optuna.trial.TrialState.FAIL)
+    study.ask()  # running (an invocation killed mid-trial): not finished
+    assert (start(0).n_trials, start(0).sampler.seed) == (3, 2)
+    assert start(None).sampler.seed is None  # unseeded: nothing to move on
 
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -27,8 +27,8 @@ from runner.data.token_files import as_stream, check_ids, open_tokens
 from runner.data.tokens import TokenStream, dataset_documents, load_tokenizer, text_documents
 from runner.errors import ConfigError
 
-__all__ = ["SPLITS", "build_dataset", "get_batch", "check_batches", "check_vocab", "SyntheticData", "TextData",
-           "HFData", "TokensData"]
+__all__ = ["SPLITS", "build_dataset", "get_batch", "check_batches", "check_eval_windows", "check_vocab",
+           "SyntheticData", "TextData", "HFData", "TokensData"]
 
 SPLITS = ("train", "val")
 
@@ -180,6 +180,24 @@ def check_batches(data_cfg: DictConfig, *, seed: int, batch_size: int, seq_len: 
                 f"{(batch_size, seq_len)} and batch-first tensors. Fix: the dataset's batch()."
             )
     return data, {k: v[:microbatch] for k, v in kwargs.items()}
+
+
+def check_eval_windows(data, *, eval_steps: int, batch_size: int, seq_len: int) -> None:
+    """An evaluation reads ``eval_steps x batch_size`` held-out samples: from a token stream's
+    validation windows, each at most once (more would read some windows twice and others once,
+    weighting the held-out loss unevenly), so more than there are is refused before launch."""
+    if not isinstance(data, TokenStream):
+        return  # synthetic and user datasets draw their own held-out batches
+    windows = data.num_windows("val", seq_len)
+    if 1 <= windows < eval_steps * batch_size:
+        fits = windows // batch_size
+        fix = (f"eval.steps={fits} (at most {fits} x {batch_size} = {fits * batch_size} windows)" if fits else
+               f"train.batch_size <= {windows}")
+        raise ConfigError(
+            f"eval.steps={eval_steps} x train.batch_size={batch_size} = {eval_steps * batch_size} held-out samples, "
+            f"but {data.key}={data.source!r}'s validation split holds {windows} windows of train.seq_len + 1 = "
+            f"{seq_len + 1} tokens: an evaluation would read some windows twice and others once. "
+            f"Fix: {fix}, or a larger data.val_fraction.")
 
 
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:

@@ -66,13 +66,18 @@ class TokenStream:
         cut = len(tokens) - int(len(tokens) * val_fraction)
         self.splits = {"train": (0, cut), "val": (cut, len(tokens))}
 
+    def num_windows(self, split: str, seq_len: int) -> int:
+        """How many windows of ``seq_len + 1`` tokens ``split`` holds."""
+        start, end = self.splits[split]
+        return (end - start) // (seq_len + 1)
+
     def batch(self, step: int, batch_size: int, seq_len: int, *, split: str = "train"):
         """Step ``step``'s batch (steps are numbered from 1): samples ``(step - 1) * batch_size`` on."""
         if step < 1:
             raise ValueError(f"step {step}: steps are numbered from 1")
         start, end = self.splits[split]
         window = seq_len + 1
-        windows = (end - start) // window
+        windows = self.num_windows(split, seq_len)
         if windows < 1:
             raise ConfigError(
                 f"{self.key}={self.source!r}: its {split} split holds {end - start} tokens, fewer than "

@@ -34,12 +34,26 @@ TP_PLAN = {
 }
 
 
-class Embedding(nn.Module):
-    """Token plus learned position embedding (a position table needs no buffer)."""
+class Table(nn.Embedding):
+    """An ``nn.Embedding`` initialised N(0, ``std``) (torch's own: N(0, 1))."""
 
-    def __init__(self, vocab_size: int, max_seq_len: int, dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, std: float = 1.0):
+        self.std = std  # read by reset_parameters, which nn.Embedding's __init__ calls
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.std)
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding (a position table needs no buffer). A token table
+    the head shares (``tied``) starts at the head's scale, N(0, 1/dim) (torchtitan's init of its
+    output layer): at torch's N(0, 1) the logits were ~sqrt(dim) wide and the first loss ~5x
+    ln(vocab_size)."""
+
+    def __init__(self, vocab_size: int, max_seq_len: int, dim: int, *, tied: bool = False):
         super().__init__()
-        self.tok = nn.Embedding(vocab_size, dim)
+        self.tok = Table(vocab_size, dim, std=dim ** -0.5 if tied else 1.0)
         self.pos = nn.Embedding(max_seq_len, dim)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -137,7 +151,7 @@ def transformer(
 ) -> nn.Sequential:
     """Small decoder-only LM: ``embed, block0..block{n_layers-1}, norm, head``."""
     blocks = [Block(dim, n_heads, ffn_mult) for _ in range(n_layers)]
-    embed = Embedding(vocab_size, max_seq_len, dim)
+    embed = Embedding(vocab_size, max_seq_len, dim, tied=tie_embeddings)
     return _sequential(embed, blocks, dim, vocab_size, tie_embeddings)
 
 
@@ -152,5 +166,5 @@ def mlp(
 ) -> nn.Sequential:
     """Token MLP: ``embed, block0..block{n_layers-1}, norm, head``; cheap, for quick runs."""
     blocks = [MLPBlock(dim, ffn_mult) for _ in range(n_layers)]
-    embed = Embedding(vocab_size, max_seq_len, dim)
+    embed = Embedding(vocab_size, max_seq_len, dim, tied=tie_embeddings)
     return _sequential(embed, blocks, dim, vocab_size, tie_embeddings)

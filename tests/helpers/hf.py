@@ -138,4 +138,5 @@ def hf_training(cfg: DictConfig, steps: int) -> dict:
             out["clipped"] = collect_grads([model])
         optimizer.step()
         scheduler.step()
+    out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the trained weights
     return out
