@@ -169,12 +169,15 @@ def test_an_evaluation_reading_a_validation_window_twice_is_refused_before_launc
               "data.val_fraction=0.1", "train.batch_size=4", "parallel.microbatches=2", "eval.every=2"]
     with pytest.raises(ConfigError, match=r"eval.steps=3 x train.batch_size=4 = 12 held-out samples, but "
                                           r"data.path='.*ids.bin''s validation split holds 11 windows of "
-                                          r"train.seq_len \+ 1 = 17 tokens.*Fix: eval.steps=2 \(at most 2 x 4 = 8 "
-                                          r"windows\), or a larger data.val_fraction"):
+                                          r"train.seq_len \+ 1 = 17 tokens: an evaluation would read 1 of them once "
+                                          r"more than the others.*Fix: eval.steps=2 \(8 samples\) or eval.steps=11 "
+                                          r"\(44 samples\)"):
         validate(compose(*common, "eval.steps=3"), tmp_path / "over")
     check_eval_windows(data, eval_steps=2, batch_size=4, seq_len=16)  # 8 of the 11 windows, each once
-    check_eval_windows(data, eval_steps=1, batch_size=11, seq_len=16)
-    with pytest.raises(ConfigError, match=r"= 12 held-out samples.*Fix: train.batch_size <= 11, or a larger"):
+    check_eval_windows(data, eval_steps=1, batch_size=11, seq_len=16)  # each window once
+    check_eval_windows(data, eval_steps=11, batch_size=2, seq_len=16)  # each window twice
+    with pytest.raises(ConfigError, match=r"= 12 held-out samples.*read 1 of them once more.*Fix: eval.steps=11 "
+                                          r"\(132 samples\) \(at most one pass"):
         check_eval_windows(data, eval_steps=1, batch_size=12, seq_len=16)
 
 

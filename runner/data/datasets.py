@@ -11,6 +11,7 @@ corpora are token streams (``runner.data.tokens``; ``runner.data.token_files``).
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -183,21 +184,25 @@ def check_batches(data_cfg: DictConfig, *, seed: int, batch_size: int, seq_len: 
 
 
 def check_eval_windows(data, *, eval_steps: int, batch_size: int, seq_len: int) -> None:
-    """An evaluation reads ``eval_steps x batch_size`` held-out samples: from a token stream's
-    validation windows, each at most once (more would read some windows twice and others once,
-    weighting the held-out loss unevenly), so more than there are is refused before launch."""
+    """An evaluation reads ``eval_steps x batch_size`` held-out samples, epoch after epoch of a token
+    stream's validation windows (a permutation each). Each window then weighs the same in the
+    held-out loss where the reads are at most one epoch or whole epochs of them; otherwise some
+    windows would be read once more than the others, so that is refused before launch."""
     if not isinstance(data, TokenStream):
         return  # synthetic and user datasets draw their own held-out batches
-    windows = data.num_windows("val", seq_len)
-    if 1 <= windows < eval_steps * batch_size:
-        fits = windows // batch_size
-        fix = (f"eval.steps={fits} (at most {fits} x {batch_size} = {fits * batch_size} windows)" if fits else
-               f"train.batch_size <= {windows}")
-        raise ConfigError(
-            f"eval.steps={eval_steps} x train.batch_size={batch_size} = {eval_steps * batch_size} held-out samples, "
-            f"but {data.key}={data.source!r}'s validation split holds {windows} windows of train.seq_len + 1 = "
-            f"{seq_len + 1} tokens: an evaluation would read some windows twice and others once. "
-            f"Fix: {fix}, or a larger data.val_fraction.")
+    windows, reads = data.num_windows("val", seq_len), eval_steps * batch_size
+    if windows < 1 or reads <= windows or reads % windows == 0:
+        return
+    whole = windows // math.gcd(batch_size, windows)  # eval.steps of whole passes are its multiples
+    below = max(windows // batch_size, (eval_steps - 1) // whole * whole)  # one pass at most, or whole ones
+    above = (eval_steps // whole + 1) * whole
+    fixes = " or ".join(f"eval.steps={k} ({k * batch_size} samples)" for k in (below, above) if k)
+    raise ConfigError(
+        f"eval.steps={eval_steps} x train.batch_size={batch_size} = {reads} held-out samples, but "
+        f"{data.key}={data.source!r}'s validation split holds {windows} windows of train.seq_len + 1 = "
+        f"{seq_len + 1} tokens: an evaluation would read {reads % windows} of them once more than the others, "
+        f"weighting the held-out loss unevenly. Fix: {fixes} (at most one pass over the windows, or whole "
+        f"passes), or another data.val_fraction.")
 
 
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:
