@@ -208,11 +208,10 @@ def test_the_builtin_plan_shards_every_block_and_the_vocabulary_and_keeps_norms_
 
 
 @pytest.mark.parametrize("family,schedule", [(f, s) for f, schedules in HF_FAMILIES.items() for s in schedules])
-def test_hf_tp_stages_keep_a_sharded_module(tmp_path, family, schedule):
+def test_hf_tp_stages_keep_a_sharded_module(models, family, schedule):
     """The Hugging Face cases' 2 decoder layers (``HF_LAYERS``): every stage of every placement at
     pp=2 holds a module transformers' plan shards."""
-    path = write_model(tmp_path / family, family, weights=False, layers=HF_LAYERS)
-    cfg = compose(*_hf_base(path), "model.pretrained=false", *TP2, f"schedule={schedule}")
+    cfg = compose(*_hf_base(models[family]), *TP2, f"schedule={schedule}")
     meta = build_meta_model(cfg.model).module
     planned = stage_plan(meta, model_plan(meta))
     for units in validate(cfg).layout.stages:
