@@ -3,6 +3,7 @@ share otherwise is in ``helpers/``."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -16,6 +17,33 @@ if TESTS not in sys.path:  # `helpers` imports in any import mode; spawned ranks
 from helpers import tier  # noqa: E402
 
 tier.install()
+
+
+# The collector's full passes walk every object of this process, and a test session's heap is large
+# (torch, Hydra, transformers, every test module): at ~0.2 s a pass they were seconds of each file.
+# What is alive as a test module begins (imports, session fixtures, the pools) is frozen
+# (``gc.freeze``), after a collection: later passes walk what the module itself made. Frozen
+# objects are still freed when their references go; only a cycle among them would wait, and a
+# module's garbage is collected before its objects are frozen.
+_frozen_at: list[object] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session):
+    gc.disable()  # importing the test modules makes few cycles; each pass then walked the growing heap
+
+
+def pytest_collection_finish(session):
+    gc.enable()
+    gc.collect()
+    gc.freeze()
+
+
+def _freeze_before_module(item) -> None:
+    if _frozen_at[:1] != [item.module]:  # the module's first test, before its module-scoped fixtures
+        _frozen_at[:] = [item.module]
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
@@ -43,6 +71,7 @@ _threads: list[int] = []
 def pytest_runtest_setup(item):
     # Before the test's fixtures, module-scoped ones (a shared spawn, its references) included.
     # The test process runs references next to spawned ranks on 2 cores: keep it to one thread.
+    _freeze_before_module(item)
     _threads[:] = [torch.get_num_threads()]
     torch.set_num_threads(1)
     tier.begin(item.nodeid, marked=item.get_closest_marker("multiprocess") is not None)

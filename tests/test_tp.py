@@ -34,6 +34,10 @@ TP2 = [*PP2, "parallel.tp=2"]
 SHALLOW = ["model.n_layers=2"]
 BUILTIN = [*TINY, *SHALLOW]
 HF_FAMILIES = {"llama": SCHEDULES, "qwen3": ["1f1b", "zbv"]}
+# The Hugging Face models of the spawn (and their references and rehearsal) with 2 decoder layers,
+# not 6, for the same reason: 5 units still give every stage of every placement at pp=2 a module
+# transformers' plan shards (test_hf_tp_stages_keep_a_sharded_module).
+HF_LAYERS = 2
 
 
 def _hf_base(path: Path) -> list[str]:
@@ -44,7 +48,7 @@ def _hf_base(path: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-models")
-    return {family: write_model(root / family, family, weights=True) for family in HF_FAMILIES}
+    return {family: write_model(root / family, family, weights=True, layers=HF_LAYERS) for family in HF_FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +207,17 @@ def test_the_builtin_plan_shards_every_block_and_the_vocabulary_and_keeps_norms_
     assert not any("norm" in n or n == "embed.pos" for n in planned)
 
 
+@pytest.mark.parametrize("family,schedule", [(f, s) for f, schedules in HF_FAMILIES.items() for s in schedules])
+def test_hf_tp_stages_keep_a_sharded_module(models, family, schedule):
+    """The Hugging Face cases' 2 decoder layers (``HF_LAYERS``): every stage of every placement at
+    pp=2 holds a module transformers' plan shards."""
+    cfg = compose(*_hf_base(models[family]), *TP2, f"schedule={schedule}")
+    meta = build_meta_model(cfg.model).module
+    planned = stage_plan(meta, model_plan(meta))
+    for units in validate(cfg).layout.stages:
+        assert any(n == u or n.startswith(f"{u}.") for n in planned for u in units), (schedule, units)
+
+
 @pytest.mark.parametrize("schedule", [*SCHEDULES, "zbh1"])
 def test_tp_stages_keep_a_sharded_module(schedule):
     """The built-in cases' 2 blocks (``BUILTIN``): every stage of every placement at pp=2 holds a
@@ -286,14 +301,15 @@ def test_the_degrees_multiply_into_the_world_size_with_tp_innermost():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_verify(models, tmp_path):
+def test_the_command_line_trains_a_hugging_face_model_at_pp2_tp2_with_zbv_and_verify(tmp_path):
     """The issue's command, as a user types it: 4 ranks, verify passes, and the tensor-parallel
     all-reduces are in every rank's trace."""
     import json
 
     from helpers.cli import run_cli
 
-    done = run_cli("model=hf", f"model.path={models['llama']}", "parallel.pp=2", "parallel.tp=2", "schedule=zbv",
+    llama = write_model(tmp_path / "llama", "llama", weights=True)  # 6 layers: each of the 4 stages runs some
+    done = run_cli("model=hf", f"model.path={llama}", "parallel.pp=2", "parallel.tp=2", "schedule=zbv",
                    "verify=true", "train.steps=2", "train.seq_len=16", "data.vocab_size=64", "profile.enabled=true",
                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

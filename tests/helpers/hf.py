@@ -13,10 +13,11 @@ VOCAB = 64
 LAYERS = 6  # 9 units: enough for 8 stages
 
 
-def family_configs() -> dict:
+def family_configs(layers: int = LAYERS) -> dict:
+    """Each family's tiny config, with ``layers`` decoder layers."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)
     return {
@@ -25,19 +26,19 @@ def family_configs() -> dict:
         "mistral": MistralConfig(**common, sliding_window=5),
         "qwen2": Qwen2Config(**common, use_sliding_window=True, sliding_window=5, max_window_layers=2),
         "qwen3": Qwen3Config(**common, head_dim=8),
-        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, bos_token_id=1,
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64, bos_token_id=1,
                            eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     }
 
 
-def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0,
+def write_model(directory: Path, family: str, *, weights: bool, seed: int = 0, layers: int = LAYERS,
                 dtype: torch.dtype | None = None, max_shard_size: str | None = None, **config_changes) -> Path:
     """``save_pretrained`` of a tiny model of ``family``: with random weights, or its config only.
-    ``dtype``: stored in it, and named in config.json (as real bf16 checkpoints are);
+    ``layers``: its decoder layers; ``dtype``: stored in it, and named in config.json (as real bf16 checkpoints are);
     ``max_shard_size``: several safetensors files and their index, as large checkpoints come."""
     from transformers import AutoModelForCausalLM
 
-    config = family_configs()[family]
+    config = family_configs(layers)[family]
     for key, value in config_changes.items():
         setattr(config, key, value)
     if weights:
