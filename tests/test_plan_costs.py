@@ -384,5 +384,7 @@ def test_a_costs_file_names_its_tied_weight_and_the_plan_and_its_search_count_th
     out.mkdir()
     main_from_costs(compose(f"plan.costs={tmp_path / 'tied.yaml'}", "plan.comm_latency_s=1e-4",
                             "plan.comm_bandwidth=1e9"), out)
+    printed = capsys.readouterr().out
     assert (f"tied weight: stages 0/3 meet to sum its gradient, {meet * 1e3:.3f} ms (a ring all-reduce on 100 us + "
-            "bytes / 1.0 GB/s: plan.comm_latency_s, plan.comm_bandwidth)") in capsys.readouterr().out
+            "bytes / 1.0 GB/s: plan.comm_latency_s, plan.comm_bandwidth)") in printed
+    assert "(steps: the pipeline and its tied sum)" in printed  # not "the pipeline alone"
