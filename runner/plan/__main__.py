@@ -181,7 +181,7 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
           f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline"
           f"{' and its tied sum' if given.tied else ' alone'}"
           f"{'' if cfg.plan.barrier else ', overlapping: the steady step of steps back to back, plan.barrier=false'})")
-    print(tied_line(given, link))
+    print(_tied_line(given, link))
     print(table(candidates))
     for line in search_report(candidates):
         print(line)
@@ -198,7 +198,7 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     return command
 
 
-def tied_line(given: GivenCosts, link: Link) -> str:
+def _tied_line(given: GivenCosts, link: Link) -> str:
     """What a costs file's plan says of a tied weight: the sum it models, or that it models none."""
     if not given.tied:
         return ("tied weights: none modelled (the file has no tied key; a model whose embedding and head share "
