@@ -17,7 +17,6 @@ model, fault injection, the tests' gradient probes."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -37,7 +36,7 @@ from runner.faults import commit_fault, fault_hooks
 from runner.hooks import Hook, StepContext, StepState
 from runner.layout import ResolvedRun
 from runner.losses import counted_targets
-from runner.models.split import StageModule
+from runner.models.split import StageModule, seed_for
 from runner.optim import UpdateSnapshot, build_optimizer, clip_coefficient, clip_grads
 from runner.options import OptimizerSync
 from runner.outputs.metrics import (
@@ -60,7 +59,7 @@ from runner.ranks.processes import raise_if_stopped
 from runner.ranks.watchdog import beat, busy, waiting
 from runner.verify.hook import Verify
 
-__all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm", "start_reduce", "seed_dropout"]
+__all__ = ["TrainResult", "Trainer", "train", "reduce_loss_and_grad_norm", "start_reduce"]
 
 log = logging.getLogger(__name__)
 
@@ -223,20 +222,18 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None, devic
         torch.cuda.set_rng_state(state[1], device)
 
 
-def seed_dropout(seed: int, pp_rank: int, device: torch.device) -> int:
+def _seed_dropout(seed: int, pp_rank: int, device: torch.device) -> None:
     """Seed the generators a forward and backward draws from (dropout) from ``train.seed`` and this
-    rank's pipeline coordinate, and return the seed. As torchtitan seeds them: each pipeline rank
-    its own (its stages are other layers: a shared seed drew the same masks in block 0 on rank 0 as
-    in block 1 on rank 1), the same across dp and tp (a tp shard's replicated activations must drop
-    the same elements as its peers'). Before, nothing seeded them: a rank drew from whatever state
-    its process held (a second ``runner.run`` in one process, a notebook's draws, pooled ranks)."""
-    digest = hashlib.sha256(f"{seed}/dropout/pp{pp_rank}".encode()).digest()
-    value = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    rank's pipeline coordinate. As torchtitan seeds them: each pipeline rank its own (its stages
+    are other layers: a shared seed drew the same masks in block 0 on rank 0 as in block 1 on rank
+    1), the same across dp and tp (a tp shard's replicated activations must drop the same elements
+    as its peers'). Before, nothing seeded them: a rank drew from whatever state its process held
+    (a second ``runner.run`` in one process, a notebook's draws, pooled ranks)."""
+    value = seed_for(seed, f"dropout/pp{pp_rank}")
     torch.default_generator.manual_seed(value)  # not torch.manual_seed: it queues every accelerator's too
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(value)
-    return value
 
 
 class Trainer:
@@ -269,7 +266,7 @@ class Trainer:
         resolved, cfg, env, t = self.resolved, self.cfg, self.env, self.resolved.train
         self.data = build_dataset(cfg.data, seed=t.seed)
         self.mesh = build_mesh(env, resolved.dims)
-        seed_dropout(t.seed, self.mesh.pp_rank, env.device)  # a resumed run's checkpoint restores its own
+        _seed_dropout(t.seed, self.mesh.pp_rank, env.device)  # a resumed run's checkpoint restores its own
         example = (_replica_share(get_batch(self.data, 1, resolved.batch_size, resolved.seq_len), self.mesh, env.device)
                    if self.static_stages else None)
         self.step_fn, self.tied = build_step(resolved, cfg, env, self.mesh, example=example)

@@ -19,6 +19,7 @@ from runner.launch import launch
 from runner.pipeline.schedule import SCHEDULES
 from runner.plan.__main__ import _no_valid_candidate
 from runner.plan.planner import Candidate, check_plan_keys, check_schedules, plan, tried_schedules
+from runner.plan.target import plan_target
 from runner.ranks.dist import init_distributed
 from runner.validate import check_config, validate
 
@@ -47,7 +48,16 @@ def test_the_planners_own_keys_are_checked_once_before_anything_is_timed(tmp_pat
         check_plan_keys(compose(*common, "plan.microbatches=[3,5]"))
     with pytest.raises(ConfigError, match=r"plan.microbatches=\[\]"):
         check_plan_keys(compose(*common, "plan.microbatches=[]"))
-    check_plan_keys(compose(*common, "plan.memory_limit=2GB"))  # a valid one passes
+    # The link (plan.comm_*): a zero bandwidth divided by zero in plan.target, a negative one made no candidate.
+    for override, shown in (("plan.comm_bandwidth=0", "plan.comm_bandwidth=0"),
+                            ("plan.comm_bandwidth=-5", "plan.comm_bandwidth=-5"),
+                            ("plan.comm_latency_s=-1e-6", "plan.comm_latency_s=-1e-06")):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{shown}: .* Fix: e\.g\. {key}=\S+, or null for that default\.$"):
+            check_plan_keys(compose(*common, override))
+    with pytest.raises(ConfigError, match=r"plan.comm_bandwidth=0: a link's bandwidth is a positive number"):
+        plan_target(compose(*TINY, "plan.target=nvidia a100", "plan.world_size=2", "plan.comm_bandwidth=0"))
+    check_plan_keys(compose(*common, "plan.memory_limit=2GB", "plan.comm_latency_s=0"))  # a valid one passes
 
 
 @pytest.mark.timeout(60)

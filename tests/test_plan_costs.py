@@ -179,6 +179,14 @@ BAD = [({"pp": 8, "microbatches": 24, "F": 1, "B": 1}, r"no W\. Fix: add W"),
         r"memory_limit='1e999' is not a memory size"),
        ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": [0, 1]},
         r"tied=\[0, 1\] is not a mapping of stages and bytes.*Fix: tied: \{stages: \[0, 1\], bytes"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": [{"stages": [0, 1], "bytes": 8},
+                                                                  {"stages": [0, 1], "bytes": 4}]},
+        r"tied=\[\{.*\}\] is not a mapping of stages and bytes \(a file names one tied weight; several on the same "
+        r"stages: one entry, their bytes summed\)\. Fix"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stages": [0, 1]}},
+        r"tied=\{'stages': \[0, 1\]\} lacks bytes\. Fix: tied: \{stages"),
+       ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stage": [0, 1], "bytes": 8}},
+        r"tied=\{'bytes': 8, 'stage': \[0, 1\]\} lacks stages; has unknown key\(s\) \['stage'\]\. Fix"),
        ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stages": [0, 0], "bytes": 8}},
         r"tied.stages=\[0, 0\] is not a list of two or more distinct stages of 0 to 1"),
        ({"pp": 2, "microbatches": 4, "F": 1, "B": 1, "W": 1, "tied": {"stages": [0, 2], "bytes": 8}},
@@ -384,5 +392,7 @@ def test_a_costs_file_names_its_tied_weight_and_the_plan_and_its_search_count_th
     out.mkdir()
     main_from_costs(compose(f"plan.costs={tmp_path / 'tied.yaml'}", "plan.comm_latency_s=1e-4",
                             "plan.comm_bandwidth=1e9"), out)
+    printed = capsys.readouterr().out
     assert (f"tied weight: stages 0/3 meet to sum its gradient, {meet * 1e3:.3f} ms (a ring all-reduce on 100 us + "
-            "bytes / 1.0 GB/s: plan.comm_latency_s, plan.comm_bandwidth)") in capsys.readouterr().out
+            "bytes / 1.0 GB/s: plan.comm_latency_s, plan.comm_bandwidth)") in printed
+    assert "(steps: the pipeline and its tied sum)" in printed  # not "the pipeline alone"

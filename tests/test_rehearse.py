@@ -145,6 +145,8 @@ def test_stages_check_their_outputs_as_torch_2_13_does(monkeypatch):
      "parallel.sequence_parallel=true shards the sequence over parallel.tp=2, but train.seq_len=7 does not divide. "
      "Fix: a rehearse.time_seq_len they take (what they ask of train.seq_len: train.seq_len a multiple of 2)"),
     (["parallel.microbatches=3", "train.batch_size=8"], "microbatches"),  # a layout the run's checks refuse
+    (["plan.comm_bandwidth=0"], "plan.comm_bandwidth=0: a link's bandwidth is a positive number of bytes/s"),  # the
+    # link the step is composed on, read after the ranks ran: a ZeroDivisionError there before
 ])
 def test_bad_rehearsal_input_is_refused_before_anything_is_built(overrides, expected, tmp_path):
     from runner.errors import ConfigError

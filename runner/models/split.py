@@ -29,7 +29,7 @@ from runner.errors import ConfigError
 from runner.models.units import ModelSpec, describe_names, spec_for, tied_groups
 
 __all__ = ["StageModule", "MetaModel", "build_meta_model", "split_by_cost", "plan_split", "check_shapes", "stage_io",
-           "check_init", "check_keyword_inputs", "stage_skeleton", "fill", "materialize", "tied_groups",
+           "seed_for", "check_init", "check_keyword_inputs", "stage_skeleton", "fill", "materialize", "tied_groups",
            "tied_stages"]
 
 log = logging.getLogger("runner.split")  # named as before runner/ became packages (runner.log)
@@ -308,7 +308,9 @@ def stage_io(meta: MetaModel, stages: Sequence[Sequence[str]], *, microbatch: in
     return out
 
 
-def _seed_for(seed: int, name: str) -> int:
+def seed_for(seed: int, name: str) -> int:
+    """A 63-bit generator seed drawn from the run seed and ``name`` (a module's full name; a
+    pipeline rank's dropout: ``runner.train``), the same in every process."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -320,7 +322,7 @@ def _seeded(seed: int, name: str) -> Iterator[None]:
     ``fork_rng(devices=[])`` does not restore, and without CUDA queues each call with its stack
     formatted (milliseconds per module, kept for the process's life)."""
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(_seed_for(seed, name))
+        torch.default_generator.manual_seed(seed_for(seed, name))
         yield
 
 

@@ -79,9 +79,10 @@ class Recorder:
         self.steps: list[StepSpan] = []
         self._now = now
         self.device: DeviceSpans[Action | StepSpan] | None = DeviceSpans(event, now) if event is not None else None
-        # Called before an action's start and end are read, while active: a rehearsal waits for the
-        # device there (``runner.rehearse.rank``), so that a CUDA action's time is its kernels', not
-        # their launch (kernels run after their calls return). None: the host's clock as it is.
+        # Called before a span's start and end are read (an action's, a pipeline step's), while active
+        # and without device events: a rehearsal waits for the device there (``wait_for_device``, set
+        # by ``runner.rehearse.rank``), so that a CUDA span's time is its kernels', not their launch
+        # (kernels run after their calls return). None: the host's clock as it is.
         self.synchronize: Callable[[], None] | None = None
 
     def wait_for_device(self, synchronize: Callable[[], None]) -> None:

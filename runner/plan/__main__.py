@@ -170,17 +170,18 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     and ``plan_timeline.json`` (the recommended candidate's) into ``out``; ``RunnerError`` (exit
     3) when nothing fits the file's memory_limit. Returns the best candidate's command."""
     given = read_costs(cfg.plan.costs, cfg.plan.memory_limit)  # plan.memory_limit, if given, replaces the file's
+    link = configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)  # what a tied weight's sum is priced on
     candidates, timelines = plan_from_costs(given, out, budget=cfg.plan.search_budget, seed=cfg.plan.search_seed,
-                                            tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier,
-                                            link=configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth))
+                                            tie_tolerance=cfg.plan.tie_tolerance, barrier=cfg.plan.barrier, link=link)
     committed, steps = committed_steps(cfg)
     for c in candidates:  # plan.barrier=false: the steps validated at their own end, over the run's
         c.amortize(committed, steps)
     (out / "plan.json").write_text(json.dumps([asdict(c) for c in candidates], indent=2) + "\n")
     print(f"costs from {given.path}: pp={given.pp}, m={given.microbatches}, messages {given.comm_s * 1e3:.3f} ms, "
-          f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline alone"
+          f"M_W/M_B {given.weight_grad_fraction}, memory limit {given.memory_limit} (steps: the pipeline"
+          f"{' and its tied sum' if given.tied else ' alone'}"
           f"{'' if cfg.plan.barrier else ', overlapping: the steady step of steps back to back, plan.barrier=false'})")
-    print(tied_line(given, configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)))
+    print(_tied_line(given, link))
     print(table(candidates))
     for line in search_report(candidates):
         print(line)
@@ -197,7 +198,7 @@ def main_from_costs(cfg: DictConfig, out: Path) -> str:
     return command
 
 
-def tied_line(given: GivenCosts, link: Link) -> str:
+def _tied_line(given: GivenCosts, link: Link) -> str:
     """What a costs file's plan says of a tied weight: the sum it models, or that it models none."""
     if not given.tied:
         return ("tied weights: none modelled (the file has no tied key; a model whose embedding and head share "

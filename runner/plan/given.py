@@ -155,8 +155,15 @@ def _tied(path: str, data: dict, pp: int) -> tuple[TiedSpan, ...]:
     fix = (f"tied: {{stages: [0, {pp - 1}], bytes: <bytes>}}: the stages holding a tied weight's copies (two or "
            f"more of 0 to {pp - 1}) and the bytes of the gradient each of them sums (fp32: 4 per parameter), or no "
            "tied key for a model without one.")
-    if not isinstance(value, dict) or sorted(value) != ["bytes", "stages"]:
-        raise _bad(path, "tied", value, "is not a mapping of stages and bytes", fix)
+    if not isinstance(value, dict):
+        several = isinstance(value, list) and value and all(isinstance(v, dict) for v in value)
+        raise _bad(path, "tied", value, "is not a mapping of stages and bytes" +
+                   (" (a file names one tied weight; several on the same stages: one entry, their bytes summed)"
+                    if several else ""), fix)
+    missing, unknown = sorted({"stages", "bytes"} - set(value)), sorted(set(value) - {"stages", "bytes"}, key=str)
+    if missing or unknown:
+        raise _bad(path, "tied", value, "; ".join([f"lacks {', '.join(missing)}"] * bool(missing) +
+                                                  [f"has unknown key(s) {unknown}"] * bool(unknown)), fix)
     stages = value["stages"]
     if (not isinstance(stages, list) or len(set(map(repr, stages))) < 2
             or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < pp for s in stages)):

@@ -8,7 +8,10 @@ rehearsal's ``plan.comm_*``."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+from runner.errors import ConfigError
 
 if TYPE_CHECKING:
     from runner.layout import TiedSpan
@@ -28,9 +31,19 @@ DEFAULT_LINK = Link(10e-6, 50e9)  # a 400 Gbit/s link per device
 
 
 def configured_link(latency_s: float | None, bandwidth: float | None) -> Link:
-    """``plan.comm_latency_s`` / ``plan.comm_bandwidth``, each null one ``DEFAULT_LINK``'s."""
-    return Link(DEFAULT_LINK.latency_s if latency_s is None else float(latency_s),
+    """``plan.comm_latency_s`` / ``plan.comm_bandwidth``, each null one ``DEFAULT_LINK``'s; a
+    negative latency or a bandwidth that is not positive is a ``ConfigError`` (a zero bandwidth
+    divided by zero, a negative one made every step negative)."""
+    link = Link(DEFAULT_LINK.latency_s if latency_s is None else float(latency_s),
                 DEFAULT_LINK.bandwidth if bandwidth is None else float(bandwidth))
+    if not (math.isfinite(link.latency_s) and link.latency_s >= 0):
+        raise ConfigError(f"plan.comm_latency_s={link.latency_s:g}: a message's latency is a time of 0 seconds or "
+                          f"more. Fix: e.g. plan.comm_latency_s={DEFAULT_LINK.latency_s:g}, or null for that default.")
+    if not (math.isfinite(link.bandwidth) and link.bandwidth > 0):
+        raise ConfigError(f"plan.comm_bandwidth={link.bandwidth:g}: a link's bandwidth is a positive number of "
+                          f"bytes/s. Fix: e.g. plan.comm_bandwidth={DEFAULT_LINK.bandwidth:g}, or null for that "
+                          "default.")
+    return link
 
 
 def ring_all_reduce_s(nbytes: float, ranks: int, link: Link, *, gather: bool = False) -> float:

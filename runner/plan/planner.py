@@ -50,7 +50,7 @@ from runner.plan import tp_cost
 from runner.plan.calibrate import Calibration, calibrate
 from runner.plan.costs import ChildCost, measure_child_costs
 from runner.plan.given import check_fraction, is_costs_file, memory_limit
-from runner.plan.link import tied_meetings
+from runner.plan.link import configured_link, tied_meetings
 from runner.plan.memory import annotate_memory, rank_params
 from runner.plan.probe import (
     Fit,
@@ -553,6 +553,7 @@ def check_plan_keys(cfg: DictConfig) -> None:
     check_schema(cfg)
     memory_limit("plan.memory_limit", cfg.plan.memory_limit)
     check_schedules(cfg)
+    configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)  # a given link's values
     elsewhere = ("plan.target", cfg.plan.target) if cfg.plan.target else \
         ("plan.costs", cfg.plan.costs) if cfg.plan.costs and is_costs_file(cfg.plan.costs) else None
     if cfg.plan.get("rehearse") and elsewhere:

@@ -24,12 +24,10 @@ from runner.options import OptimizerSync
 from runner.pipeline.ops import Op
 from runner.pipeline.schedule import csv_order, schedule_order
 from runner.pipeline.simulate import SimAction, deferred_step, expected_makespan, simulate
-from runner.plan.link import DEFAULT_LINK, Link, tied_meetings
+from runner.plan.link import Link, configured_link, tied_meetings
 
-__all__ = ["compose_step", "step_mfu", "memory_verdicts", "DEFAULT_LATENCY_S", "DEFAULT_BANDWIDTH", "VALIDATION_BYTES"]
+__all__ = ["compose_step", "step_mfu", "memory_verdicts", "VALIDATION_BYTES"]
 
-DEFAULT_LATENCY_S = DEFAULT_LINK.latency_s  # the planner's, plan.target's: 10 us
-DEFAULT_BANDWIDTH = DEFAULT_LINK.bandwidth  # bytes/s: a 400 Gbit/s link per device
 VALIDATION_BYTES = 8  # the step's loss/norm all-reduce over the world: two float32 (runner.train.start_reduce)
 # The schedule's messages, whatever dimension their group is named by (at pp = world size: "world").
 P2P = ("send", "recv", "vote_send", "vote_recv")
@@ -124,8 +122,7 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
     its simulated pipeline with the barrier (seconds, by pipeline rank): ``step_s`` the step the
     run's ``train.optimizer_sync`` takes, ``barrier_step_s`` the barrier's, and under ``deferred``
     its steady step's parts (``deferred``; see the module's docstring)."""
-    latency = DEFAULT_LATENCY_S if latency_s is None else latency_s
-    bw = DEFAULT_BANDWIDTH if bandwidth is None else bandwidth
+    latency, bw = configured_link(latency_s, bandwidth)  # null: the planner's and plan.target's default link
     costs = _stage_costs(ranks)
     missing = sorted({s for s in range(resolved.layout.num_stages)} - {s for s, _ in costs})
     if missing:

@@ -33,6 +33,7 @@ from runner.config import parse_bytes
 from runner.errors import ConfigError, DoesNotFitError, RankFailedError
 from runner.layout import ResolvedRun
 from runner.parallel.dims import Coords, ParallelDims
+from runner.plan.link import configured_link
 from runner.rehearse.config import RehearseConfig
 
 __all__ = ["check_rehearsal", "default_ranks", "rehearse", "rehearse_ranks", "format_rehearsal",
@@ -92,9 +93,10 @@ class RehearsalPlan:
 
 
 def _check_keys(cfg: DictConfig) -> None:
-    """The ``rehearse`` keys alone, and against the device."""
+    """The ``rehearse`` keys alone, and against the device; the link the step is composed on."""
     import torch
 
+    configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)  # compose_step's, read after the ranks
     r = cfg.rehearse
     if r.memory_only and r.time_seq_len is not None:
         raise ConfigError(f"rehearse.memory_only=true with rehearse.time_seq_len={r.time_seq_len}: a memory-only "
