@@ -336,6 +336,22 @@ def test_an_anchor_on_a_stream_still_busy_keeps_the_durations_and_no_start_befor
         assert a.call_ns[0] <= a.start_ns <= start and start - a.start_ns <= queued
 
 
+@pytest.mark.timeout(30)
+def test_on_cuda_an_action_that_raises_leaves_no_span_and_holds_no_event():
+    stream = FakeStream()
+    recorder = Recorder(stream.event, now=stream.now)
+    recorder.active, recorder.step = True, 1
+    with pytest.raises(RuntimeError, match="in the forward"):
+        with recorder.action(0, "F", 0):
+            raise RuntimeError("in the forward")
+    with recorder.action(0, "F", 1):
+        stream.launch(10_000, 1_000_000)
+    assert recorder.device is not None and recorder.device.pending == 1  # the failed one's event let go
+    recorder.settle()
+    assert [a.op.microbatch for a in recorder.actions] == [1]  # its launch and 1 ms of kernels
+    assert 1_000_000 <= recorder.actions[0].end_ns - recorder.actions[0].start_ns <= 1_010_000
+
+
 def test_on_cpu_the_recorder_makes_no_events_and_reads_the_hosts_clock(monkeypatch):
     from runner.outputs.config import ProfileConfig
     from runner.outputs.profile import RunProfiler

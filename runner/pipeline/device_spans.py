@@ -90,6 +90,10 @@ class DeviceSpans(Generic[T]):
         span.end, host = self._record()
         span.called = (span.called[0], host)
 
+    def drop(self, span: _Open[T]) -> None:
+        """Forget a span begun and not ended (what ran inside it raised)."""
+        self._open.remove(span)
+
     def anchor(self) -> None:
         """The stream was just drained (a wait for the device returned): the spans ended so far are
         placed from an event recorded now. Nothing where no span ended since the last anchor."""

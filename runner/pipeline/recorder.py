@@ -115,7 +115,11 @@ class Recorder:
         by ``_read``), else on the host's clock (after a rehearsal's wait for the device)."""
         if self.device is not None:
             span = self.device.begin(self.step, make)
-            yield
+            try:
+                yield
+            except BaseException:
+                self.device.drop(span)  # no action to report, and its event let go
+                raise
             self.device.end(span)
             return
         if self.synchronize is not None:
