@@ -57,7 +57,14 @@ def test_the_planners_own_keys_are_checked_once_before_anything_is_timed(tmp_pat
             check_plan_keys(compose(*common, override))
     with pytest.raises(ConfigError, match=r"plan.comm_bandwidth=0: a link's bandwidth is a positive number"):
         plan_target(compose(*TINY, "plan.target=nvidia a100", "plan.world_size=2", "plan.comm_bandwidth=0"))
-    check_plan_keys(compose(*common, "plan.memory_limit=2GB", "plan.comm_latency_s=0"))  # a valid one passes
+    for override, least in (("plan.action_overhead_s=-1e-05", "0"), ("plan.corunning_slowdown=0.5", "1"),
+                            ("plan.comm_busy_delay_s=-0.001", "0"), ("plan.action_jitter=-0.1", "0")):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{override}: it is .*, at least {least}\. Fix: {key}={least} or "
+                                              r"more, or null to measure it\.$"):
+            check_plan_keys(compose(*common, override))
+    check_plan_keys(compose(*common, "plan.memory_limit=2GB", "plan.comm_latency_s=0",
+                            "plan.corunning_slowdown=1", "plan.action_jitter=0"))  # valid ones pass
 
 
 @pytest.mark.timeout(60)

@@ -546,6 +546,22 @@ def _plan_synthesized(state: _Planning) -> None:
                 state.timelines[id(candidate)] = timeline
 
 
+# The calibration's other given values: (key, the least it may be, what it is). A slowdown under 1
+# would have two ranks computing together faster than one alone; a negative time, steps shortened.
+_GIVEN_COSTS = (("action_overhead_s", 0.0, "seconds added to every action"),
+                ("corunning_slowdown", 1.0, "a factor on compute time with the other rank computing"),
+                ("comm_busy_delay_s", 0.0, "seconds added to a message whose sender is busy"),
+                ("action_jitter", 0.0, "a coefficient of variation of action times"))
+
+
+def _check_given_costs(plan_cfg: DictConfig) -> None:
+    for key, least, what in _GIVEN_COSTS:
+        value = plan_cfg.get(key)
+        if value is not None and not (math.isfinite(float(value)) and float(value) >= least):
+            raise ConfigError(f"plan.{key}={value}: it is {what}, at least {least:g}. Fix: plan.{key}={least:g} "
+                              "or more, or null to measure it.")
+
+
 def check_plan_keys(cfg: DictConfig) -> None:
     """The planner's own keys, once and before anything is timed (every candidate would
     otherwise fail alike, or the calibration run first); first the schema's checks (a name in
@@ -554,6 +570,7 @@ def check_plan_keys(cfg: DictConfig) -> None:
     memory_limit("plan.memory_limit", cfg.plan.memory_limit)
     check_schedules(cfg)
     configured_link(cfg.plan.comm_latency_s, cfg.plan.comm_bandwidth)  # a given link's values
+    _check_given_costs(cfg.plan)
     elsewhere = ("plan.target", cfg.plan.target) if cfg.plan.target else \
         ("plan.costs", cfg.plan.costs) if cfg.plan.costs and is_costs_file(cfg.plan.costs) else None
     if cfg.plan.get("rehearse") and elsewhere:
