@@ -55,6 +55,12 @@ TORCH_FILES = {
                       ",1F0,1F1,3F0,3B0,3F1,3B1,3W0,1F2,1B0,3W1,1F3,1B1,1W0,3F2,3B2,1W1,3F3,3B3,3W2,1B2,3W3,1B3,1W2,"
                       "1W3\n"),
 }
+# An order that runs microbatches out of order, its last stage's forwards too (1F1 before 1F0), with
+# the Ws put off: torch pairs a last stage's backward of microbatch i with the i-th loss computed, so
+# before runner._torch.pp kept each loss under its microbatch this trained on swapped losses (the
+# grad norms off by up to 100% in a probe) without a word.
+OUT_OF_ORDER = ("0F1,0F0,0F3,0F2,0I1,0I0,0I3,0I2,0W2,0W0,0W3,0W1\n"
+                "1F1,1F0,1I1,1I0,1F3,1F2,1I3,1I2,1W0,1W1,1W2,1W3\n")
 # CSV files with loop, V and one-stage-per-rank placements, with F/B and with F/I/W actions.
 CSV_FILES = ["interleaved_1f1b_pp2_m4.csv", "zero_bubble_pp2_m4.csv", "zbv_pp2_m4.csv", "gpipe_pp2_m4.csv"]
 # Orders the planner's search writes (plan.synthesize=true): B, I and put-off W mixed on one stage,
@@ -65,7 +71,7 @@ SYNTHESIZED = [("synthesized-loop", 1, False, 1.0), ("synthesized-v", 2, True, 3
 DOUBLE_STEP = "double-step-on-rank-1-at-step-2"
 DOUBLE_ON_REPLICA_0 = "replica-0-steps-twice-at-step-2"
 PP2_CASES = [*SCHEDULES, *(f"csv-{csv}" for csv in CSV_FILES), *(f"torch-{name}" for name in TORCH_FILES),
-             "explicit-split", *(name for name, *_ in SYNTHESIZED), "rounds",
+             "explicit-split", *(name for name, *_ in SYNTHESIZED), "rounds", "out-of-order",
              *(f"replay-{name}" for name in SCHEDULES)]
 
 
@@ -121,6 +127,8 @@ def pp2(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     rounds = round_schedule_csv(out / "rounds.csv")
     assert Op(0, "I", 0) in rounds[0] and rounds[1][-4:] == [Op(1, "W", i) for i in range(4)]
     cases["rounds"] = ["schedule=csv", f"schedule.csv={out / 'rounds.csv'}", *PP2]
+    (out / "out-of-order.csv").write_text(OUT_OF_ORDER)
+    cases["out-of-order"] = ["schedule=csv", f"schedule.csv={out / 'out-of-order.csv'}", *PP2]
     cases = {name: [*ov, "verify=true"] for name, ov in cases.items()}
     # A model that is random in training mode cannot match: verify must fail the run on every rank.
     cases["verify-catches-dropout"] = ["model=mlp", "model._target_=helpers.models.dropout_mlp", "verify=true",

@@ -323,6 +323,14 @@ CSV_BAD = [
      ["not a valid schedule", "without first running Forward"]),
     # Every action in a valid order per stage, but rank 1 waits on backwards never sent: deadlock.
     ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1B0,1F0,1F1,1F2,1F3,1B1,1B2,1B3\n", ["not a valid schedule"]),
+    # torch's validator counts each kind's microbatches as a set: a repeated cell passed it and failed
+    # mid-step on a rank; B beside I/W for one microbatch passed where another's backward was missing.
+    ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3,1B3\n",
+     ["runs 1B3 twice (rank 1's row)", "Fix: remove one 1B3"]),
+    ("0F0,0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n", ["runs 0F0 twice"]),
+    ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1I0,1F1,1I1,1F2,1I2,1F3,1I3,1W0,1W1,1W2,1W3,1W3\n", ["runs 1W3 twice"]),
+    ("0F0,0F1,0F2,0F3,0B0,0B1,0B2,0I0,0W0\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n",
+     ["runs both the full backward 0B0 and a split one (0I0/0W0) on rank 0", "Fix: keep 0B0, or 0I0 then 0W0"]),
     ("0F0,0SEND_F0\n1RECV_F0,1F0\n", ["schedules 1 microbatches"]),  # a compute+comms file: its compute read
     ("", ["malformed", "no compute actions"]),
 ]

@@ -80,11 +80,46 @@ def check_actions(actions: dict[int, list[_Action]], num_stages: int, microbatch
     return stage_to_rank
 
 
+class _LossesByMicrobatch(_PipelineScheduleRuntime):
+    """torch's schedule runtime with each microbatch's loss kept under its own index. torch (2.11,
+    2.13) appends a last stage's losses in the order its forwards run and hands the backward of
+    microbatch ``i`` the ``i``-th loss appended: an order whose last stage runs its forwards out of
+    microbatch order (``1F1,1F0,1B1,1B0``: valid, and torch's validator accepts it) backpropagated
+    one microbatch's loss through another's activations and trained to other numbers without a word
+    (or failed, where a backward came before the forward of a lower microbatch). Its own schedules
+    run the last stage's forwards in order, where this changes nothing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._loss_microbatches: list[int] = []  # the microbatch of each loss in _internal_losses
+
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, *args, **kwargs):
+        before = len(self._internal_losses)
+        super()._maybe_compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
+        if len(self._internal_losses) > before:
+            self._loss_microbatches.append(mb_index)
+
+    def _maybe_get_loss(self, stage, mb_index):
+        if not (stage.is_last and self._loss_fn is not None):
+            return None
+        if mb_index not in self._loss_microbatches:
+            raise RuntimeError(f"the loss of microbatch {mb_index} is not computed yet: its last stage's forward "
+                               f"has not run (forwards run: microbatches {self._loss_microbatches})")
+        return self._internal_losses[self._loss_microbatches.index(mb_index)]
+
+    def _update_losses(self, stages, losses):
+        by_microbatch = sorted(zip(self._loss_microbatches, self._internal_losses), key=lambda pair: pair[0])
+        self._internal_losses[:] = [loss for _, loss in by_microbatch]
+        self._loss_microbatches.clear()
+        return super()._update_losses(stages, losses)
+
+
 def csv_schedule(stages: list, microbatches: int, loss_fn: Callable, order: Mapping[int, Sequence]):
     """The schedule runtime executing a compute-only order (read from a file by
     ``runner.pipeline.csv_file``): what ``_load_csv(format="compute_only")`` does after reading, so
-    torch lowers it with the sends, receives, FSDP unshard/reshard and the gradient reduce."""
-    schedule = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    torch lowers it with the sends, receives, FSDP unshard/reshard and the gradient reduce. Each
+    microbatch's backward gets its own loss in any order (``_LossesByMicrobatch``)."""
+    schedule = _LossesByMicrobatch(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     for rank, actions in to_actions(order).items():
         schedule.pipeline_order[rank] = list(actions)  # as torch's type: a list that may hold idle (None) slots
     schedule._prepare_schedule_with_comms(schedule.pipeline_order)

@@ -139,6 +139,30 @@ def _check_generated(name: str, *, pp: int, stages_per_rank: int, microbatches: 
                           f"validator rejects the generated order: {e}") from e
 
 
+def _check_each_once(path: str, order: dict[int, list[Op]]) -> None:
+    """Each stage runs each microbatch's forward once and its backward once (``B``, or ``I`` and ``W``).
+    torch's validator counts each kind's microbatches as a set, so a repeated cell (``1W1`` twice)
+    passed it and failed on a rank mid-step, and ``0B0`` beside ``0I0,0W0`` passed for a microbatch
+    whose backward is missing (the counts add up), running one backward twice."""
+    seen: dict[Op, int] = {}
+    for rank, ops in order.items():
+        for op in ops:
+            if op in seen:
+                where = f"rank {rank}'s row" if seen[op] == rank else f"the rows of ranks {seen[op]} and {rank}"
+                raise ConfigError(
+                    f"schedule.csv={path!r} runs {op.name} twice ({where}): each "
+                    f"stage runs a microbatch's forward once and its backward once (B, or I then W). "
+                    f"Fix: remove one {op.name}.")
+            seen[op] = rank
+    for op, rank in seen.items():
+        if op.kind == "B" and (Op(op.stage, "I", op.microbatch) in seen or Op(op.stage, "W", op.microbatch) in seen):
+            raise ConfigError(
+                f"schedule.csv={path!r} runs both the full backward {op.name} and a split one "
+                f"({op.stage}I{op.microbatch}/{op.stage}W{op.microbatch}) on rank {rank}: the microbatch's "
+                f"gradient would be added twice. Fix: keep {op.name}, or {op.stage}I{op.microbatch} then "
+                f"{op.stage}W{op.microbatch}.")
+
+
 def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microbatches: int,
                       compiled: bool = False):
     """Lint a schedule file (any shape ``runner.pipeline.csv_file`` reads); returns (num_stages, stage →
@@ -174,6 +198,7 @@ def read_csv_schedule(path: str, *, pp: int, stages_per_rank: int | None, microb
             f"schedule.csv={path!r} schedules {file_mbs} microbatches but parallel.microbatches="
             f"{microbatches}. Fix: parallel.microbatches={file_mbs}."
         )
+    _check_each_once(path, schedule_file.order)
     num_stages = 1 + max(op.stage for op in computes)
     try:
         stage_to_rank = _torch_pp.check_actions(actions, num_stages, microbatches)
