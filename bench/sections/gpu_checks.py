@@ -202,7 +202,8 @@ def _step_cell(rank: Mapping[str, Any]) -> str:
 
 def render(data: Mapping[str, Any], page: Page) -> list[str]:
     res = data["results"]
-    lines = [f"## The prepared GPU checks (1 x {res['device_name']})", "", meta_line(data["meta"]), "",
+    on = res.get("devices") or f"1 x {res['device_name']}"  # checks of two sessions: each one's device
+    lines = [f"## The prepared GPU checks ({on})", "", meta_line(data["meta"]), "",
              "`scripts/gpu_checks.sh` (docs/testing.md): each check's status and seconds: "
              + "; ".join(res["summary"]) + ".", "",
              "A Llama-1B-shaped built-in transformer (`model.dim=2048 model.n_layers=16 model.n_heads=16 "
