@@ -314,6 +314,33 @@ def test_a_gpu_ranks_checkpoint_holds_its_devices_generator_and_a_resume_restore
     assert [p.name for p in (tmp_path / "cpu").iterdir()] == ["rng-rank0.pt"]  # a CPU rank: as before
 
 
+# The CPU case keeps the GPU one from rotting between GPU runs (until 2026-11-28 only the stand-in
+# above had held the device generator's part).
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.timeout(120)
+def test_a_resumed_run_with_dropout_trains_on_as_the_uninterrupted_run_did(device, tmp_path):
+    # Dropout after every block, drawn on the run's device: resumed from step 2's checkpoint, steps 3
+    # and 4 draw the masks, and so reach the losses, of a run that never stopped.
+    dropout = ["model=mlp", "model._target_=helpers.models.recorded_dropout_mlp", "model.n_layers=4",
+               f"device={device}"]
+    env = DistEnv(0, 1, torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
+
+    def run(name: str, steps: int, *more: str, resume: Path | None = None) -> list[float]:
+        (tmp_path / f"masks-{name}").mkdir()
+        cfg = compose(*ONE, *dropout, f"+model.masks={tmp_path / f'masks-{name}'}", f"train.steps={steps}", *more)
+        if resume is not None:
+            cfg.checkpoint.resume = str(resume)
+        (tmp_path / name).mkdir()
+        return train(validate(cfg, tmp_path / name), cfg, env).losses
+
+    whole = run("whole", 4)
+    run("first", 2, "checkpoint.every=2")
+    resumed = run("resumed", 4, resume=tmp_path / "first" / "checkpoints" / "step-2")
+    assert len(whole) == 4 and resumed == whole[2:], (whole, resumed)
+    # (the masks do differ between steps: a resume that drew step 1's again would not match)
+    assert len(set(whole)) == 4
+
+
 def test_resume_with_an_empty_parameter_group(tmp_path):
     # train.no_decay=[]: the no-decay group is empty (as on a stage without biases or norms).
     full = _train(tmp_path / "full", "train.steps=3", "train.no_decay=[]", "checkpoint.every=2").losses

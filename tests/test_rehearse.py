@@ -859,6 +859,48 @@ def test_a_rehearsed_rank_begins_by_freeing_what_the_rank_before_it_held_then_em
     assert calls == [("free", torch.device("cpu"), False)]
 
 
+@pytest.mark.timeout(120)
+def test_nothing_of_a_tracked_rank_outlives_it_in_the_process(tmp_path, monkeypatch):
+    # The GPU test below failed on an H200 (2026-11-28): the memory tracker's module tracker left a
+    # multi-grad hook on every module's inputs, each holding the autograd nodes that hold it, so a
+    # tracked step's graph, and through it the parameters with their gradients, outlived the rank.
+    # Here every tensor the rank's optimizer holds (parameters, gradients, AdamW's moments) must be
+    # gone once rank_main returns, under a one-stage-per-rank and a zero-bubble V schedule.
+    import gc
+    import weakref
+
+    from runner.rehearse import rank as rank_module
+
+    from helpers.config import TINY, compose
+
+    held: list[weakref.ref] = []
+    prime = rank_module.prime_optimizer
+
+    def prime_and_watch(params, optimizer):
+        grads = prime(params, optimizer)
+        held.extend(weakref.ref(t) for t in [*params, *grads, *(
+            v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))])
+        return grads
+
+    monkeypatch.setattr(rank_module, "prime_optimizer", prime_and_watch)
+    jobs = []
+    for i, schedule in enumerate(("1f1b", "zbv")):
+        cfg = compose(*TINY, "device=cpu", "parallel.pp=2", f"schedule={schedule}", "profile.enabled=false",
+                      "verify=false", "rehearse=on")
+        resolved = check_rehearsal_of(cfg, tmp_path / f"run{i}").resolved
+        jobs.append((resolved, cfg, i, rank_module.RankPass(tracked=2, timed=True, profiled=False),
+                     tmp_path / f"rank{i}", tmp_path / f"rank{i}.json"))
+    threads = torch.get_num_threads()
+    try:
+        rank_module.rank_main(jobs)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(held) > 20 and all(json.loads(job[-1].read_text())["losses"] for job in jobs)
+    gc.collect()
+    alive = [w() for w in held if w() is not None]
+    assert not alive, [tuple(t.shape) for t in alive]
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_on_cuda_a_rehearsed_ranks_device_peak_is_its_own_after_a_larger_rank_in_the_same_process(tmp_path):
@@ -916,10 +958,9 @@ def test_rehearsed_fsdp_ranks_at_pp4_dp2_hold_what_the_real_8_rank_run_holds_and
     layout = ["parallel.pp=4", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.microbatches=4",
               "train.batch_size=16"]
     case = "builtin-pp4-dp2-fsdp"
-    # torch's MemTracker, around the real run's step 4, leaves its FSDP modules referenced after the
-    # run (found, not yet explained): their process-group threads outlive destroy_process_group.
-    real = run_cases(tmp_path / "real", 8, {case: resolved(*TINY, *layout)}, more_hooks=held_bytes_hooks,
-                     threads_left_because="MemTracker keeps the real run's FSDP modules")[case]
+    # (the ranks must end cleanly: torch's module tracker left each tracked step's graph, and with it
+    # the FSDP modules and their process groups' threads, alive until peak_tracker removed its hooks)
+    real = run_cases(tmp_path / "real", 8, {case: resolved(*TINY, *layout)}, more_hooks=held_bytes_hooks)[case]
     assert "error" not in real, real.get("error")
     report = rehearse(compose(*TINY, *layout, "rehearse=on"), tmp_path / "rehearsal")
     assert [r["rank"] for r in report["ranks"]] == [0, 2, 4, 6]  # pp-major: dp=0 of each pipeline rank

@@ -283,6 +283,7 @@ def peak_tracker(modules, optimizer, *tensors):
     if all(hasattr(tracker, a) for a in ("_update_peak_stats", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):
         tracker._update_peak_stats = partial(_device_peak, tracker)  # type: ignore[method-assign]
     _no_multi_grad_hook_on_leaves(tracker._mod_tracker)
+    _grad_hooks_removed_on_exit(tracker._mod_tracker)
     return tracker
 
 
@@ -315,6 +316,51 @@ def _no_multi_grad_hook_on_leaves(mod_tracker) -> None:
         pre_forward(module, detached)  # nothing returned: the module runs on its own inputs
 
     mod_tracker._fw_pre_hook = pre_forward_without_leaves
+
+
+def _grad_hooks_removed_on_exit(mod_tracker) -> None:
+    """The module tracker registers a multi-grad hook on each module's inputs and outputs at every
+    forward (``register_multi_grad_hook``, which its module imports) and never removes them. A hook
+    of torch's "all" mode holds its tensors' autograd nodes, and each node holds the hook: a cycle
+    through C++ that Python's collector cannot see. It kept each step's graph alive, and through its
+    gradient accumulators the parameters with their gradients: a rank rehearsed before another in
+    one process stayed in the later rank's ``device_peak_bytes`` (found on the GPU, issue #35), and a
+    test process's FSDP modules outlived its run. Here each hook's handle is kept as the tracker's
+    forward hooks register it, and all are removed as the tracker exits (after the step's backward:
+    nothing is left to call them)."""
+    import torch.distributed._tools.mod_tracker as mod_tracker_module
+
+    register = getattr(mod_tracker_module, "register_multi_grad_hook", None)
+    if register is None:  # a torch whose module tracker registers its hooks otherwise: left as it is
+        return
+    handles: list = []
+
+    def register_keeping(*args, **kwargs):
+        handle = register(*args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    def keeping(hook):
+        def forward_hook(*args):
+            mod_tracker_module.register_multi_grad_hook = register_keeping
+            try:
+                return hook(*args)
+            finally:
+                mod_tracker_module.register_multi_grad_hook = register
+        return forward_hook
+
+    # (instance attributes: the tracker registers ``self._fw_pre_hook`` and the rest as it is entered)
+    mod_tracker._fw_pre_hook = keeping(mod_tracker._fw_pre_hook)
+    mod_tracker._fw_post_hook = keeping(mod_tracker._fw_post_hook)
+    leave = mod_tracker.__exit__
+
+    def exit_and_remove(*args):
+        leave(*args)
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+
+    mod_tracker.__exit__ = exit_and_remove  # called as ``self._mod_tracker.__exit__`` by the MemTracker
 
 
 def peak_split(tracker, device: torch.device) -> dict[str, int]:
