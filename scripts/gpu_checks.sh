@@ -10,6 +10,7 @@
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh   # the same flow on CPU at toy sizes (a dry run)
 #   GPU_CHECKS_ONLY="target-8b results" bash scripts/gpu_checks.sh   # a rerun of some checks
 #   GPU_CHECKS_SECONDS=380 GPU_CHECKS_PACK=1 ...   # another deadline; the results packed for the device tool
+#   GPU_CHECKS_PP4_RANKS="[3]" GPU_CHECKS_FIT_SEQS="256 128" ...  # the pp=4 rehearsal's ranks; the fit's two lengths
 #
 # The GPU image may carry another torch (2.11 on the first host) and lack Hydra: put the packages
 # it lacks on PYTHONPATH (the device tool's `carry`), as docs/testing.md says. docs/testing.md also
@@ -98,7 +99,7 @@ HF=(model=hf "model.path=$OUT/llama-8b" model.pretrained=false "train.seq_len=$S
 # Most of a rank is its build: each module initialised whole on the CPU (about 2.5 s an 8B decoder layer on
 # a CPU core), so FSDP's one rank initialises all 32. No profiled step (no trace): the time goes to the ranks.
 check rehearse-8b-pp4 200 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=4 parallel.microbatches=4 \
-    profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-pp4"
+    "rehearse.ranks=${GPU_CHECKS_PP4_RANKS:-null}" profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-pp4"
 check rehearse-8b-fsdp8 150 python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=1 parallel.dp=8 \
     parallel.dp_mode=fsdp parallel.microbatches=1 profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-fsdp8"
 check target-8b 120 python -m runner.plan "${HF[@]}" "plan.target='NVIDIA H100'" plan.world_size=8 \
@@ -112,10 +113,13 @@ check target-8b 120 python -m runner.plan "${HF[@]}" "plan.target='NVIDIA H100'"
 # quarter of the 8B model on the CPU (about 20 s on an H100 host): rank 3 alone (the head's stage, the
 # vocabulary-sized projection the fit is for) by default; GPU_CHECKS_FIT_RANKS=null fits all four
 # ranks and composes the step (about 300 s: a call of its own, with 450 s for the check).
+# GPU_CHECKS_FIT_SEQS="<time_seq_len> <time_fit_seq_len>" fits from other lengths (S/4 and S/8 read
+# 2.6-3.0x the full-length times on an H200, where such short actions are bound by their launches).
 FIT_LIMIT=240; [ "${GPU_CHECKS_FIT_RANKS:-}" = null ] && FIT_LIMIT=450
+read -r FIT_SEQ FIT_SHORTER <<< "${GPU_CHECKS_FIT_SEQS:-$(( SEQ / 4 )) $(( SEQ / 8 ))}"
 check rehearse-8b-pp4-fit "$FIT_LIMIT" python -m runner rehearse=on "device=$DEVICE" "${HF[@]}" parallel.pp=4 parallel.microbatches=4 \
-    "rehearse.ranks=${GPU_CHECKS_FIT_RANKS:-[3]}" "rehearse.time_seq_len=$(( SEQ / 4 ))" \
-    "rehearse.time_fit_seq_len=$(( SEQ / 8 ))" profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-pp4-fit"
+    "rehearse.ranks=${GPU_CHECKS_FIT_RANKS:-[3]}" "rehearse.time_seq_len=$FIT_SEQ" \
+    "rehearse.time_fit_seq_len=$FIT_SHORTER" profile.enabled=false "hydra.run.dir=$OUT/runs/rehearse-8b-pp4-fit"
 
 # What the runs measured, in one file (the benchmark section's own reading, rendered into
 # BENCHMARKS-cuda.md: bench/sections/gpu_checks.py): per pp=1 run its parameters, tokens/s, step and

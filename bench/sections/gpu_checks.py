@@ -223,7 +223,9 @@ def render(data: Mapping[str, Any], page: Page) -> list[str]:
                   "layers, vocabulary 128256; sequence 512, batch 8)."
                   + (" *partial*: the check's time ran out after these ranks; no composed step." if partial else ""),
                   "", *_rehearsal_rows(res), ""]
-    return lines + _target_lines(res) + _fit_lines(res)
+    fits = [(res["rehearsals"].get(FITTED), res["rehearsals"].get(FULL), "")]
+    fits += [(f["fitted"], f["full"], f["note"]) for f in res.get("more_fits", [])]
+    return lines + _target_lines(res) + [line for fit in fits for line in _fit_lines(*fit)]
 
 
 def _action_medians(ranks: list[Mapping[str, Any]]) -> dict[str, float]:
@@ -236,13 +238,13 @@ def _action_medians(ranks: list[Mapping[str, Any]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in sorted(times.items())}
 
 
-def _fit_lines(res: Mapping[str, Any]) -> list[str]:
-    """The pp=4 rehearsal's times fitted through two short sequences (``FITTED``: its ranks, rank 3
-    by default) against the same ranks of the full-length rehearsal (``FULL``, finished or cut
-    short): each stage action's time as the composed step takes it, and the composed step where
-    both composed one (every pipeline rank rehearsed), as the CPU section ``rehearsal_scale``
-    reports them; nothing unless the fit finished and the full length has its ranks."""
-    fitted, full = (res["rehearsals"].get(name) for name in (FITTED, FULL))
+def _fit_lines(fitted: Mapping[str, Any] | None, full: Mapping[str, Any] | None, note: str = "") -> list[str]:
+    """The pp=4 rehearsal's times fitted through two short sequences (``fitted``: the ``FITTED``
+    check's ranks, rank 3 by default) against the same ranks of the full-length rehearsal of the same
+    call (``full``: ``FULL``'s, finished or cut short): each stage action's time as the composed step
+    takes it, and the composed step where both composed one (every pipeline rank rehearsed), as the
+    CPU section ``rehearsal_scale`` reports them; nothing unless the fit finished and the full length
+    has its ranks. ``note``: a later call's (``results["more_fits"]``: where and when it ran)."""
     if not (fitted and full and not fitted["partial"]):
         return []
     ids = {r["rank"] for r in fitted["ranks"]}
@@ -264,7 +266,8 @@ def _fit_lines(res: Mapping[str, Any]) -> list[str]:
             f"{times['scaled_to_seq_len']}: per stage action (stage and kind; the median over microbatches, as the "
             "composed step takes it)" + (" and the composed step" if fitted["step"] and full["step"] else
                                          "; no composed step: not every pipeline rank was fitted") +
-            ". Ratios of an action under 1 ms at full length are left out (they measure the timer).", "", *rows, ""]
+            ". Ratios of an action under 1 ms at full length are left out (they measure the timer)."
+            + (f" {note}" if note else ""), "", *rows, ""]
 
 
 def _target_lines(res: Mapping[str, Any]) -> list[str]:

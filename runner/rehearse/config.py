@@ -35,7 +35,8 @@ class RehearseConfig:
     # With rehearse.time_seq_len: times also measured at this second, shorter sequence, and each stage
     # action's time at train.seq_len read off the line a + b * FLOPs through its times at the two (a: what
     # the action costs whatever the length, e.g. adding a vocabulary-sized weight's gradient), instead of
-    # the FLOP ratio from rehearse.time_seq_len alone; e.g. train.seq_len/8 with time_seq_len train.seq_len/4.
+    # the FLOP ratio from rehearse.time_seq_len alone; e.g. train.seq_len/8 with time_seq_len train.seq_len/4
+    # on CPU; on a GPU /4 with /2 (shorter actions there are bound by their launches: docs/rehearsal.md).
     # null = the FLOP ratio.
     time_fit_seq_len: Optional[int] = None
     # Each rank's memory is reported against this (bytes, or with a unit: 80GiB); null = the local
