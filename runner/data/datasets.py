@@ -29,7 +29,7 @@ from runner.data.tokens import TokenStream, dataset_documents, load_tokenizer, t
 from runner.errors import ConfigError
 
 __all__ = ["SPLITS", "build_dataset", "get_batch", "check_batches", "check_eval_windows", "check_vocab",
-           "SyntheticData", "TextData", "HFData", "TokensData"]
+           "train_windows", "SyntheticData", "TextData", "HFData", "TokensData"]
 
 SPLITS = ("train", "val")
 
@@ -203,6 +203,13 @@ def check_eval_windows(data, *, eval_steps: int, batch_size: int, seq_len: int) 
         f"{seq_len + 1} tokens: an evaluation would read {reads % windows} of them once more than the others, "
         f"weighting the held-out loss unevenly. Fix: {fixes} (at most one pass over the windows, or whole "
         f"passes), or another data.val_fraction.")
+
+
+def train_windows(data, seq_len: int) -> int | None:
+    """How many windows of ``seq_len + 1`` tokens a token stream's training split holds (its epoch:
+    which window a step reads depends on it), or None for data without windows (synthetic, a
+    user's dataset). A checkpoint records it; a resume compares (``runner.checkpoint.resume_check``)."""
+    return data.num_windows("train", seq_len) if isinstance(data, TokenStream) else None
 
 
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:
