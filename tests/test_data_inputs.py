@@ -195,6 +195,24 @@ def test_validate_checks_a_token_file_against_a_hf_models_vocabulary_before_laun
         validate(cfg)
 
 
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_launch_with_data_vocab_size_null(
+        tmp_path, tokenizer):
+    # data.vocab_size=null (the tokenizer's, as the fix for a too small one advises) left the check
+    # of the data's vocabulary against the model's without a number: the run launched and its first
+    # step failed with "IndexError: index out of range in self" (on a GPU, a device-side assert).
+    (tmp_path / "corpus.txt").write_text(TEXT * 50)
+    assert len(load_tokenizer(str(tokenizer))) == 19
+    text = [*TINY, "parallel.pp=1", "train.batch_size=4", "parallel.microbatches=2", "data=text",
+            f"data.path={tmp_path}/corpus.txt", f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp_path}/cache"]
+    with pytest.raises(ConfigError, match=r"data.vocab_size=null takes the data's vocabulary, data.tokenizer's \(19\), "
+                                          r"which is larger than the model's vocabulary \(16\): token ids would fall "
+                                          r"outside its embedding. Fix: "):
+        validate(compose(*text, "data.vocab_size=null", "model.vocab_size=16"))
+    with pytest.raises(ConfigError, match=r"data.vocab_size=19 is larger than the model's vocabulary \(16\)"):
+        validate(compose(*text, "data.vocab_size=19", "model.vocab_size=16"))
+    validate(compose(*text, "data.vocab_size=null", "model.vocab_size=19"))  # every id fits
+
+
 @pytest.mark.parametrize(("content", "field", "expected"), [
     (b"", "text", r"empty.jsonl is empty: no records. Fix: "),
     (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "text",

@@ -215,11 +215,16 @@ def train_windows(data, seq_len: int) -> int | None:
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:
     """Token ids index the embedding: the data's vocabulary must fit the model's (``model_vocab``:
     the width of its logits), and a dataset that can check its ids (``TokensData``) checks them,
-    all of them, before any rank starts."""
-    if data_vocab is not None and data_vocab > model_vocab:
-        raise ConfigError(f"data.vocab_size={data_vocab} is larger than the model's vocabulary ({model_vocab}): "
-                          "token ids would fall outside its embedding. Fix: a tokenizer or data of the model's "
-                          "vocabulary, or a model with a larger one.")
+    all of them, before any rank starts. With ``data.vocab_size=null`` the data's is the one the
+    dataset took (a tokenizer's: ``TextData``, ``HFData``)."""
+    built = getattr(data, "vocab_size", None)
+    vocab = data_vocab if data_vocab is not None else built if isinstance(built, int) else None
+    if vocab is not None and vocab > model_vocab:
+        key = (f"data.vocab_size={data_vocab}" if data_vocab is not None else
+               f"data.vocab_size=null takes the data's vocabulary, data.tokenizer's ({vocab}), which")
+        raise ConfigError(f"{key} is larger than the model's vocabulary ({model_vocab}): token ids would fall outside "
+                          "its embedding. Fix: a tokenizer or data of the model's vocabulary, or a model with a larger "
+                          "one.")
     if isinstance(data, TokensData):
         limit = min(model_vocab, data_vocab or model_vocab)
         data.check_ids(limit, "data.vocab_size" if limit < model_vocab else "the model's vocabulary")
