@@ -140,7 +140,8 @@ def test_token_ids_are_checked_against_the_vocabulary_once_per_file(tmp_path, mo
     with pytest.raises(ConfigError, match=r"token id 64 at position 990 .*outside data.vocab_size \(60: ids 0..59\)"):
         check_vocab(data, 60, 65)
     [record] = (tmp_path / "cache" / "runner" / "tokens" / "id-ranges").iterdir()
-    assert json.loads(record.read_text())["range"] == {"low": 0, "low_at": 0, "high": 64, "high_at": 990}
+    assert json.loads(record.read_text())["range"] == {"low": 0, "low_at": 0, "high": 64, "high_at": 990,
+                                                         "odd_high": 49}
 
     def no_scan(tokens):
         raise AssertionError("scanned again")
@@ -157,6 +158,35 @@ def test_token_ids_are_checked_against_the_vocabulary_once_per_file(tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"holds token id -2 at position 17 "):
         check_vocab(TokensData(path=str(tmp_path / "ids.npy"), seed=0), None, 65)
+
+
+def test_uint32_ids_read_as_uint16_are_refused_before_launch_not_trained_on_as_halves(tmp_path, monkeypatch):
+    # GPT-2 ids saved as int32 (np.int32(ids).tofile) and read with the default data.dtype=uint16:
+    # each id became two, its low half and a 0, every one inside the vocabulary: the run trained on
+    # [0, 777, 0, 8671, ...] without a word.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ids = np.random.default_rng(0).integers(0, 50257, 4000)
+    ids.astype(np.int32).tofile(tmp_path / "wide.bin")
+    wide = TokensData(path=str(tmp_path / "wide.bin"), seed=0)
+    assert wide.tokens[:4].tolist() == [ids[0] & 0xFFFF, 0, ids[1] & 0xFFFF, 0]
+    refusal = (r"data.dtype=uint16: data.path='.*wide.bin': .*wide.bin read as uint16 holds ids of at most 0 at every "
+               r"odd position \(1, 3, 5, ...\) and up to 50\d\d\d at the others: the pattern of uint32 \(or int32\) ids "
+               r"read as uint16, .* Fix: data.dtype=uint32")
+    with pytest.raises(ConfigError, match=refusal):
+        check_vocab(wide, None, 50304)
+    [record] = (tmp_path / "cache" / "runner" / "tokens" / "id-ranges").iterdir()
+    older = json.loads(record.read_text())  # a record of a runner before odd_high: scanned again, not trusted
+    del older["range"]["odd_high"]
+    record.write_text(json.dumps(older))
+    with pytest.raises(ConfigError, match=refusal):
+        check_vocab(wide, None, 50304)
+    check_vocab(TokensData(path=str(tmp_path / "wide.bin"), seed=0, dtype="uint32"), None, 50304)
+    ids.astype(np.uint16).tofile(tmp_path / "narrow.bin")  # the same ids as uint16: read as they are
+    check_vocab(TokensData(path=str(tmp_path / "narrow.bin"), seed=0), None, 50304)
+    cfg = compose(*TINY, "parallel.pp=1", "train.batch_size=4", "parallel.microbatches=2", "data=tokens",
+                  f"data.path={tmp_path}/wide.bin", "data.vocab_size=50304")
+    with pytest.raises(ConfigError, match=refusal):
+        validate(cfg)
 
 
 def test_an_evaluation_reading_a_validation_window_twice_is_refused_before_launch(tmp_path):
