@@ -277,4 +277,5 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, *,
     return ResolvedRun(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
-                   verify=verify, verify_steps=cfg.verify_steps, train_windows=windows, **rank_options(cfg))  # what the ranks read, typed
+                   verify=verify, verify_steps=cfg.verify_steps, train_windows=windows,
+                   **rank_options(cfg))  # what the ranks read, typed

@@ -169,9 +169,9 @@ def test_uint32_ids_read_as_uint16_are_refused_before_launch_not_trained_on_as_h
     ids.astype(np.int32).tofile(tmp_path / "wide.bin")
     wide = TokensData(path=str(tmp_path / "wide.bin"), seed=0)
     assert wide.tokens[:4].tolist() == [ids[0] & 0xFFFF, 0, ids[1] & 0xFFFF, 0]
-    refusal = (r"data.dtype=uint16: data.path='.*wide.bin': .*wide.bin read as uint16 holds ids of at most 0 at every "
-               r"odd position \(1, 3, 5, ...\) and up to 50\d\d\d at the others: the pattern of uint32 \(or int32\) ids "
-               r"read as uint16, .* Fix: data.dtype=uint32")
+    refusal = (r"data.dtype=uint16: data.path='.*wide.bin': .*wide.bin read as uint16 holds ids of at most 0 at "
+               r"every odd position \(1, 3, 5, ...\) and up to 50\d\d\d at the others: the pattern of uint32 \(or "
+               r"int32\) ids read as uint16, .* Fix: data.dtype=uint32")
     with pytest.raises(ConfigError, match=refusal):
         check_vocab(wide, None, 50304)
     [record] = (tmp_path / "cache" / "runner" / "tokens" / "id-ranges").iterdir()
