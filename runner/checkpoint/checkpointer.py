@@ -252,9 +252,9 @@ class Checkpointer:
         """``run_config``: the run's whole config, for what a checkpoint records of it: the
         tokenizer it trains with (files and digest: export ships it, a resume checks it) and
         ``model.path`` (export never writes over it); ``train_windows``: the windows of its data's
-        training split, recorded with the data position (a resume compares). ``before_commit(step)``: called on rank 0
-        once every rank's files of that step are written, just before the rename that commits
-        them (the reliability tests kill the run there: ``runner.faults``)."""
+        training split, recorded with the data position (a resume compares). ``before_commit(step)``:
+        called on rank 0 once every rank's files of that step are written, just before the rename
+        that commits them (the reliability tests kill the run there: ``runner.faults``)."""
         self.before_commit = before_commit
         self.every, self.keep = cfg.every, cfg.keep
         self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
