@@ -166,7 +166,8 @@ def check_ids(path: str, files: list[Path], arrays: list[np.ndarray], limit: int
         r = id_range(file, array, cache)
         if split := _split_ids(file, array, r):
             raise ConfigError(f"data.dtype=uint16: data.path={path!r}: {split}. Fix: data.dtype=uint32 (the dtype the "
-                              "file was written with; int32 ids of 0 and up read the same).")
+                              "file was written with; int32 ids of 0 and up read the same), or, if they really are "
+                              "uint16 ids, np.save them as a .npy (its header names the dtype: not checked so).")
         if r.low < 0 or r.high >= limit:
             bad, at = (r.low, r.low_at) if r.low < 0 else (r.high, r.high_at)
             raise ConfigError(
