@@ -183,6 +183,8 @@ def test_uint32_ids_read_as_uint16_are_refused_before_launch_not_trained_on_as_h
     check_vocab(TokensData(path=str(tmp_path / "wide.bin"), seed=0, dtype="uint32"), None, 50304)
     ids.astype(np.uint16).tofile(tmp_path / "narrow.bin")  # the same ids as uint16: read as they are
     check_vocab(TokensData(path=str(tmp_path / "narrow.bin"), seed=0), None, 50304)
+    np.save(tmp_path / "halves.npy", np.asarray(wide.tokens))  # the way out the fix names: a .npy's dtype is known
+    check_vocab(TokensData(path=str(tmp_path / "halves.npy"), seed=0), None, 50304)
     cfg = compose(*TINY, "parallel.pp=1", "train.batch_size=4", "parallel.microbatches=2", "data=tokens",
                   f"data.path={tmp_path}/wide.bin", "data.vocab_size=50304")
     with pytest.raises(ConfigError, match=refusal):
