@@ -328,6 +328,11 @@ def test_a_resume_on_token_data_of_another_length_is_refused_unless_allowed_and_
     with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
         assert validate(cfg, tmp_path / "refused").resume == saved.resolve()
     assert "checkpoint.allow_data_change=true: continuing" in caplog.text
+    # Another train.seq_len is named alone: its windows are of another length, so another number.
+    cfg = compose(*ONE, *tokens, "train.seq_len=8", "train.steps=3", f"checkpoint.resume={saved}")
+    with pytest.raises(ConfigError, match=r"was saved at step 1 with train.seq_len=16; this run has train.seq_len=8, "
+                                          r"so its step 2 .* Fix: train.seq_len=16, or checkpoint"):
+        validate(cfg, tmp_path / "refused")
 
 
 def test_a_gpu_ranks_checkpoint_holds_its_devices_generator_and_a_resume_restores_it(tmp_path, monkeypatch):

@@ -106,6 +106,8 @@ def _check_data_position(cfg: DictConfig, path: Path, state: dict, train_windows
         return
     mine = data_position(cfg, train_windows)
     changed = [key for key in (*_DATA_POSITION, _WINDOWS) if key in saved and key in mine and saved[key] != mine[key]]
+    if "train.seq_len" in changed and _WINDOWS in changed:  # windows of another length: another number of them
+        changed.remove(_WINDOWS)
     if not changed:
         return
     keys = [k for k in changed if k != _WINDOWS]
