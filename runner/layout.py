@@ -94,6 +94,9 @@ class ResolvedRun:
     eval: EvalConfig
     checkpoint: CheckpointConfig
     profile: ProfileConfig
+    # Windows of seq_len + 1 tokens in the data's training split (None: not a token stream), what a
+    # checkpoint records of the data's length (runner.checkpoint.resume_check)
+    train_windows: int | None = None
 
     def __post_init__(self) -> None:
         assert self.dims.pp == self.layout.pp, (self.dims, self.layout.pp)

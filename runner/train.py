@@ -284,7 +284,8 @@ class Trainer:
         self.post_validate = (PostValidation(UpdateSnapshot(self.optimizer))
                               if t.optimizer_sync != OptimizerSync.barrier else None)
         self.checkpointer = Checkpointer(resolved.checkpoint, self.run_dir, env, self.modules, self.optimizer,
-                                         self.scheduler, tied=self.tied, run_config=cfg, before_commit=commit_fault())
+                                         self.scheduler, tied=self.tied, run_config=cfg,
+                                         train_windows=resolved.train_windows, before_commit=commit_fault())
         # Steps are numbered from 1 everywhere they are shown or written (logs, metrics.jsonl, the
         # summary, timelines, faults); a checkpoint step-N holds the state after step N.
         self.first_step = self.checkpointer.load(resolved.resume) if resolved.resume else 0

@@ -177,9 +177,10 @@ def _refuse_logging_keys(cfg: DictConfig) -> None:
 
 
 def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
-            progress: Callable[[str], None]) -> Layout:
-    """The stages and their placement, after every check that needs the model or the data."""
-    from runner.data.datasets import check_batches, check_eval_windows, check_vocab
+            progress: Callable[[str], None]) -> tuple[Layout, int | None]:
+    """The stages and their placement, after every check that needs the model or the data; and the
+    windows of the data's training split (``runner.data.datasets.train_windows``)."""
+    from runner.data.datasets import check_batches, check_eval_windows, check_vocab, train_windows
     from runner.losses import check_loss
     from runner.models.split import build_meta_model, check_init, check_keyword_inputs, check_shapes, plan_split
     from runner.parallel.tied import log_tied_placement
@@ -222,7 +223,7 @@ def _layout(cfg: DictConfig, csv: str | None, *, verify: bool, device: str,
             "slower than without checkpointing (BENCHMARKS.md, \"Training options\"). Fix, if speed matters: "
             "train.activation_checkpointing=every_n or none, or a schedule with whole backward steps.",
             cfg.train.activation_checkpointing, layout.schedule)
-    return layout
+    return layout, train_windows(data, t.seq_len)
 
 
 def tied_spans(meta, stages, stage_to_rank: Mapping[int, int], p: DictConfig) -> tuple[TiedSpan, ...]:
@@ -269,11 +270,12 @@ def validate(cfg: DictConfig, run_dir: Path | None = None, *,
     device = resolve_device(cfg.device, ranks_on_host)
     check_host(cfg, device, ranks_on_host)
     verify = resolve_verify(cfg)
-    layout = _layout(cfg, csv, verify=verify, device=device, progress=progress)
-    resume = resume_point(cfg, run_dir) if run_dir is not None and cfg.checkpoint.resume else None
+    layout, windows = _layout(cfg, csv, verify=verify, device=device, progress=progress)
+    resume = resume_point(cfg, run_dir, windows) if run_dir is not None and cfg.checkpoint.resume else None
     _check_optimizer_sync(cfg, verify=verify, resume=resume)
     threads = threads_per_rank(cfg, ranks_on_host)
     return ResolvedRun(layout=layout, dims=dims, batch_size=cfg.train.batch_size,
                    seq_len=cfg.train.seq_len, steps=cfg.train.steps, device=device, threads_per_rank=threads,
                    rank_cpus=rank_cpus(cfg, device, ranks_on_host, threads), run_dir=run_dir, resume=resume,
-                   verify=verify, verify_steps=cfg.verify_steps, **rank_options(cfg))  # what the ranks read, typed
+                   verify=verify, verify_steps=cfg.verify_steps, train_windows=windows,
+                   **rank_options(cfg))  # what the ranks read, typed

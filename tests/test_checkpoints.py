@@ -15,6 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -292,6 +293,46 @@ def test_a_resume_that_would_not_read_on_where_the_data_stopped_is_refused_unles
     with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
         assert validate(cfg, tmp_path).resume == (saved / "checkpoints" / "step-2").resolve()
     assert "checkpoint.allow_data_change=true: continuing" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_on_token_data_of_another_length_is_refused_unless_allowed_and_on_the_same_data_reads_on(
+        tmp_path, monkeypatch, caplog):
+    # Sample n of an epoch is window perm(n mod W) under a permutation drawn for W, the training
+    # split's windows: with 500 tokens appended to the corpus (or another data.val_fraction), W
+    # changed and the resumed steps read another permutation, silently (one epoch of 560 samples,
+    # resumed halfway on the longer corpus, read 132 samples twice and skipped as many).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the id ranges TokensData keeps
+    ids = ((np.arange(3000) * 7) % 48).astype(np.uint16)
+    ids.tofile(tmp_path / "ids.bin")
+    tokens = ["data=tokens", f"data.path={tmp_path}/ids.bin", "data.val_fraction=0.1"]
+    whole = _train(tmp_path / "whole", *tokens, "train.steps=3").losses
+    _train(tmp_path / "first", *tokens, "train.steps=1", "checkpoint.every=1")
+    saved = tmp_path / "first" / "checkpoints" / "step-1"
+    assert json.loads((saved / "train_state.json").read_text())["data_position"]["train_windows"] == 2700 // 17
+    assert _train(tmp_path / "resumed", *tokens, "train.steps=3", resume=saved).losses == whole[1:]
+    np.concatenate([ids, ids[:500]]).tofile(tmp_path / "ids.bin")  # the corpus grew
+    for changed, windows in [((), 3150 // 17), (("data.val_fraction=0.2",), 2400 // 17)]:
+        if not changed:
+            cfg = compose(*ONE, *tokens, "train.steps=3", f"checkpoint.resume={saved}")
+        else:
+            ids.tofile(tmp_path / "ids.bin")
+            cfg = compose(*ONE, *tokens, *changed, "train.steps=3", f"checkpoint.resume={saved}")
+        with pytest.raises(ConfigError, match=rf"was saved at step 1 from data of 158 training windows of "
+                           rf"train.seq_len \+ 1 tokens; this run's data holds {windows} \(data.path=.*ids.bin' "
+                           r"changed, or data.val_fraction.*so its step 2 would not read the samples after .* Fix: "
+                           r"the data and data.val_fraction the checkpoint was trained on, or "
+                           r"checkpoint\.allow_data_change=true"):
+            validate(cfg, tmp_path / "refused")
+    cfg.checkpoint.allow_data_change = True
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+        assert validate(cfg, tmp_path / "refused").resume == saved.resolve()
+    assert "checkpoint.allow_data_change=true: continuing" in caplog.text
+    # Another train.seq_len is named alone: its windows are of another length, so another number.
+    cfg = compose(*ONE, *tokens, "train.seq_len=8", "train.steps=3", f"checkpoint.resume={saved}")
+    with pytest.raises(ConfigError, match=r"was saved at step 1 with train.seq_len=16; this run has train.seq_len=8, "
+                                          r"so its step 2 .* Fix: train.seq_len=16, or checkpoint"):
+        validate(cfg, tmp_path / "refused")
 
 
 def test_a_gpu_ranks_checkpoint_holds_its_devices_generator_and_a_resume_restores_it(tmp_path, monkeypatch):

@@ -140,7 +140,8 @@ def test_token_ids_are_checked_against_the_vocabulary_once_per_file(tmp_path, mo
     with pytest.raises(ConfigError, match=r"token id 64 at position 990 .*outside data.vocab_size \(60: ids 0..59\)"):
         check_vocab(data, 60, 65)
     [record] = (tmp_path / "cache" / "runner" / "tokens" / "id-ranges").iterdir()
-    assert json.loads(record.read_text())["range"] == {"low": 0, "low_at": 0, "high": 64, "high_at": 990}
+    assert json.loads(record.read_text())["range"] == {"low": 0, "low_at": 0, "high": 64, "high_at": 990,
+                                                         "odd_high": 49}
 
     def no_scan(tokens):
         raise AssertionError("scanned again")
@@ -157,6 +158,37 @@ def test_token_ids_are_checked_against_the_vocabulary_once_per_file(tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"holds token id -2 at position 17 "):
         check_vocab(TokensData(path=str(tmp_path / "ids.npy"), seed=0), None, 65)
+
+
+def test_uint32_ids_read_as_uint16_are_refused_before_launch_not_trained_on_as_halves(tmp_path, monkeypatch):
+    # GPT-2 ids saved as int32 (np.int32(ids).tofile) and read with the default data.dtype=uint16:
+    # each id became two, its low half and a 0, every one inside the vocabulary: the run trained on
+    # [0, 777, 0, 8671, ...] without a word.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ids = np.random.default_rng(0).integers(0, 50257, 4000)
+    ids.astype(np.int32).tofile(tmp_path / "wide.bin")
+    wide = TokensData(path=str(tmp_path / "wide.bin"), seed=0)
+    assert wide.tokens[:4].tolist() == [ids[0] & 0xFFFF, 0, ids[1] & 0xFFFF, 0]
+    refusal = (r"data.dtype=uint16: data.path='.*wide.bin': .*wide.bin read as uint16 holds ids of at most 0 at "
+               r"every odd position \(1, 3, 5, ...\) and up to 50\d\d\d at the others: the pattern of uint32 \(or "
+               r"int32\) ids read as uint16, .* Fix: data.dtype=uint32")
+    with pytest.raises(ConfigError, match=refusal):
+        check_vocab(wide, None, 50304)
+    [record] = (tmp_path / "cache" / "runner" / "tokens" / "id-ranges").iterdir()
+    older = json.loads(record.read_text())  # a record of a runner before odd_high: scanned again, not trusted
+    del older["range"]["odd_high"]
+    record.write_text(json.dumps(older))
+    with pytest.raises(ConfigError, match=refusal):
+        check_vocab(wide, None, 50304)
+    check_vocab(TokensData(path=str(tmp_path / "wide.bin"), seed=0, dtype="uint32"), None, 50304)
+    ids.astype(np.uint16).tofile(tmp_path / "narrow.bin")  # the same ids as uint16: read as they are
+    check_vocab(TokensData(path=str(tmp_path / "narrow.bin"), seed=0), None, 50304)
+    np.save(tmp_path / "halves.npy", np.asarray(wide.tokens))  # the way out the fix names: a .npy's dtype is known
+    check_vocab(TokensData(path=str(tmp_path / "halves.npy"), seed=0), None, 50304)
+    cfg = compose(*TINY, "parallel.pp=1", "train.batch_size=4", "parallel.microbatches=2", "data=tokens",
+                  f"data.path={tmp_path}/wide.bin", "data.vocab_size=50304")
+    with pytest.raises(ConfigError, match=refusal):
+        validate(cfg)
 
 
 def test_an_evaluation_reading_a_validation_window_twice_is_refused_before_launch(tmp_path):
@@ -193,6 +225,24 @@ def test_validate_checks_a_token_file_against_a_hf_models_vocabulary_before_laun
     with pytest.raises(ConfigError, match=rf"train.bin holds token id {VOCAB} at position 3990 .*outside the model's "
                                           rf"vocabulary \({VOCAB}: ids 0..{VOCAB - 1}\)"):
         validate(cfg)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_launch_with_data_vocab_size_null(
+        tmp_path, tokenizer):
+    # data.vocab_size=null (the tokenizer's, as the fix for a too small one advises) left the check
+    # of the data's vocabulary against the model's without a number: the run launched and its first
+    # step failed with "IndexError: index out of range in self" (on a GPU, a device-side assert).
+    (tmp_path / "corpus.txt").write_text(TEXT * 50)
+    assert len(load_tokenizer(str(tokenizer))) == 19
+    text = [*TINY, "parallel.pp=1", "train.batch_size=4", "parallel.microbatches=2", "data=text",
+            f"data.path={tmp_path}/corpus.txt", f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp_path}/cache"]
+    with pytest.raises(ConfigError, match=r"data.vocab_size=null takes the data's vocabulary, data.tokenizer's \(19\), "
+                                          r"which is larger than the model's vocabulary \(16\): token ids would fall "
+                                          r"outside its embedding. Fix: "):
+        validate(compose(*text, "data.vocab_size=null", "model.vocab_size=16"))
+    with pytest.raises(ConfigError, match=r"data.vocab_size=19 is larger than the model's vocabulary \(16\)"):
+        validate(compose(*text, "data.vocab_size=19", "model.vocab_size=16"))
+    validate(compose(*text, "data.vocab_size=null", "model.vocab_size=19"))  # every id fits
 
 
 @pytest.mark.parametrize(("content", "field", "expected"), [

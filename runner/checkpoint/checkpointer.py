@@ -247,19 +247,20 @@ def load_rng_state(directory: Path, rank: int, device: torch.device) -> None:
 
 class Checkpointer:
     def __init__(self, cfg, run_dir: Path, env: DistEnv, modules: list[StageModule], optimizer, scheduler,
-                 *, tied: TiedWeights | None = None, run_config=None,
+                 *, tied: TiedWeights | None = None, run_config=None, train_windows: int | None = None,
                  before_commit: Callable[[int], None] | None = None):
         """``run_config``: the run's whole config, for what a checkpoint records of it: the
         tokenizer it trains with (files and digest: export ships it, a resume checks it) and
-        ``model.path`` (export never writes over it). ``before_commit(step)``: called on rank 0
-        once every rank's files of that step are written, just before the rename that commits
-        them (the reliability tests kill the run there: ``runner.faults``)."""
+        ``model.path`` (export never writes over it); ``train_windows``: the windows of its data's
+        training split, recorded with the data position (a resume compares). ``before_commit(step)``:
+        called on rank 0 once every rank's files of that step are written, just before the rename
+        that commits them (the reliability tests kill the run there: ``runner.faults``)."""
         self.before_commit = before_commit
         self.every, self.keep = cfg.every, cfg.keep
         self.tokenizer = tokenizer_record(run_config.data.get("tokenizer")) if run_config is not None else None
         model_path = run_config.model.get("path") if run_config is not None else None
         self.model_path = str(Path(model_path).expanduser().resolve()) if model_path else None
-        self.data_position = data_position(run_config) if run_config is not None else None
+        self.data_position = data_position(run_config, train_windows) if run_config is not None else None
         self.dir = run_dir / "checkpoints"
         self.env = env
         self.model = _named(modules)

@@ -80,36 +80,55 @@ def _check_tokenizer(cfg: DictConfig, path: Path, state: dict) -> None:
 
 
 # What makes a step a position in the data: batch(step) reads samples (step - 1) * batch_size on,
-# as windows of seq_len + 1 tokens in an order (and, for synthetic data, a rule) drawn from the seed.
+# as windows of seq_len + 1 tokens in an order (and, for synthetic data, a rule) drawn from the seed
+# and, for a token stream, from the number of windows its training split holds (``train_windows``:
+# the data's length and data.val_fraction decide it).
 _DATA_POSITION = ("train.batch_size", "train.seq_len", "train.seed")
+_WINDOWS = "train_windows"
 
 
-def data_position(cfg: DictConfig) -> dict[str, Any]:
-    """The keys that give a step its samples, as ``train_state.json`` records them."""
-    return {key: cfg.train[key.split(".")[1]] for key in _DATA_POSITION}
+def data_position(cfg: DictConfig, train_windows: int | None = None) -> dict[str, Any]:
+    """The keys that give a step its samples, as ``train_state.json`` records them; ``train_windows``
+    (``runner.data.datasets.train_windows``) where the data is a token stream."""
+    position: dict[str, Any] = {key: cfg.train[key.split(".")[1]] for key in _DATA_POSITION}
+    if train_windows is not None:
+        position[_WINDOWS] = train_windows
+    return position
 
 
-def _check_data_position(cfg: DictConfig, path: Path, state: dict) -> None:
+def _check_data_position(cfg: DictConfig, path: Path, state: dict, train_windows: int | None) -> None:
     """A resume reads on from the checkpoint's step: with another batch size, sequence length or
-    seed, that step is not where the saving run's data stopped (a larger batch skips samples the
-    epoch never shows, a smaller one reads samples again)."""
+    seed, or a token stream of another number of training windows (more or less data, another
+    data.val_fraction: each epoch's order is drawn for that number), that step is not where the
+    saving run's data stopped (samples the epoch has not shown are skipped, others read again)."""
     saved = state.get("data_position")  # None: saved before checkpoints recorded it
     if not saved:
         return
-    mine = data_position(cfg)
-    changed = [key for key in _DATA_POSITION if key in saved and saved[key] != mine[key]]
+    mine = data_position(cfg, train_windows)
+    changed = [key for key in (*_DATA_POSITION, _WINDOWS) if key in saved and key in mine and saved[key] != mine[key]]
+    if "train.seq_len" in changed and _WINDOWS in changed:  # windows of another length: another number of them
+        changed.remove(_WINDOWS)
     if not changed:
         return
-    problem = (f"checkpoint.resume: {path} was saved at step {state['step']} with "
-               f"{', '.join(f'{k}={saved[k]}' for k in changed)}; this run has "
-               f"{', '.join(f'{k}={mine[k]}' for k in changed)}, so its step {state['step'] + 1} would not read "
-               f"the samples after the ones trained (every batch is a function of the step, the batch size, the "
-               f"sequence length and the seed): some would be skipped or read twice")
+    keys = [k for k in changed if k != _WINDOWS]
+    parts = [f"with {', '.join(f'{k}={saved[k]}' for k in keys)}; this run has "
+             f"{', '.join(f'{k}={mine[k]}' for k in keys)}"] if keys else []
+    if _WINDOWS in changed:
+        parts.append(f"from data of {saved[_WINDOWS]} training windows of train.seq_len + 1 tokens; this run's data "
+                     f"holds {mine[_WINDOWS]} (data.path={cfg.data.get('path')!r} changed, or data.val_fraction: each "
+                     "epoch's order is drawn for the number of windows)")
+    problem = (f"checkpoint.resume: {path} was saved at step {state['step']} {' and '.join(parts)}, so its step "
+               f"{state['step'] + 1} would not read the samples after the ones trained (every batch is a function "
+               f"of the step, the batch size, the sequence length, the seed and the data): some would be skipped or "
+               f"read twice")
     if cfg.checkpoint.allow_data_change:
         log.warning("%s (checkpoint.allow_data_change=true: continuing)", problem)
         return
-    raise ConfigError(f"{problem}. Fix: {' '.join(f'{k}={saved[k]}' for k in changed)}, or "
-                      "checkpoint.allow_data_change=true to continue with the new values on purpose.")
+    restore = " ".join([*(f"{k}={saved[k]}" for k in keys),
+                        *(["the data and data.val_fraction the checkpoint was trained on"] if _WINDOWS in changed
+                          else [])])
+    raise ConfigError(f"{problem}. Fix: {restore}, or checkpoint.allow_data_change=true to continue with "
+                      "the new values on purpose.")
 
 
 def _by_module(names: list[str], model: dict) -> dict[str, int]:
@@ -160,15 +179,16 @@ def _check_tensors(cfg: DictConfig, path: Path, metadata: Any, build_meta_model:
                           "model.n_layers, model.dim, model.path, ...), or another checkpoint.")
 
 
-def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path) -> tuple[Path, int]:
-    """The checkpoint ``checkpoint.resume`` names and its step, checked against this run's config
-    and its model."""
+def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path,
+                        train_windows: int | None) -> tuple[Path, int]:
+    """The checkpoint ``checkpoint.resume`` names and its step, checked against this run's config,
+    its data's training windows and its model."""
     from runner.models.split import build_meta_model  # the model the checkpoint's tensors must fit
 
     path = find_checkpoint(cfg.checkpoint.resume, run_dir, latest_root)
     state = read_train_state(path)
     _check_tokenizer(cfg, path, state)
-    _check_data_position(cfg, path, state)
+    _check_data_position(cfg, path, state, train_windows)
     _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model)
     return path, state["step"]
 
@@ -178,13 +198,14 @@ def _launch_dir() -> Path:
     return Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
 
 
-def resume_point(cfg: DictConfig, run_dir: Path) -> Path:
+def resume_point(cfg: DictConfig, run_dir: Path, train_windows: int | None = None) -> Path:
     """The checkpoint directory ``checkpoint.resume`` names: a checkpoint, a run directory's newest
     complete one, or (``latest``) the newest of the runs under ``checkpoint.latest_root``; refused
-    before any rank starts (``ConfigError``) if it is bad or already at ``train.steps``."""
+    before any rank starts (``ConfigError``) if it is bad, already at ``train.steps``, or its data
+    position is not this run's (``train_windows``: of this run's data)."""
     try:
         latest_root = _launch_dir() / Path(cfg.checkpoint.latest_root).expanduser()
-        path, step = _checked_checkpoint(cfg, run_dir, latest_root)  # its tokenizer checked too
+        path, step = _checked_checkpoint(cfg, run_dir, latest_root, train_windows)  # its tokenizer checked too
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
     if step >= cfg.train.steps:

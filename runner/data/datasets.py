@@ -29,7 +29,7 @@ from runner.data.tokens import TokenStream, dataset_documents, load_tokenizer, t
 from runner.errors import ConfigError
 
 __all__ = ["SPLITS", "build_dataset", "get_batch", "check_batches", "check_eval_windows", "check_vocab",
-           "SyntheticData", "TextData", "HFData", "TokensData"]
+           "train_windows", "SyntheticData", "TextData", "HFData", "TokensData"]
 
 SPLITS = ("train", "val")
 
@@ -205,14 +205,26 @@ def check_eval_windows(data, *, eval_steps: int, batch_size: int, seq_len: int) 
         f"passes), or another data.val_fraction.")
 
 
+def train_windows(data, seq_len: int) -> int | None:
+    """How many windows of ``seq_len + 1`` tokens a token stream's training split holds (its epoch:
+    which window a step reads depends on it), or None for data without windows (synthetic, a
+    user's dataset). A checkpoint records it; a resume compares (``runner.checkpoint.resume_check``)."""
+    return data.num_windows("train", seq_len) if isinstance(data, TokenStream) else None
+
+
 def check_vocab(data, data_vocab: int | None, model_vocab: int) -> None:
     """Token ids index the embedding: the data's vocabulary must fit the model's (``model_vocab``:
     the width of its logits), and a dataset that can check its ids (``TokensData``) checks them,
-    all of them, before any rank starts."""
-    if data_vocab is not None and data_vocab > model_vocab:
-        raise ConfigError(f"data.vocab_size={data_vocab} is larger than the model's vocabulary ({model_vocab}): "
-                          "token ids would fall outside its embedding. Fix: a tokenizer or data of the model's "
-                          "vocabulary, or a model with a larger one.")
+    all of them, before any rank starts. With ``data.vocab_size=null`` the data's is the one the
+    dataset took (a tokenizer's: ``TextData``, ``HFData``)."""
+    built = getattr(data, "vocab_size", None)
+    vocab = data_vocab if data_vocab is not None else built if isinstance(built, int) else None
+    if vocab is not None and vocab > model_vocab:
+        key = (f"data.vocab_size={data_vocab}" if data_vocab is not None else
+               f"data.vocab_size=null takes the data's vocabulary, data.tokenizer's ({vocab}), which")
+        raise ConfigError(f"{key} is larger than the model's vocabulary ({model_vocab}): token ids would fall outside "
+                          "its embedding. Fix: a tokenizer or data of the model's vocabulary, or a model with a larger "
+                          "one.")
     if isinstance(data, TokensData):
         limit = min(model_vocab, data_vocab or model_vocab)
         data.check_ids(limit, "data.vocab_size" if limit < model_vocab else "the model's vocabulary")

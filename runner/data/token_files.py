@@ -99,18 +99,39 @@ class IdRange:
     low_at: int  # the first position (a token index in the file) holding it
     high: int
     high_at: int
+    odd_high: int  # the largest id at odd positions (1, 3, 5, ...; -1: none): see _split_ids
 
 
 def _scan(tokens: np.ndarray) -> IdRange:
-    found = IdRange(int(tokens[0]), 0, int(tokens[0]), 0)
-    for start in range(0, len(tokens), _SCAN):
+    found = IdRange(int(tokens[0]), 0, int(tokens[0]), 0, -1)
+    for start in range(0, len(tokens), _SCAN):  # _SCAN is even: a part's odd positions are the file's
         part = np.asarray(tokens[start:start + _SCAN])
         lo, hi = int(part.min()), int(part.max())
         if lo < found.low:
             found = replace(found, low=lo, low_at=start + int(part.argmin()))
         if hi > found.high:
             found = replace(found, high=hi, high_at=start + int(part.argmax()))
+        if len(part) > 1:
+            found = replace(found, odd_high=max(found.odd_high, int(part[1::2].max())))
     return found
+
+
+# uint32 ids (or int32: the same bytes for ids >= 0) read as uint16 are each two ids, the low half
+# and the high half: every other id then is 0 (vocabularies up to 65536), or at most 7 up to 2^19,
+# while the others spread over the vocabulary. No real stream of ids of one dtype looks like that.
+_SPLIT_MIN_TOKENS = 1024
+_SPLIT_HALF_MAX = 7
+_SPLIT_SPREAD = 64
+
+
+def _split_ids(file: Path, tokens: np.ndarray, r: IdRange) -> str | None:
+    """Why ``file``'s ids look like wider ids read as uint16, or None."""
+    if (tokens.dtype != np.uint16 or file.suffix == ".npy" or len(tokens) < _SPLIT_MIN_TOKENS
+            or r.odd_high > _SPLIT_HALF_MAX or r.high < _SPLIT_SPREAD):
+        return None
+    return (f"{file} read as uint16 holds ids of at most {r.odd_high} at every odd position (1, 3, 5, ...) and up to "
+            f"{r.high} at the others: the pattern of uint32 (or int32) ids read as uint16, each id split into its low "
+            "and high halves, which the model would train on without a word")
 
 
 def id_range(file: Path, tokens: np.ndarray, cache: Path) -> IdRange:
@@ -143,6 +164,10 @@ def check_ids(path: str, files: list[Path], arrays: list[np.ndarray], limit: int
         if not len(array):
             continue
         r = id_range(file, array, cache)
+        if split := _split_ids(file, array, r):
+            raise ConfigError(f"data.dtype=uint16: data.path={path!r}: {split}. Fix: data.dtype=uint32 (the dtype the "
+                              "file was written with; int32 ids of 0 and up read the same), or, if they really are "
+                              "uint16 ids, np.save them as a .npy (its header names the dtype: not checked so).")
         if r.low < 0 or r.high >= limit:
             bad, at = (r.low, r.low_at) if r.low < 0 else (r.high, r.high_at)
             raise ConfigError(
