@@ -115,12 +115,15 @@ def _join_torchrun(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) 
 
 
 def _train_here(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> dict | None:
-    """One rank: in this process."""
+    """One rank: in this process. Its GPU's random generator is the caller's again after it (the
+    CPU's: ``launch``)."""
     torch.set_num_threads(resolved.threads_per_rank)
     note_threads()  # a later launch from this process (a sweep's next job) must not fork then
-    env = init_distributed(rank=0, world_size=1, device=pick_device(resolved.device, 0), timeout_s=cfg.launch.timeout_s)
+    device = pick_device(resolved.device, 0)
+    env = init_distributed(rank=0, world_size=1, device=device, timeout_s=cfg.launch.timeout_s)
     clock.say("ranks started: one, in this process")
-    with console_for_run(), forward_signals([], cfg.launch.grace_s):
+    callers_rng = torch.random.fork_rng(devices=[device], enabled=device.type == "cuda")
+    with console_for_run(), forward_signals([], cfg.launch.grace_s), callers_rng:
         return train(resolved, cfg, env, clock=clock).summary
 
 
@@ -141,8 +144,14 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
     threads = torch.get_num_threads()
     note_threads()
     torch.set_num_threads(1)
+    # The caller's CPU random generator is as it was after the launch (a one-rank run's GPU's too:
+    # ``_train_here``): the run seeds its dropout from ``train.seed`` (``runner.train``), a resumed
+    # one restores its checkpoint's state, and the checks draw, which made every random draw after
+    # a ``runner.run`` in one process the same (a sweep drawing its trials' values between runs drew
+    # one value).
     try:
-        return _launch(cfg, run_dir, clock, console)
+        with torch.random.fork_rng(devices=[]):
+            return _launch(cfg, run_dir, clock, console)
     finally:
         torch.set_num_threads(threads)
 

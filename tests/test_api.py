@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import runner
@@ -67,6 +68,32 @@ def test_a_one_rank_run_in_process_returns_its_summary_run_dir_and_the_callbacks
     assert on_disk["recorded"] == summary["recorded"] and "run_dir" not in on_disk
     assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())[-1] == "+callbacks.seen.key=recorded"
     assert (run_dir / ".hydra" / "config.yaml").is_file() and "run directory" in (run_dir / "runner.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_in_process_leaves_the_callers_random_draws_as_they_were(tmp_path):
+    # The run seeds its own generators (train.seed) and its checks draw: the caller's next draws were
+    # those of the run's seed, the same after every run (a sweep drawing its trials' values between
+    # runs drew one value).
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    runner.run(ONE, run_dir=tmp_path / "run")
+    assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_fails_in_its_profile_window_stops_torchs_profiler_and_writes_no_trace(tmp_path):
+    # torch's profiler is the process's: left on by the failed run, it recorded every op after it
+    # (the caller's and the next runs': twice as slow, its memory growing without end).
+    overrides = [*ONE, "train.steps=5", "profile.enabled=true", "+callbacks.fail._target_=helpers.hooks.fails_at",
+                 "+callbacks.fail.step=4"]  # the window: step 1 skipped, 2 warm-up, 3-5 recorded
+    with pytest.raises(RuntimeError, match="a user's hook failed at step 4"):
+        runner.run(overrides, run_dir=tmp_path / "run")
+    assert not torch.autograd.profiler._is_profiler_enabled and not torch._C._autograd._profiler_enabled()
+    assert not list((tmp_path / "run").glob("traces/*")), "a half window's trace"
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "step" in r] == [1, 2, 3]  # step 4 failed before its record
 
 
 @pytest.mark.parametrize("overrides, message", [
