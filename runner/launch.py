@@ -123,8 +123,22 @@ def _train_here(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> 
     env = init_distributed(rank=0, world_size=1, device=device, timeout_s=cfg.launch.timeout_s)
     clock.say("ranks started: one, in this process")
     callers_rng = torch.random.fork_rng(devices=[device], enabled=device.type == "cuda")
-    with console_for_run(), forward_signals([], cfg.launch.grace_s), callers_rng:
-        return train(resolved, cfg, env, clock=clock).summary
+    try:
+        with console_for_run(), forward_signals([], cfg.launch.grace_s), callers_rng:
+            return train(resolved, cfg, env, clock=clock).summary
+    finally:
+        if resolved.train.compile:
+            _drop_compiled()
+
+
+def _drop_compiled() -> None:
+    """torch.compile's in-memory caches emptied after a compiled run in this process (its on-disk
+    cache stays): the next run compiles as it would in a fresh process. Torch keeps the programs of
+    a model's forward for the process's life and stops compiling it after ``recompile_limit`` (8) of
+    them: the ninth compiled run of a sweep over shapes ran that forward eagerly (other numbers than
+    the same run in a fresh process; a warning its only trace), and ranks forked later inherited
+    the count. The caller's own compiled functions compile again on their next call."""
+    torch.compiler.reset()
 
 
 def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,

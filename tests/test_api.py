@@ -5,6 +5,7 @@ and launcher, from this process; errors raised, never exit codes. And the config
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -94,6 +95,21 @@ def test_a_run_that_fails_in_its_profile_window_stops_torchs_profiler_and_writes
     assert not list((tmp_path / "run").glob("traces/*")), "a half window's trace"
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "step" in r] == [1, 2, 3]  # step 4 failed before its record
+
+
+@pytest.mark.timeout(120)
+def test_compiled_runs_in_one_process_each_compile_as_a_fresh_process_would(tmp_path, monkeypatch):
+    # torch.compile keeps a model forward's programs for the process's life and stops compiling it
+    # after recompile_limit (8) of them: the ninth compiled run of a sweep over shapes ran eagerly.
+    # Here the limit is 1 (a recompile fails) and Dynamo hands its graphs to the eager backend (fast).
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    overrides = [*ONE, "model.n_layers=1", "train.steps=1", "train.compile=true"]
+    for seq_len in (8, 12):  # the position embedding's shape differs: its forward's guard fails
+        summary = runner.run([*overrides, f"train.seq_len={seq_len}"], run_dir=tmp_path / f"seq{seq_len}")
+        assert summary["steps"] == 1 and math.isfinite(summary["final_loss"])
 
 
 @pytest.mark.parametrize("overrides, message", [
