@@ -135,9 +135,9 @@ def _drop_compiled() -> None:
     """torch.compile's in-memory caches emptied after a compiled run in this process (its on-disk
     cache stays): the next run compiles as it would in a fresh process. Torch keeps the programs of
     a model's forward for the process's life and stops compiling it after ``recompile_limit`` (8) of
-    them: the ninth compiled run of a sweep over shapes ran that forward eagerly (other numbers than
-    the same run in a fresh process; a warning its only trace), and ranks forked later inherited
-    the count. The caller's own compiled functions compile again on their next call."""
+    them: the ninth compiled run of a sweep over shapes ran that forward eagerly, not compiled as
+    asked (a warning its only trace), and ranks forked later inherited the count. The caller's own
+    compiled functions compile again on their next call."""
     torch.compiler.reset()
 
 
