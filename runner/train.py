@@ -553,17 +553,22 @@ class Trainer:
         return TrainResult(losses=self.losses, summary=self.finish())
 
     def _abandon(self) -> None:
-        """A run that failed (in setup or a step): its loggers record a failed run, and torch's
-        profiler, which is the process's, stops without writing a trace (``RunProfiler.stop``): a
-        later run or the caller's own code in this process is not profiled."""
+        """A run that failed (in setup or a step): its loggers record a failed run; torch's
+        profiler, which is the process's, stops without writing a trace (``RunProfiler.stop``), and
+        the background saves' thread goes (``Checkpointer.abandon``): nothing of the run goes on in
+        this process (a later run, the caller's own code)."""
         try:
             if self.metrics:
                 self._write_records(failed=True)
                 self.metrics.close(failed=True)
         finally:
-            profiler: RunProfiler | None = getattr(self, "profiler", None)  # None: setup failed before it
+            # None where setup failed before making them.
+            profiler: RunProfiler | None = getattr(self, "profiler", None)
+            checkpointer: Checkpointer | None = getattr(self, "checkpointer", None)
             if profiler is not None:
                 profiler.stop(trace=False)
+            if checkpointer is not None:
+                checkpointer.abandon()
 
     # -- finish ----------------------------------------------------------------------------------
     def finish(self) -> dict | None:

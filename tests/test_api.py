@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,21 @@ def test_a_run_that_fails_in_its_profile_window_stops_torchs_profiler_and_writes
     assert not list((tmp_path / "run").glob("traces/*")), "a half window's trace"
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "step" in r] == [1, 2, 3]  # step 4 failed before its record
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_fails_with_a_save_in_the_background_leaves_no_thread_and_its_checkpoints_whole(tmp_path):
+    # While the failure is held (a notebook keeps the last one), the save thread stayed, and every
+    # later launch of several ranks from this process spawned them (a thread in the launcher)
+    # instead of forking; a save in flight went on after the run had raised.
+    overrides = [*ONE, "train.steps=4", "checkpoint.every=1", "checkpoint.async_save=true",
+                 "+callbacks.fail._target_=helpers.hooks.fails_at", "+callbacks.fail.step=3"]
+    with pytest.raises(RuntimeError, match="a user's hook failed at step 3") as failed:
+        runner.run(overrides, run_dir=tmp_path / "run")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-commit")]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step-1", "step-2"], saved  # step 2's save, in flight as step 3 failed, committed
+    assert failed.value.__traceback__ is not None  # held to here, as a notebook holds it
 
 
 @pytest.mark.timeout(120)
