@@ -31,7 +31,14 @@ from runner.ranks.console import console_for_run, console_listener, rank_logging
 from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.ranks.host import say_if_overloaded
-from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
+from runner.ranks.processes import (
+    forked_ranks_would_hang,
+    note_threads,
+    spawn,
+    spawn_reason,
+    start_method,
+    stop_progress_monitors,
+)
 from runner.ranks.restarts import RESTART_VARIABLE, attempt_store, publish_run_dir, restart_count
 from runner.ranks.supervise import forward_signals, wait_for_ranks
 from runner.rundir import hold_run_lock
@@ -129,6 +136,7 @@ def _train_here(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> 
     finally:
         if resolved.train.compile:
             _drop_compiled()
+        stop_progress_monitors()  # torch.compile's, a Hugging Face model's: a later launch forks its ranks
 
 
 def _drop_compiled() -> None:

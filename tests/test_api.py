@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -111,6 +112,20 @@ def test_a_run_that_fails_with_a_save_in_the_background_leaves_no_thread_and_its
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert saved == ["step-1", "step-2"], saved  # step 2's save, in flight as step 3 failed, committed
     assert failed.value.__traceback__ is not None  # held to here, as a notebook holds it
+
+
+@pytest.mark.timeout(60)
+def test_a_run_in_process_leaves_no_progress_monitor_thread_so_later_launches_fork(tmp_path):
+    # torch.compile's progress bars (a Hugging Face model's, datasets') start tqdm's monitor thread,
+    # which outlives them: with it running, every later launch of several ranks spawned them.
+    from tqdm import tqdm
+    from tqdm.std import TMonitor
+
+    with open(os.devnull, "w") as sink, tqdm(total=1, file=sink) as bar:  # as a library's bar does
+        bar.update()
+    assert any(isinstance(t, TMonitor) for t in threading.enumerate())
+    runner.run(ONE, run_dir=tmp_path / "run")
+    assert not [t.name for t in threading.enumerate() if isinstance(t, TMonitor)]
 
 
 @pytest.mark.timeout(120)
