@@ -31,7 +31,14 @@ from runner.ranks.console import console_for_run, console_listener, rank_logging
 from runner.ranks.dist import DistEnv, cleanup, init_distributed, local_rank_from_env, pick_device
 from runner.ranks.env import adopt_slurm_ranks, under_torchrun
 from runner.ranks.host import say_if_overloaded
-from runner.ranks.processes import forked_ranks_would_hang, note_threads, spawn, spawn_reason, start_method
+from runner.ranks.processes import (
+    forked_ranks_would_hang,
+    note_threads,
+    spawn,
+    spawn_reason,
+    start_method,
+    stop_progress_monitors,
+)
 from runner.ranks.restarts import RESTART_VARIABLE, attempt_store, publish_run_dir, restart_count
 from runner.ranks.supervise import forward_signals, wait_for_ranks
 from runner.rundir import hold_run_lock
@@ -115,13 +122,31 @@ def _join_torchrun(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) 
 
 
 def _train_here(resolved: ResolvedRun, cfg: DictConfig, clock: StartupClock) -> dict | None:
-    """One rank: in this process."""
+    """One rank: in this process. Its GPU's random generator is the caller's again after it (the
+    CPU's: ``launch``)."""
     torch.set_num_threads(resolved.threads_per_rank)
     note_threads()  # a later launch from this process (a sweep's next job) must not fork then
-    env = init_distributed(rank=0, world_size=1, device=pick_device(resolved.device, 0), timeout_s=cfg.launch.timeout_s)
+    device = pick_device(resolved.device, 0)
+    env = init_distributed(rank=0, world_size=1, device=device, timeout_s=cfg.launch.timeout_s)
     clock.say("ranks started: one, in this process")
-    with console_for_run(), forward_signals([], cfg.launch.grace_s):
-        return train(resolved, cfg, env, clock=clock).summary
+    callers_rng = torch.random.fork_rng(devices=[device], enabled=device.type == "cuda")
+    try:
+        with console_for_run(), forward_signals([], cfg.launch.grace_s), callers_rng:
+            return train(resolved, cfg, env, clock=clock).summary
+    finally:
+        if resolved.train.compile:
+            _drop_compiled()
+        stop_progress_monitors()  # torch.compile's, a Hugging Face model's: a later launch forks its ranks
+
+
+def _drop_compiled() -> None:
+    """torch.compile's in-memory caches emptied after a compiled run in this process (its on-disk
+    cache stays): the next run compiles as it would in a fresh process. Torch keeps the programs of
+    a model's forward for the process's life and stops compiling it after ``recompile_limit`` (8) of
+    them: the ninth compiled run of a sweep over shapes ran that forward eagerly, not compiled as
+    asked (a warning its only trace), and ranks forked later inherited the count. The caller's own
+    compiled functions compile again on their next call."""
+    torch.compiler.reset()
 
 
 def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
@@ -141,8 +166,14 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
     threads = torch.get_num_threads()
     note_threads()
     torch.set_num_threads(1)
+    # The caller's CPU random generator is as it was after the launch (a one-rank run's GPU's too:
+    # ``_train_here``): the run seeds its dropout from ``train.seed`` (``runner.train``), a resumed
+    # one restores its checkpoint's state, and the checks draw, which made every random draw after
+    # a ``runner.run`` in one process the same (a sweep drawing its trials' values between runs drew
+    # one value).
     try:
-        return _launch(cfg, run_dir, clock, console)
+        with torch.random.fork_rng(devices=[]):
+            return _launch(cfg, run_dir, clock, console)
     finally:
         torch.set_num_threads(threads)
 

@@ -256,6 +256,8 @@ class Trainer:
         self.losses: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
         self.pending: Pending | None = None  # deferred: the step applied, validated in the next one
+        self.metrics: MetricsWriter | None = None  # rank 0's, made by setup
+        self.unwritten: list[dict] = []  # validated steps' records waiting for their device time
         # A rehearsal's wait for the device (``runner.rehearse.rank``), before the host's clock is read
         # for a time the step reports (its start and end, the snapshot's, a rollback's): on CUDA they
         # are then the device's work, not its launches. None (a real run): no wait is added.
@@ -297,7 +299,6 @@ class Trainer:
                                       resumed_after=self.first_step) if env.is_main else None)
         # The reported step times: on CUDA the device's, read as the metrics are written (only rank 0 writes them).
         self.timer = StepTimer(env.device if env.is_main else torch.device("cpu"))
-        self.unwritten: list[dict] = []  # validated steps' records waiting for their device time
         self.context = StepContext(env=env, mesh=self.mesh, modules=self.modules, params=self.params,
                                    not_counted=frozenset(self.tied.not_counted()), optimizer=self.optimizer,
                                    scheduler=self.scheduler, resolved=resolved, cfg=cfg)
@@ -537,8 +538,8 @@ class Trainer:
         return list(self.timer.host.values())
 
     def run(self) -> TrainResult:
-        self.setup()
         try:
+            self.setup()
             for index in range(self.first_step, self.resolved.steps):
                 raise_if_stopped()
                 for record in self.step(index):  # deferred: the last step, and any evaluated or saved, at its end
@@ -546,13 +547,29 @@ class Trainer:
             assert self.pending is None  # the last step is validated at its end
             self._write_records(finished=True)
             self.checkpointer.wait()  # the last asynchronous save, committed
-        except BaseException:  # a crash, a stop signal, a non-finite loss: loggers record a failed run
-            if self.metrics:
-                self._write_records(failed=True)
-                self.metrics.close(failed=True)
+        except BaseException:  # a crash, a stop signal, a non-finite loss
+            self._abandon()
             raise
         self.checkpointer.close()
         return TrainResult(losses=self.losses, summary=self.finish())
+
+    def _abandon(self) -> None:
+        """A run that failed (in setup or a step): its loggers record a failed run; torch's
+        profiler, which is the process's, stops without writing a trace (``RunProfiler.stop``), and
+        the background saves' thread goes (``Checkpointer.abandon``): nothing of the run goes on in
+        this process (a later run, the caller's own code)."""
+        try:
+            if self.metrics:
+                self._write_records(failed=True)
+                self.metrics.close(failed=True)
+        finally:
+            # None where setup failed before making them.
+            profiler: RunProfiler | None = getattr(self, "profiler", None)
+            checkpointer: Checkpointer | None = getattr(self, "checkpointer", None)
+            if profiler is not None:
+                profiler.stop(trace=False)
+            if checkpointer is not None:
+                checkpointer.abandon()
 
     # -- finish ----------------------------------------------------------------------------------
     def finish(self) -> dict | None:

@@ -5,11 +5,15 @@ and launcher, from this process; errors raised, never exit codes. And the config
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import runner
@@ -67,6 +71,76 @@ def test_a_one_rank_run_in_process_returns_its_summary_run_dir_and_the_callbacks
     assert on_disk["recorded"] == summary["recorded"] and "run_dir" not in on_disk
     assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())[-1] == "+callbacks.seen.key=recorded"
     assert (run_dir / ".hydra" / "config.yaml").is_file() and "run directory" in (run_dir / "runner.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_in_process_leaves_the_callers_random_draws_as_they_were(tmp_path):
+    # The run seeds its own generators (train.seed) and its checks draw: the caller's next draws were
+    # those of the run's seed, the same after every run (a sweep drawing its trials' values between
+    # runs drew one value).
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    runner.run(ONE, run_dir=tmp_path / "run")
+    assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_fails_in_its_profile_window_stops_torchs_profiler_and_writes_no_trace(tmp_path):
+    # torch's profiler is the process's: left on by the failed run, it recorded every op after it
+    # (the caller's and the next runs': twice as slow, its memory growing without end).
+    overrides = [*ONE, "train.steps=5", "profile.enabled=true", "+callbacks.fail._target_=helpers.hooks.fails_at",
+                 "+callbacks.fail.step=4"]  # the window: step 1 skipped, 2 warm-up, 3-5 recorded
+    with pytest.raises(RuntimeError, match="a user's hook failed at step 4"):
+        runner.run(overrides, run_dir=tmp_path / "run")
+    assert not torch.autograd.profiler._is_profiler_enabled and not torch._C._autograd._profiler_enabled()
+    assert not list((tmp_path / "run").glob("traces/*")), "a half window's trace"
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "step" in r] == [1, 2, 3]  # step 4 failed before its record
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_fails_with_a_save_in_the_background_leaves_no_thread_and_its_checkpoints_whole(tmp_path):
+    # While the failure is held (a notebook keeps the last one), the save thread stayed, and every
+    # later launch of several ranks from this process spawned them (a thread in the launcher)
+    # instead of forking; a save in flight went on after the run had raised.
+    overrides = [*ONE, "train.steps=4", "checkpoint.every=1", "checkpoint.async_save=true",
+                 "+callbacks.fail._target_=helpers.hooks.fails_at", "+callbacks.fail.step=3"]
+    with pytest.raises(RuntimeError, match="a user's hook failed at step 3") as failed:
+        runner.run(overrides, run_dir=tmp_path / "run")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-commit")]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step-1", "step-2"], saved  # step 2's save, in flight as step 3 failed, committed
+    assert failed.value.__traceback__ is not None  # held to here, as a notebook holds it
+
+
+@pytest.mark.timeout(60)
+def test_a_run_in_process_leaves_no_progress_monitor_thread_so_later_launches_fork(tmp_path):
+    # torch.compile's progress bars (a Hugging Face model's, datasets') start tqdm's monitor thread,
+    # which outlives them: with it running, every later launch of several ranks spawned them.
+    from tqdm import tqdm
+    from tqdm.std import TMonitor
+
+    with open(os.devnull, "w") as sink, tqdm(total=1, file=sink) as bar:  # as a library's bar does
+        bar.update()
+    assert any(isinstance(t, TMonitor) for t in threading.enumerate())
+    runner.run(ONE, run_dir=tmp_path / "run")
+    assert not [t.name for t in threading.enumerate() if isinstance(t, TMonitor)]
+
+
+@pytest.mark.timeout(120)
+def test_compiled_runs_in_one_process_each_compile_as_a_fresh_process_would(tmp_path, monkeypatch):
+    # torch.compile keeps a model forward's programs for the process's life and stops compiling it
+    # after recompile_limit (8) of them: the ninth compiled run of a sweep over shapes ran eagerly.
+    # Here the limit is 1 (a recompile fails) and Dynamo hands its graphs to the eager backend (fast).
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    overrides = [*ONE, "model.n_layers=1", "train.steps=1", "train.compile=true"]
+    for seq_len in (8, 12):  # the position embedding's shape differs: its forward's guard fails
+        summary = runner.run([*overrides, f"train.seq_len={seq_len}"], run_dir=tmp_path / f"seq{seq_len}")
+        assert summary["steps"] == 1 and math.isfinite(summary["final_loss"])
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shlex
@@ -69,7 +70,16 @@ def test_child_costs_time_the_split_backward_as_torchs_stages_run_it():
 
     from runner.plan.costs import measure_child_costs
 
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    before = live_tensors()
     costs = measure_child_costs(compose(*TINY, "train.batch_size=8"), 4, 2, torch.device("cpu"))
+    # Nothing of the timed model outlives the timing: its saved-bytes hook kept each saved tensor
+    # itself, and a unit's output saved by its own node (attention's) held its graph in a cycle no
+    # collection frees (each runner.plan in a process kept a model and a microbatch's activations).
+    assert live_tensors() == before
     first, *rest = costs.values()
     assert first.input_backward_s == first.weight_backward_s == 0.0  # token ids take no gradient
     assert all(c.forward_s > 0 and c.backward_s > 0 and c.input_backward_s > 0 and c.weight_backward_s > 0

@@ -433,6 +433,14 @@ class Checkpointer:
         busy(f"waiting for checkpoint step-{steps_done} to be written")
         future.result()
 
+    def abandon(self) -> None:
+        """A failed run's end: the background thread goes (left idle, a later launch from this
+        process spawned its ranks instead of forking them; a save in flight went on writing after
+        the run had raised). One rank lets the save in flight end first (it has no peer to agree
+        with); with several, a peer may be gone: that save ends with the process."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=self.env.world_size == 1, cancel_futures=True)
+
     def close(self) -> None:
         """After the last ``wait``: the background thread and group go."""
         if self.executor is not None:

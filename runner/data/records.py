@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from runner.errors import ConfigError
+from runner.ranks.processes import stop_progress_monitors
 
 __all__ = ["FORMATS", "load_records", "naming_bad_records"]
 
@@ -78,15 +77,6 @@ def _unreadable(path: str, files: list[Path], fmt: str, error: Exception) -> str
             f"{' …' if len(files) > 3 else ''}): {cause}. Fix: files datasets.load_dataset({fmt!r}) reads.")
 
 
-def _stop_progress_monitors() -> None:
-    """``datasets``' progress bars start tqdm's monitor thread, which outlives them: a launcher with a
-    thread running starts its ranks by spawn (``processes.start_method``), seconds slower than fork."""
-    monitor: type = getattr(sys.modules.get("tqdm.std"), "TMonitor", type(None))
-    for thread in threading.enumerate():
-        if isinstance(thread, monitor):
-            thread.exit()  # type: ignore[attr-defined]  # wakes it and joins it
-
-
 def _check_field(ds, path: str, field: str) -> None:
     import datasets
 
@@ -117,7 +107,7 @@ def load_records(path: str, files: list[Path], field: str, cache_dir: str):
     except Exception as e:  # whatever datasets raises (ArrowInvalid, UnicodeDecodeError, StopIteration, ...)
         raise ConfigError(_unreadable(path, files, fmt, e)) from e
     finally:
-        _stop_progress_monitors()
+        stop_progress_monitors()  # datasets' progress bars start it
     _check_field(ds, path, str(field))
     return files, ds
 

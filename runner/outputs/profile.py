@@ -187,9 +187,14 @@ class RunProfiler:
         else:
             self.torch_profiler.step()
 
-    def stop(self) -> None:
-        """Stop the torch profiler (its window's trace is written by then); again, nothing."""
+    def stop(self, *, trace: bool = True) -> None:
+        """Stop the torch profiler (its window's trace is written by then); again, nothing. ``trace``
+        False (a failed run): a window still open is dropped, not written (no half trace). torch's
+        profiler is the process's: left on by a run that failed in its window, it went on recording
+        every op of the process (the caller's and the next runs', twice as slow, its memory growing)."""
         if self.torch_profiler is not None:
+            if not trace:
+                self.torch_profiler.on_trace_ready = None
             with self.native.routed():
                 self.torch_profiler.stop()
             self.native.close()

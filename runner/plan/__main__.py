@@ -72,12 +72,13 @@ def plan_in(cfg: DictConfig, out: Path, overrides: Sequence[str]) -> dict:
     for logger in quiet:  # one line per candidate otherwise
         logger.setLevel(logging.WARNING)
     try:
-        if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
-            command = run_target(cfg, out, overrides)
-        elif from_file:  # costs a user measured: no model, no ranks
-            command = main_from_costs(cfg, out)
-        else:
-            command = _plan_here(cfg, out, overrides)
+        with torch.random.fork_rng(devices=[]):  # the caller's generator as it was (the costs draw inputs)
+            if cfg.plan.target:  # for a device this host does not have: FLOP and byte counts, no ranks
+                command = run_target(cfg, out, overrides)
+            elif from_file:  # costs a user measured: no model, no ranks
+                command = main_from_costs(cfg, out)
+            else:
+                command = _plan_here(cfg, out, overrides)
     finally:
         torch.set_num_threads(threads)
         for logger, level in zip(quiet, levels):

@@ -65,7 +65,7 @@ def _measure_child(child: torch.nn.Module, x: torch.Tensor, targets: torch.Tenso
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved[0] += t.numel() * t.element_size()
-        return t
+        return t.detach()  # not ``t``: see ``runner.verify.memory.activation_bytes``
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()

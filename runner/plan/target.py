@@ -128,7 +128,7 @@ def _count_unit(unit: StageModule, x: torch.Tensor, loss_fn, targets: torch.Tens
         storage = t.untyped_storage()
         if storage._cdata not in own:  # a weight (or a view of it) is the parameter, not an activation
             saved[storage._cdata] = storage.nbytes()
-        return t
+        return t.detach()  # not ``t``: see ``runner.verify.memory.activation_bytes``
 
     counters = {k: OpCounter(peaks) for k in ("F", "I", "B")}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counters["F"]:

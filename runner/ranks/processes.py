@@ -42,8 +42,8 @@ from runner.ranks import watchdog
 from runner.ranks.clock import StartupClock
 from runner.ranks.dist import cleanup, init_distributed, pick_device
 
-__all__ = ["note_threads", "forked_ranks_would_hang", "start_method", "spawn_reason", "Rendezvous", "rendezvous",
-           "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
+__all__ = ["note_threads", "stop_progress_monitors", "forked_ranks_would_hang", "start_method", "spawn_reason",
+           "Rendezvous", "rendezvous", "connect", "spawn", "Ranks", "stop", "raise_if_stopped"]
 
 log = logging.getLogger("runner.processes")  # named as before runner/ became packages (runner.log)
 
@@ -64,9 +64,10 @@ def note_threads() -> None:
 def spawn_reason(device: str, threads: int | None = 1) -> str:
     """Why ranks cannot be forked from this process ("" where they can): CUDA state and macOS
     frameworks do not survive a fork, nor does a lock another thread holds (it would stay held in
-    the child: joblib's loky workers, for one, run helper threads; tqdm's monitor is stopped
-    where ``datasets`` starts it, ``runner.data.records``), nor OpenMP's team for ranks of ``threads``
-    threads (None: torch's default, this host's cores) where this process ran torch on several."""
+    the child: joblib's loky workers, for one, run helper threads; tqdm's monitor is stopped where
+    the runner's libraries start it: ``stop_progress_monitors``), nor OpenMP's team for ranks of
+    ``threads`` threads (None: torch's default, this host's cores) where this process ran torch on
+    several."""
     if device != "cpu":
         return f"device {device}: its state does not survive a fork"
     if not sys.platform.startswith("linux"):
@@ -78,6 +79,16 @@ def spawn_reason(device: str, threads: int | None = 1) -> str:
         return ("this process ran torch on several threads: OpenMP's thread team does not survive a fork "
                 "(ranks of several threads would hang in their first op)")
     return ""
+
+
+def stop_progress_monitors() -> None:
+    """End tqdm's monitor thread, which outlives the progress bars that start it (``datasets``',
+    torch.compile's, transformers'): a launcher with a thread running starts its ranks by spawn,
+    seconds slower than fork (``spawn_reason``). tqdm starts it again with its next bar."""
+    monitor: type = getattr(sys.modules.get("tqdm.std"), "TMonitor", type(None))
+    for thread in threading.enumerate():
+        if isinstance(thread, monitor):
+            thread.exit()  # type: ignore[attr-defined]  # wakes it and joins it
 
 
 def forked_ranks_would_hang(threads: int | None) -> bool:

@@ -38,14 +38,19 @@ LOSS_COPIES = 3
 def activation_bytes(meta: MetaModel, *, microbatch: int, seq_len: int, kwargs: dict[str, torch.Tensor]) -> int:
     """What autograd keeps for the backward of one microbatch through the whole model: the
     tensors a forward on the meta device saves (the parameters it saves are counted as weights),
-    and the loss's tensors over the logits. Call after ``split.check_shapes`` passed."""
+    and the loss's tensors over the logits. Call after ``split.check_shapes`` passed.
+
+    The hook keeps a detached view of each saved tensor, never the tensor itself: a tensor its own
+    node saves (an output, as attention's) then referenced that node from inside it, a cycle through
+    autograd's C++ that no collection frees, and the whole graph (parameters, activations) outlived
+    the call. The planner's timed units (``runner.plan.costs``, ``runner.plan.target``) count so too."""
     params = {id(p) for p in meta.module.parameters()}
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in params and id(t._base) not in params:
             saved[0] += t.numel() * t.element_size()
-        return t
+        return t.detach()  # not ``t``: see above
 
     x = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # shapes only: no memory

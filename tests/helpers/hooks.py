@@ -37,3 +37,18 @@ class LibraryWarning(Hook):
             import warnings
 
             warnings.warn(f"a library's UserWarning on rank {ctx.env.rank}", UserWarning, stacklevel=1)
+
+
+class FailsAt(Hook):
+    """A user's hook that fails: raises ``RuntimeError`` as step ``step`` ends, on every rank."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        if state.step == self.step:
+            raise RuntimeError(f"a user's hook failed at step {self.step}")
+
+
+def fails_at(step: int = 2) -> FailsAt:
+    return FailsAt(step)
