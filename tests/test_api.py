@@ -115,6 +115,19 @@ def test_a_run_that_fails_with_a_save_in_the_background_leaves_no_thread_and_its
 
 
 @pytest.mark.timeout(60)
+def test_ctrl_c_during_a_run_in_process_raises_keyboard_interrupt_not_an_exit(tmp_path):
+    # The launcher's handler ended the run with SystemExit(130): a library call exiting the
+    # caller's interpreter (a notebook's kernel reported a SystemExit). Now Python's own exception.
+    overrides = [*ONE, "train.steps=5", "+callbacks.stop._target_=helpers.hooks.interrupts_at",
+                 "+callbacks.stop.step=2"]
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(overrides, run_dir=tmp_path / "run")
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "step" in r] in ([1], [1, 2])  # ended as step 2 did (every line whole)
+    runner.run(ONE, run_dir=tmp_path / "again")  # the handlers are the caller's again: a run after it runs
+
+
+@pytest.mark.timeout(60)
 def test_a_run_in_process_leaves_no_progress_monitor_thread_so_later_launches_fork(tmp_path):
     # torch.compile's progress bars (a Hugging Face model's, datasets') start tqdm's monitor thread,
     # which outlives them: with it running, every later launch of several ranks spawned them.

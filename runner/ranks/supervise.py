@@ -14,7 +14,7 @@ import threading
 from contextlib import contextmanager
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
-from typing import Any, Collection, Iterator
+from typing import Any, Collection, Iterator, NoReturn
 
 from runner.errors import EXIT_INTERRUPTED, RankFailedError, RunnerError, StalledRankError, interrupted_exit_code
 from runner.ranks import watchdog
@@ -131,7 +131,7 @@ def wait_for_ranks(processes: list, error_files: list[str], heartbeats: watchdog
             codes = {processes[r].exitcode for r in failed}
             if codes <= set(EXIT_INTERRUPTED.values()):  # a signal reached the ranks themselves
                 log.warning("rank(s) %s stopped by SIGINT/SIGTERM", failed)  # (Ctrl-C: the whole process group)
-                raise SystemExit(max(codes))
+                _end_interrupted(max(codes))
             raise rank_failure(_failed_on_their_own(processes, failed, killed), processes, error_files,
                                heartbeats, stopped)
         running = [p for p in processes if p.exitcode is None]
@@ -161,6 +161,15 @@ def _failed_on_their_own(processes: list, failed: list[int], killed: Collection[
     return sorted([*failed, *late])
 
 
+def _end_interrupted(code: int) -> NoReturn:
+    """End the launch as Python's own handlers would: Ctrl-C (130) as ``KeyboardInterrupt``, so that
+    ``runner.run`` called from Python (a notebook) raises, never exits (the command line turns it
+    into status 130: ``runner.exits``); SIGTERM (143) as ``SystemExit``."""
+    if code == EXIT_INTERRUPTED[signal.SIGINT]:
+        raise KeyboardInterrupt
+    raise SystemExit(code)
+
+
 @contextmanager
 def forward_signals(processes: list, grace_s: float) -> Iterator[None]:
     """SIGINT/SIGTERM to the launcher stop every rank (``stop``: a SIGTERM, which ranks handle
@@ -170,7 +179,7 @@ def forward_signals(processes: list, grace_s: float) -> Iterator[None]:
     def handler(signum, frame):
         log.warning("%s: stopping the run (%d rank processes)", signal.Signals(signum).name, len(processes))
         stop(processes, grace_s)
-        raise SystemExit(interrupted_exit_code(signum))
+        _end_interrupted(interrupted_exit_code(signum))
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield

@@ -52,3 +52,21 @@ class FailsAt(Hook):
 
 def fails_at(step: int = 2) -> FailsAt:
     return FailsAt(step)
+
+
+class InterruptsAt(Hook):
+    """Ctrl-C as step ``step`` ends: SIGINT to this process (a one-rank run's launcher and rank)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, ctx: StepContext, state: StepState) -> None:
+        if state.step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def interrupts_at(step: int = 2) -> InterruptsAt:
+    return InterruptsAt(step)
