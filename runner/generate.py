@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import operator
 import signal
 import sys
 from dataclasses import dataclass, field, fields
@@ -57,6 +58,18 @@ class Settings:
     stop_at_eos: bool = _setting(True, "stop at the tokenizer's end-of-sequence token (true or false)")
     device: str = _setting("cpu", "cpu, cuda, cuda:1, ...")
     dtype: str = _setting("fp32", "the weights' and the computation's: fp32, bf16 or fp16")
+
+    def __post_init__(self) -> None:
+        # From Python the ids may come as any sequence of integers, or as the command line's text.
+        ids = self.prompt_ids
+        if isinstance(ids, str):
+            object.__setattr__(self, "prompt_ids", _value("prompt_ids", ids))
+        elif ids is not None:
+            try:
+                object.__setattr__(self, "prompt_ids", tuple(operator.index(i) for i in ids))
+            except TypeError:
+                raise ConfigError(f"prompt_ids={ids!r} is not a sequence of token ids. Fix: e.g. "
+                                  'prompt_ids=(1, 5, 9) or prompt_ids="1 5 9".') from None
 
     def check(self) -> None:
         """Every value a user can get wrong, before anything is loaded."""

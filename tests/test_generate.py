@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 
 from runner._torch.dcp import read_model_tensors
 from runner.checkpoint.model import checkpoint_model
+from runner.errors import ConfigError
 from runner.export import export
 from runner.generate import generate, main
 from runner.train import train
@@ -123,6 +124,12 @@ def test_a_builtin_models_greedy_output_equals_an_argmax_loop_over_the_unsplit_m
     assert torch.equal(loaded.head.weight, reference.head.weight)
     by_ids = generate(run, prompt_ids=tuple(b"the pipeline "), max_new_tokens=3)
     assert by_ids.new_ids == result.new_ids and by_ids.text is None
+    # From Python the ids may also be a list or the command line's text (a bare TypeError before).
+    as_text = generate(run, prompt_ids=" ".join(map(str, b"the pipeline ")), max_new_tokens=3)
+    as_list = generate(run, prompt_ids=list(b"the pipeline "), max_new_tokens=3)
+    assert as_text.new_ids == as_list.new_ids == result.new_ids
+    with pytest.raises(ConfigError, match="prompt_ids=.* is not a sequence of token ids"):
+        generate(run, prompt_ids=[1.5, 2], max_new_tokens=3)
 
 
 def test_a_user_model_factory_is_not_imported(builtin_run, tmp_path, capsys):
