@@ -44,6 +44,7 @@ from runner.outputs.metrics import (
     as_ran,
     make_summary,
     peak_memory_bytes,
+    reset_peak_memory,
     write_resolved_config,
     write_summary,
 )
@@ -264,6 +265,7 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
         resolved, cfg, env, t = self.resolved, self.cfg, self.env, self.resolved.train
+        reset_peak_memory(env.device)  # the summary's peak is this run's, not its process's earlier jobs'
         self.data = build_dataset(cfg.data, seed=t.seed)
         self.mesh = build_mesh(env, resolved.dims)
         _seed_dropout(t.seed, self.mesh.pp_rank, env.device)  # a resumed run's checkpoint restores its own

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import sys
 from pathlib import Path
 
@@ -68,6 +69,19 @@ def test_a_one_rank_run_in_process_returns_its_summary_run_dir_and_the_callbacks
     assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())[-1] == "+callbacks.seen.key=recorded"
     assert (run_dir / ".hydra" / "config.yaml").is_file() and "run directory" in (run_dir / "runner.log").read_text()
 
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident set's peak is reset on Linux")
+@pytest.mark.timeout(60)
+def test_a_run_in_process_reports_its_own_peak_memory_not_what_the_process_held_before(tmp_path):
+    # A sweep's one-rank jobs run in one process (Hydra's basic launcher), as runner.run twice does:
+    # each job's peak_mem_bytes was the process's lifetime high-water mark, an earlier job's peak.
+    blob = b"\x01" * (1 << 30)  # 1 GiB resident, then freed: the process's peak, not the run's
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del blob
+    summary = runner.run([*ONE, "train.steps=1"], run_dir=tmp_path / "run")
+    [peak] = summary["peak_mem_bytes"]
+    assert 2**20 < peak < before - 512 * 2**20, (peak, before)
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.ppp=2"], r"Did you mean parallel\.pp\?"),
