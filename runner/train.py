@@ -525,6 +525,8 @@ class Trainer:
 
     def _commit(self, record: dict) -> None:
         """A validated step's evaluation (when due), metrics line and checkpoint (when due)."""
+        if self.evaluation_due(record["step"]) or self.checkpointer.due(record["step"]):
+            self.profiler.recorder.interrupt(record["step"])  # not a training step's gap: the steady bubble's
         if self.evaluation_due(record["step"]):
             beat(f"evaluating after step {record['step']}")
             record["val_loss"] = self.evaluate()
