@@ -83,6 +83,18 @@ def test_a_run_in_process_reports_its_own_peak_memory_not_what_the_process_held_
     [peak] = summary["peak_mem_bytes"]
     assert 2**20 < peak < before - 512 * 2**20, (peak, before)
 
+
+def test_on_a_gpu_a_runs_peak_memory_starts_from_its_setup(monkeypatch):
+    # CUDA's allocator keeps its peak for the process's life: reset as a rank's setup begins.
+    import torch
+
+    from runner.outputs.metrics import reset_peak_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", calls.append)
+    reset_peak_memory(torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]
+
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.ppp=2"], r"Did you mean parallel\.pp\?"),
     (["train.steps=0"], r"train\.steps=0 must be at least 1"),
