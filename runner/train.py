@@ -44,6 +44,7 @@ from runner.outputs.metrics import (
     as_ran,
     make_summary,
     peak_memory_bytes,
+    reset_peak_memory,
     write_resolved_config,
     write_summary,
 )
@@ -266,6 +267,7 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
         resolved, cfg, env, t = self.resolved, self.cfg, self.env, self.resolved.train
+        reset_peak_memory(env.device)  # the summary's peak is this run's, not its process's earlier jobs'
         self.data = build_dataset(cfg.data, seed=t.seed)
         self.mesh = build_mesh(env, resolved.dims)
         _seed_dropout(t.seed, self.mesh.pp_rank, env.device)  # a resumed run's checkpoint restores its own
@@ -524,6 +526,8 @@ class Trainer:
 
     def _commit(self, record: dict) -> None:
         """A validated step's evaluation (when due), metrics line and checkpoint (when due)."""
+        if self.evaluation_due(record["step"]) or self.checkpointer.due(record["step"]):
+            self.profiler.recorder.interrupt(record["step"])  # not a training step's gap: the steady bubble's
         if self.evaluation_due(record["step"]):
             beat(f"evaluating after step {record['step']}")
             record["val_loss"] = self.evaluate()

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import resource
 import sys
 import threading
 from pathlib import Path
@@ -154,6 +155,32 @@ def test_compiled_runs_in_one_process_each_compile_as_a_fresh_process_would(tmp_
     for seq_len in (8, 12):  # the position embedding's shape differs: its forward's guard fails
         summary = runner.run([*overrides, f"train.seq_len={seq_len}"], run_dir=tmp_path / f"seq{seq_len}")
         assert summary["steps"] == 1 and math.isfinite(summary["final_loss"])
+
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident set's peak is reset on Linux")
+@pytest.mark.timeout(60)
+def test_a_run_in_process_reports_its_own_peak_memory_not_what_the_process_held_before(tmp_path):
+    # A sweep's one-rank jobs run in one process (Hydra's basic launcher), as runner.run twice does:
+    # each job's peak_mem_bytes was the process's lifetime high-water mark, an earlier job's peak.
+    blob = b"\x01" * (1 << 30)  # 1 GiB resident, then freed: the process's peak, not the run's
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del blob
+    summary = runner.run([*ONE, "train.steps=1"], run_dir=tmp_path / "run")
+    [peak] = summary["peak_mem_bytes"]
+    assert 2**20 < peak < before - 512 * 2**20, (peak, before)
+
+
+def test_on_a_gpu_a_runs_peak_memory_starts_from_its_setup(monkeypatch):
+    # CUDA's allocator keeps its peak for the process's life: reset as a rank's setup begins.
+    import torch
+
+    from runner.outputs.metrics import reset_peak_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", calls.append)
+    reset_peak_memory(torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]
 
 
 @pytest.mark.parametrize("overrides, message", [

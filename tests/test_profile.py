@@ -156,6 +156,42 @@ def test_the_steady_bubble_counts_overlapping_steps_once():
     assert steady_bubble(actions, {r: [v[0], v[2]] for r, v in spans.items()}) is None  # not consecutive
 
 
+def test_the_steady_bubble_leaves_out_the_gap_after_an_evaluation_or_a_save():
+    # Steps of 10 back to back, but an evaluation of 90 after step 2: the rank computes all the
+    # time it trains. Counted as a steady gap, the evaluation made the step 40 and its bubble 0.75.
+    ends = {1: 10, 2: 20, 3: 120, 4: 130}
+    actions = {0: [Action(k, Op(0, "F", 0), end - 10, end) for k, end in ends.items()]}
+    spans = {0: [StepSpan(k, end - 10, end) for k, end in ends.items()]}
+    assert steady_bubble(actions, spans) == (40.0, [0.75], 0)  # what it reported before
+    assert steady_bubble(actions, spans, {2}) == (10.0, [0.0], 0)
+    assert steady_bubble(actions, {0: spans[0][:2]}, {1}) is None  # no training gap left
+
+
+@pytest.mark.timeout(60)
+def test_a_runs_steady_step_is_its_training_steps_not_its_evaluations_and_saves(tmp_path, monkeypatch):
+    # A real pp=1 run recording steps 3..6; a save after step 3 (and 6) and an evaluation after
+    # step 4 (and 6), each made to take 0.5 s: only the gap 5 -> 6 is a training step's.
+    import time as _time
+
+    from runner.checkpoint.checkpointer import Checkpointer
+    from runner.ranks.dist import DistEnv
+    from runner.train import Trainer
+    from runner.validate import validate
+
+    from helpers.config import TINY, compose
+
+    for cls, name in ((Trainer, "evaluate"), (Checkpointer, "save")):
+        slow = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, slow=slow, **k: _time.sleep(0.5) or slow(self, *a, **k))
+    cfg = compose(*TINY, "parallel.pp=1", "parallel.microbatches=2", "train.steps=6", "profile.active=4",
+                  "eval.every=4", "eval.steps=1", "checkpoint.every=3")
+    trainer = Trainer(validate(cfg, tmp_path), cfg, DistEnv(0, 1, torch.device("cpu")))
+    summary = trainer.run().summary
+    assert summary is not None and trainer.profiler.recorder.interrupted == {3, 4, 6}
+    assert summary["bubble"]["steps"] == [3, 4, 5, 6] and len(summary["val_losses"]) == 2
+    assert summary["bubble"]["steady"]["step_s"] < 0.25  # one training step; 0.5 s gaps counted before
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zbh1", "zbh2"])
 def test_the_steady_bubble_of_a_simulated_timeline_is_the_simulators_steady_step(name):
     # Five steps back to back at p=4, m=8 without the barrier, recorded as the recorder would.

@@ -4,6 +4,8 @@ checks the loggers and prints the table from here before (and without) a run's h
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from runner.layout import ResolvedRun
     from runner.ranks.clock import StartupClock
 
-__all__ = ["MetricsWriter", "peak_memory_bytes", "as_ran", "write_resolved_config", "make_summary",
+__all__ = ["MetricsWriter", "reset_peak_memory", "peak_memory_bytes", "as_ran", "write_resolved_config", "make_summary",
            "write_summary", "format_table"]
 
 
@@ -108,13 +110,52 @@ def _history(path: Path, steps_done: int) -> list[dict]:
     return kept
 
 
+def reset_peak_memory(device) -> None:
+    """This rank's peak memory counted from here (its setup's start), not from its process's start:
+    a process that ran an earlier job (a sweep's one-rank jobs, which Hydra's basic launcher runs in
+    one process; ``runner.run`` called twice from Python) reported that job's peak as its own. GPU:
+    the allocator's peak statistics reset. CPU (Linux): what earlier jobs freed given back to the
+    system first (a collection, glibc's ``malloc_trim``: freed memory stays resident otherwise), then
+    the resident set's high-water mark set to its current size (``/proc/self/clear_refs``);
+    elsewhere it stays the process's since its start."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absent elsewhere (musl, macOS)
+    if trim is not None:
+        trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size to the process's current one
+    except OSError:
+        pass
+
+
+def _vm_hwm_bytes() -> int | None:
+    """``VmHWM`` of ``/proc/self/status``: the resident set's high-water mark, which
+    ``reset_peak_memory`` resets (``ru_maxrss`` keeps the process's whole life). None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory_bytes(device) -> int:
-    """GPU: the allocator's high-water mark. CPU: the process's resident-set high-water mark."""
+    """GPU: the allocator's high-water mark. CPU: the process's resident-set high-water mark; both
+    since ``reset_peak_memory`` (a rank calls it as its setup begins)."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    hwm = _vm_hwm_bytes()
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
 
 
 def _plain(cfg: DictConfig) -> dict:

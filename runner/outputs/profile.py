@@ -110,11 +110,12 @@ class _NativeLines:
         self._file.close()
 
 
-def _steady(actions, spans, order, costs, num_stages: int) -> dict:
-    """The bubble over several steps, overlapping or not (``steady_bubble``), beside the simulator's
-    steady step for the order as run without the barrier (``steady_step``) and its floor
-    (``compute_floor``): ``{"steady": ...}``, or nothing with fewer than 2 consecutive recorded steps."""
-    measured = steady_bubble(actions, spans)
+def _steady(actions, spans, order, costs, num_stages: int, interrupted) -> dict:
+    """The bubble over several steps, overlapping or not (``steady_bubble``; the gaps after
+    ``interrupted`` steps left out), beside the simulator's steady step for the order as run without
+    the barrier (``steady_step``) and its floor (``compute_floor``): ``{"steady": ...}``, or nothing
+    with fewer than 2 consecutive recorded steps."""
+    measured = steady_bubble(actions, spans, interrupted)
     if measured is None:
         return {}
     period_ns, per_rank, overlapped = measured
@@ -248,5 +249,6 @@ class RunProfiler:
             "pipeline_step_s": statistics.median(hi - lo for lo, hi in pipeline_spans(spans).values()) / 1e9,
             "steps": [s.step for s in spans[0]],
             "mean_costs_s": {f"{stage}{kind}": c for (stage, kind), c in sorted(costs.items())},
-            **_steady(actions, spans, order, costs, layout.num_stages),
+            # Every rank evaluates and saves after the same steps: this rank's record of them is theirs.
+            **_steady(actions, spans, order, costs, layout.num_stages, self.recorder.interrupted),
         }

@@ -12,7 +12,7 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence, TypeVar
+from typing import AbstractSet, Any, Mapping, NamedTuple, Sequence, TypeVar
 
 from runner.outputs.collectives import Collective
 from runner.pipeline.ops import Op
@@ -120,21 +120,27 @@ def measured_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int,
     return out
 
 
-def steady_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]]
-                  ) -> tuple[float, list[float], int] | None:
+def steady_bubble(actions: Mapping[int, Sequence[Action]], steps: Mapping[int, Sequence[StepSpan]],
+                  interrupted: AbstractSet[int] = frozenset()) -> tuple[float, list[float], int] | None:
     """Over consecutive recorded steps, whether or not they overlap (``train.optimizer_sync=deferred``
     starts a rank's next step before the others end theirs): the steady-state step, the time between
-    the pipeline's ends of the first and the last step divided by the steps between them (ns; what
-    runs between steps, the reduction and the optimizer, is in it), each rank's bubble in it (1 -
-    the rank's compute in the steps after the first / that time) and how many steps began on some
-    rank before the previous one ended on another. None with fewer than 2 consecutive steps.
-    ``measured_bubble`` counts each step's own span, which overlapping steps would count twice."""
+    the pipeline's ends of consecutive steps averaged (ns; what runs between steps, the reduction and
+    the optimizer, is in it), each rank's bubble in it (1 - the rank's compute in the steps that
+    end those gaps / their time) and how many steps began on some rank before the previous one
+    ended on another. ``interrupted``: steps after which the run did something else (an evaluation,
+    a checkpoint's save): the gap to the next step is not a training step's and is left out (it
+    counted the evaluation as the pipeline's idle time). None with fewer than 2 consecutive steps
+    and no uninterrupted gap between them. ``measured_bubble`` counts each step's own span, which
+    overlapping steps would count twice."""
     spans = pipeline_spans(steps)
     numbers = sorted(spans)
     if len(numbers) < 2 or numbers != list(range(numbers[0], numbers[-1] + 1)):
         return None
-    period = (spans[numbers[-1]][1] - spans[numbers[0]][1]) / (len(numbers) - 1)
-    later = set(numbers[1:])
+    gaps = [k for k in numbers[:-1] if k not in interrupted]  # the gap from step k's end to step k + 1's
+    if not gaps:
+        return None
+    period = sum(spans[k + 1][1] - spans[k][1] for k in gaps) / len(gaps)
+    later = {k + 1 for k in gaps}
     per_rank = []
     for rank in sorted(steps):
         busy = sum(a.end_ns - a.start_ns for a in actions.get(rank, []) if a.step in later)

@@ -77,6 +77,9 @@ class Recorder:
         self.step = -1
         self.actions: list[Action] = []
         self.steps: list[StepSpan] = []
+        # Steps after which the run did something else before its next step (an evaluation, a
+        # checkpoint's save): the gap is no training step's (``runner.outputs.timeline.steady_bubble``).
+        self.interrupted: set[int] = set()
         self._now = now
         self.device: DeviceSpans[Action | StepSpan] | None = DeviceSpans(event, now) if event is not None else None
         # Called before a span's start and end are read (an action's, a pipeline step's), while active
@@ -168,6 +171,10 @@ class Recorder:
             return
         with self._span(functools.partial(StepSpan, step), self.steps):
             yield
+
+    def interrupt(self, step: int) -> None:
+        """Something else than training runs after step ``step``, before the next one (``interrupted``)."""
+        self.interrupted.add(step)
 
     def discard(self, step: int) -> None:
         """Forget what step ``step`` recorded: a pass whose results were thrown away
