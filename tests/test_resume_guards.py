@@ -116,6 +116,17 @@ def test_resuming_with_the_embedding_tie_changed_is_refused_before_launch(saved,
     assert "it may be a tied model's saved under both names" in caplog.text
 
 
+@pytest.mark.timeout(30)
+def test_a_resume_with_other_model_settings_of_the_same_shapes_is_warned_of(saved, tmp_path, caplog):
+    """Another model.n_heads fits the checkpoint's tensors and computes something else from them
+    (the losses after a probe's resume: 4.243, not 4.192): said before launch, naming the key and
+    both values; the saving run's own settings are not."""
+    validate(compose(*ONE, "train.steps=3", f"checkpoint.resume={saved}"), tmp_path / "same")
+    assert "other model settings" not in caplog.text
+    validate(compose(*ONE, "model.n_heads=2", "train.steps=3", f"checkpoint.resume={saved}"), tmp_path / "heads")
+    assert "was trained with other model settings (model.n_heads=4 there, 2 here)" in caplog.text
+
+
 @pytest.mark.parametrize("model", ["tiny", "gpt2"])
 def test_verify_on_a_resumed_run_compares_against_the_checkpoints_weights(model, tmp_path):
     base = ONE if model == "tiny" else [  # GPT-2: its head tied to the embedding, stored once

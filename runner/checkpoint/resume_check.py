@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint.files import (
     CUDA_RNG_PREFIX,
@@ -22,6 +23,7 @@ from runner.checkpoint.files import (
     TOKENIZER_FILES,
     find_checkpoint,
     read_train_state,
+    run_config,
 )
 from runner.errors import CheckpointError, ConfigError
 
@@ -196,6 +198,34 @@ def _check_ties(path: Path, held: list[str], copies: dict[str, str], legacy: boo
                       "+model.config_overrides.tie_word_embeddings=false), or another checkpoint.")
 
 
+def _leaves(node: Any, prefix: str) -> dict[str, Any]:
+    """``node``'s values by dotted key (``model.config_overrides.rope_theta``)."""
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _leaves(value, f"{prefix}.{key}").items()}
+    return {prefix: node}
+
+
+def _warn_model_changes(cfg: DictConfig, path: Path) -> None:
+    """Warn where this run's ``model`` keys differ from those the checkpoint's run recorded: the
+    tensors' names and shapes are checked, not what the model computes from them (another
+    ``model.n_heads`` fits the same tensors, as do most of a Hugging Face model's
+    ``config_overrides``); a change can be meant (dropout for a second phase), so it is said, not refused."""
+    recorded = run_config(path)
+    model = recorded.get("model") if recorded is not None else None
+    try:
+        theirs = _leaves(OmegaConf.to_container(model, resolve=True), "model") if isinstance(model, DictConfig) else {}
+        mine = _leaves(OmegaConf.to_container(cfg.model, resolve=True), "model")
+    except OmegaConfBaseException:  # a recorded config this version cannot resolve: nothing to compare
+        return
+    # model.pretrained: a resumed run's weights are the checkpoint's whatever it says
+    changed = [f"{k}={theirs.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(theirs) | set(mine))
+               if theirs and theirs.get(k) != mine.get(k) and k != "model.pretrained"]
+    if changed:
+        log.warning("checkpoint.resume: %s was trained with other model settings (%s): its weights go into a model "
+                    "that may compute something else from them. Fix: the saving run's values, unless the change is "
+                    "meant.", path, "; ".join(changed))
+
+
 def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path) -> tuple[Path, int]:
     """The checkpoint ``checkpoint.resume`` names and its step, checked against this run's config
     and its model."""
@@ -207,6 +237,7 @@ def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path) -> tu
     _check_data_position(cfg, path, state)
     _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model,
                    legacy="data_position" not in state)
+    _warn_model_changes(cfg, path)
     return path, state["step"]
 
 
