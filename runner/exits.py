@@ -74,6 +74,10 @@ def _nearest_keys(message: str) -> str:
     key, value = match.groups()
     keys = known_keys()
     parent, _, leaf = key.rpartition(".")
+    if key in keys:  # another option of the group has it (model.dim with model=hf): no typo to point at
+        hint = (f"{key} is a key of other {parent} options, not of the one this run selects. Fix: leave {key}={value} "
+                f"out, or select a {parent} option that has it.")
+        return message.replace(match.group(0), f"Could not override '{key}'.\n") + f"\n{hint}"
     siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}  # by their own names
     close = ([siblings[n] for n in difflib.get_close_matches(leaf, siblings, n=3)]
              or difflib.get_close_matches(key, keys, n=3))  # a misspelt group: against every key

@@ -69,6 +69,19 @@ def test_a_misspelt_key_gets_the_nearest_keys_in_the_first_message(override, nea
     assert f"+{override}" not in message  # not Hydra's advice to add it, which the runner refuses next
 
 
+def test_a_key_of_another_option_of_its_group_is_not_offered_as_its_own_fix():
+    """model.dim is the built-in models' key, not model=hf's: the message offered "Did you mean
+    model.dim? Fix: model.dim=32", the override refused."""
+    from runner.exits import outcome
+
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("model=hf", "model.path=/nowhere", "model.dim=32")
+    code, message = outcome(info.value, started=False)
+    assert code == 2 and "model.dim is a key of other model options, not of the one this run selects" in message
+    assert "Fix: leave model.dim=32 out, or select a model option that has it." in message
+    assert "Did you mean" not in message
+
+
 # (a mistyped option or value: the last line of its message, the fix)
 FIXES = {
     "schedule=zbvv": "schedule=zbvv is not an option of schedule. Did you mean schedule=zbv",

@@ -11,11 +11,14 @@ import logging
 import re
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from runner.errors import CheckpointError, ConfigError
 from runner.models.hf_dirs import TOKENIZER_FILES  # a checkpoint's tokenizer/ holds them
 from runner.rundir import LOCK_FILE, run_in_progress
 
-__all__ = ["read_train_state",
+__all__ = ["read_train_state", "run_config",
            "checkpoint_step", "complete_steps", "find_checkpoint", "write_manifest", "files_of", "manifest_problems",
            "CUDA_RNG_PREFIX", "TOKENIZER_DIR", "TOKENIZER_FILES"]
 
@@ -188,3 +191,24 @@ def manifest_problems(directory: Path, rank: int) -> list[str]:
         elif _sha256(file) != digest:
             problems.append(f"{file} does not match the sha256 in {manifest.name} (changed after it was saved)")
     return problems
+
+
+# -- the run a checkpoint came from ------------------------------------------------------------
+
+_RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")  # as the run ran it; as Hydra composed it
+
+
+def run_config(checkpoint: Path) -> DictConfig | None:
+    """The config the run of ``checkpoint`` recorded (its run directory is the checkpoint's
+    grandparent: ``<run>/checkpoints/step-N``), or None where none is found."""
+    if checkpoint.parent.name != "checkpoints":
+        return None
+    for name in _RUN_CONFIGS:
+        if (file := checkpoint.parent.parent / name).is_file():
+            try:
+                config = OmegaConf.load(file)
+            except (OSError, ValueError, OmegaConfBaseException):
+                continue
+            if isinstance(config, DictConfig):
+                return config
+    return None

@@ -19,7 +19,7 @@ from torch import nn
 
 from runner._torch.dcp import read_model_tensors
 from runner.checkpoint.checkpointer import verify_checkpoint
-from runner.checkpoint.files import read_train_state
+from runner.checkpoint.files import read_train_state, run_config
 from runner.errors import ConfigError, RunnerError
 from runner.models.hf_dirs import remote_code_problem
 from runner.models.units import tied_groups
@@ -29,25 +29,6 @@ __all__ = ["BUILTIN_FACTORIES", "run_config", "checkpoint_model", "hf_model", "b
 
 # The factories a checkpoint's model may be rebuilt with here (runner.models' old paths included).
 BUILTIN_FACTORIES = {f"runner.models{sub}.{name}": name for sub in ("", ".builtin") for name in ("transformer", "mlp")}
-_RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")  # as the run ran it; as Hydra composed it
-
-
-def run_config(checkpoint: Path) -> DictConfig | None:
-    """The config the run of ``checkpoint`` recorded (its run directory is the checkpoint's
-    grandparent: ``<run>/checkpoints/step-N``), or None where none is found."""
-    if checkpoint.parent.name != "checkpoints":
-        return None
-    for name in _RUN_CONFIGS:
-        if (file := checkpoint.parent.parent / name).is_file():
-            try:
-                config = OmegaConf.load(file)
-            except (OSError, ValueError, OmegaConfBaseException):
-                continue
-            if isinstance(config, DictConfig):
-                return config
-    return None
-
-
 def _loaded(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model's tensors of ``checkpoint``, its files checked against their manifests first."""
     verify_checkpoint(checkpoint, read_train_state(checkpoint)["world_size"], DistEnv(0, 1, torch.device("cpu")))

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint.files import (
     CUDA_RNG_PREFIX,
@@ -22,6 +23,7 @@ from runner.checkpoint.files import (
     TOKENIZER_FILES,
     find_checkpoint,
     read_train_state,
+    run_config,
 )
 from runner.errors import CheckpointError, ConfigError
 
@@ -159,16 +161,24 @@ def _read_pickles(path: Path, world_size: int) -> Any:
     return metadata
 
 
-def _check_tensors(cfg: DictConfig, path: Path, metadata: Any, build_meta_model: Callable[..., Any]) -> None:
-    """Every model tensor of the checkpoint (its DCP ``metadata``) exists in the configured model,
-    with its shape."""
+def _check_tensors(cfg: DictConfig, path: Path, metadata: Any, build_meta_model: Callable[..., Any], *,
+                   legacy: bool = False) -> None:
+    """The checkpoint's model tensors (its DCP ``metadata``) are the ones the configured model
+    stores, with their shapes: none the model lacks, none it ties to another (a weight tied to
+    the embedding is stored once, under the embedding's name), none of its own missing.
+    ``legacy``: saved before checkpoints recorded their data position, when a pp=1 run still
+    stored a tied copy under both names."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from runner.models.units import tied_groups
 
     saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    model = {n: tuple(t.shape) for n, t in
-             build_meta_model(cfg.model, cfg.parallel.get("stage_modules")).module.state_dict(keep_vars=True).items()}
-    lacks = _by_module([n for n in saved if n not in model], model)
+    meta = build_meta_model(cfg.model, cfg.parallel.get("stage_modules")).module
+    copies = {name: names[0] for names in tied_groups(meta) for name in names[1:]}
+    model = {n: tuple(t.shape) for n, t in meta.state_dict(keep_vars=True).items() if n not in copies}
+    _check_ties(path, sorted(n for n in saved if n in copies), copies, legacy)
+    lacks = _by_module([n for n in saved if n not in model and n not in copies], model)
     shapes = [f"{n} {saved[n]} (the model's {model[n]})" for n in sorted(saved) if n in model and saved[n] != model[n]]
     if lacks or shapes:
         listed = ", ".join(f"{m} ({k} tensors)" if k > 1 else m for m, k in list(lacks.items())[:8])
@@ -177,6 +187,62 @@ def _check_tensors(cfg: DictConfig, path: Path, metadata: Any, build_meta_model:
         raise ConfigError(f"checkpoint.resume: {path} holds {found}; resuming would drop or mangle trained weights "
                           "and their optimizer state. Fix: the model config the checkpoint was trained with (the same "
                           "model.n_layers, model.dim, model.path, ...), or another checkpoint.")
+    missing = sorted(n for n in model if n not in saved)
+    if missing:  # DCP would fail on every rank, after the launch, naming the first alone
+        raise ConfigError(f"checkpoint.resume: {path} lacks {len(missing)} tensor{'s' if len(missing) > 1 else ''} the "
+                          "configured model has: "
+                          f"{', '.join(missing[:8])}{' …' if len(missing) > 8 else ''} (a checkpoint of a model whose "
+                          "head is tied to its embedding stores that weight once, under the embedding's name). Fix: "
+                          "the model config the checkpoint was trained with (the same model.tie_embeddings, or "
+                          "tie_word_embeddings for a Hugging Face model, model.n_layers, ...), or another checkpoint.")
+
+
+def _check_ties(path: Path, held: list[str], copies: dict[str, str], legacy: bool) -> None:
+    """Refuse a checkpoint holding, as weights of their own, parameters the configured model ties to
+    another (``copies``: tied name -> the name stored): a checkpoint of the untied model resumed
+    with tied embeddings. DCP loads the stored name alone, so the trained head was replaced by the
+    embedding without a word (a probe's loss went from 3.87 to 19.97 at the resume)."""
+    if not held:
+        return
+    pairs = ", ".join(f"{n} to {copies[n]}" for n in held[:4])
+    problem = (f"checkpoint.resume: {path} holds {', '.join(held[:4])} as a weight of its own, where the configured "
+               f"model ties {pairs} (model.tie_embeddings, or tie_word_embeddings for a Hugging Face model)")
+    if legacy:  # saved before pp=1 runs stored a tied copy once: the same values under both names
+        log.warning("%s; this checkpoint predates the runner's records of a run, so it may be a tied model's "
+                    "saved under both names: resuming with the tie, the stored %s replaces it", problem,
+                    copies[held[0]])
+        return
+    raise ConfigError(f"{problem}: resuming would replace the trained {held[0]} with {copies[held[0]]}. Fix: the "
+                      "checkpoint's untied model (model.tie_embeddings=false, or "
+                      "+model.config_overrides.tie_word_embeddings=false), or another checkpoint.")
+
+
+def _leaves(node: Any, prefix: str) -> dict[str, Any]:
+    """``node``'s values by dotted key (``model.config_overrides.rope_theta``)."""
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _leaves(value, f"{prefix}.{key}").items()}
+    return {prefix: node}
+
+
+def _warn_model_changes(cfg: DictConfig, path: Path) -> None:
+    """Warn where this run's ``model`` keys differ from those the checkpoint's run recorded: the
+    tensors' names and shapes are checked, not what the model computes from them (another
+    ``model.n_heads`` fits the same tensors, as do most of a Hugging Face model's
+    ``config_overrides``); a change can be meant (dropout for a second phase), so it is said, not refused."""
+    recorded = run_config(path)
+    model = recorded.get("model") if recorded is not None else None
+    try:
+        theirs = _leaves(OmegaConf.to_container(model, resolve=True), "model") if isinstance(model, DictConfig) else {}
+        mine = _leaves(OmegaConf.to_container(cfg.model, resolve=True), "model")
+    except OmegaConfBaseException:  # a recorded config this version cannot resolve: nothing to compare
+        return
+    # model.pretrained: a resumed run's weights are the checkpoint's whatever it says
+    changed = [f"{k}={theirs.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(theirs) | set(mine))
+               if theirs and theirs.get(k) != mine.get(k) and k != "model.pretrained"]
+    if changed:
+        log.warning("checkpoint.resume: %s was trained with other model settings (%s): its weights go into a model "
+                    "that may compute something else from them. Fix: the saving run's values, unless the change is "
+                    "meant.", path, "; ".join(changed))
 
 
 def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path,
@@ -189,7 +255,9 @@ def _checked_checkpoint(cfg: DictConfig, run_dir: Path, latest_root: Path,
     state = read_train_state(path)
     _check_tokenizer(cfg, path, state)
     _check_data_position(cfg, path, state, train_windows)
-    _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model)
+    _check_tensors(cfg, path, _read_pickles(path, state["world_size"]), build_meta_model,
+                   legacy="data_position" not in state)
+    _warn_model_changes(cfg, path)
     return path, state["step"]
 
 
