@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import logging
 import os
 from contextlib import nullcontext
@@ -149,6 +150,9 @@ def _drop_compiled() -> None:
     torch.compiler.reset()
 
 
+_launched: list[bool] = []  # whether this process launched a run before
+
+
 def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
            console: TextIO | None = None) -> dict | None:
     """Validate, run every rank to the end, and return the run's summary (None on torchrun
@@ -166,6 +170,9 @@ def launch(cfg: DictConfig, run_dir: Path, *, clock: StartupClock | None = None,
     threads = torch.get_num_threads()
     note_threads()
     torch.set_num_threads(1)
+    if _launched:  # an earlier run of this process left garbage in reference cycles: freed before the
+        gc.collect()  # ranks, forked or run here, count their peak memory from their setup (reset_peak_memory)
+    _launched.append(True)
     # The caller's CPU random generator is as it was after the launch (a one-rank run's GPU's too:
     # ``_train_here``): the run seeds its dropout from ``train.seed`` (``runner.train``), a resumed
     # one restores its checkpoint's state, and the checks draw, which made every random draw after
