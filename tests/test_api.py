@@ -183,6 +183,24 @@ def test_on_a_gpu_a_runs_peak_memory_starts_from_its_setup(monkeypatch):
     assert calls == [torch.device("cuda", 0)]
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_on_cuda_a_small_run_after_a_larger_one_in_the_same_process_reports_its_own_peak(tmp_path):
+    # The real allocator: a run of 4 layers of 512 first, then the tiny run, whose peak must be what
+    # the tiny run alone reports (it read the larger run's before the reset).
+    small = [*ONE, "device=cuda", "train.steps=2"]
+    alone = runner.run(small, run_dir=tmp_path / "alone")["peak_mem_bytes"][0]
+    big = runner.run([*small, "model.dim=512", "model.n_layers=4"], run_dir=tmp_path / "big")["peak_mem_bytes"][0]
+    after = runner.run(small, run_dir=tmp_path / "after")["peak_mem_bytes"][0]
+    assert big > 4 * alone and after == pytest.approx(alone, rel=0.05), (alone, big, after)
+    # and a generator the caller seeded is as it was (the run's own seeds the device's too)
+    torch.cuda.manual_seed(3)
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(3)
+    runner.run(small, run_dir=tmp_path / "seeded")
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.ppp=2"], r"Did you mean parallel\.pp\?"),
     (["train.steps=0"], r"train\.steps=0 must be at least 1"),
