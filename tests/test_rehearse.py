@@ -695,6 +695,18 @@ def test_the_composed_steps_mfu_counts_the_models_flops_as_the_planner_does_on_a
     assert step_mfu(cfg, resolved, 0.5, None) == {
         "mfu": None, "mfu_unknown": "the CPU's peak FLOP/s are not known (torch's datasheet table holds GPUs)"}
     assert step_mfu(cfg, resolved, 0.5, "Tesla T4")["mfu_unknown"] == "'Tesla T4' is not in torch's datasheet table"
+    # Model FLOPs are three times the forward's: torch's counter gives attention's backward its
+    # recomputed scores too, which at a long sequence (attention most of the work) read 12% high.
+    from runner.plan.roofline import lookup_peaks
+    from runner.plan.target import count_units
+
+    long = compose(*TINY, "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8", "train.seq_len=512")
+    at = validate(long, None)
+    counts = count_units(long, at.microbatch_size, lookup_peaks("NVIDIA H100"))
+    forward = sum(u.flops["F"] for u in counts.values())
+    passes = sum(sum(u.flops.values()) for u in counts.values())
+    assert step_mfu(long, at, 0.5, "NVIDIA H100")["model_flops"] == 4 * 3 * forward  # 4 microbatches, dp=1
+    assert passes > 1.1 * 3 * forward
 
 
 def test_a_gpus_name_finds_its_peaks_by_the_longest_table_name_it_begins_with():

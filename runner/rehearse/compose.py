@@ -161,14 +161,14 @@ def compose_step(resolved: ResolvedRun, ranks: Sequence[dict], *, latency_s: flo
 
 def step_mfu(cfg, resolved: ResolvedRun, step_s: float, device_name: str | None) -> dict[str, Any]:
     """The composed step's model FLOPs utilisation on ``device_name`` (the local GPU's name; None on
-    CPU): the model's F, I and W FLOPs for the step's batch (``runner.plan.target.count_units``, as
-    the planner counts them: the whole model, not a shard) over ``step_s`` x world size x the
-    device's dense peak in the run's precision. Unknown, and said why, where torch's table has no
-    peak for the device."""
+    CPU): the model's FLOPs for the step's batch (``runner.plan.target.model_flops``: three times the
+    forward's, counted as the planner counts them, the whole model, not a shard) over ``step_s`` x
+    world size x the device's dense peak in the run's precision. Unknown, and said why, where
+    torch's table has no peak for the device."""
     import torch
 
     from runner.plan.roofline import lookup_peaks
-    from runner.plan.target import count_units
+    from runner.plan.target import count_units, model_flops
 
     peaks = lookup_peaks(device_name) if device_name else None
     if peaks is None:
@@ -177,7 +177,7 @@ def step_mfu(cfg, resolved: ResolvedRun, step_s: float, device_name: str | None)
         return {"mfu": None, "mfu_unknown": why}
     counts = count_units(cfg, resolved.microbatch_size, peaks,
                          cast_params=resolved.dp_mode == "fsdp" and resolved.train.precision == "bf16")
-    flops = resolved.dp * resolved.layout.microbatches * sum(sum(u.flops.values()) for u in counts.values())
+    flops = resolved.dp * resolved.layout.microbatches * model_flops(counts)
     dtype = torch.bfloat16 if resolved.train.precision == "bf16" else torch.float32
     return {"mfu": flops / (step_s * resolved.world_size * peaks.peak(dtype)), "model_flops": flops,
             "peak_flops": peaks.peak(dtype), "peak_of": peaks.name}
